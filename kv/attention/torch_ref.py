@@ -1,0 +1,77 @@
+"""Reference paged attention in plain torch: correct everywhere, fast enough for the CPU.
+
+Decode sequences (one query each) are batched into one padded SDPA call over K/V gathered through
+their block tables; prefill chunks run one sequence at a time with an offset causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kv.attention.base import AttentionBackend, AttentionMetadata
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[seq_len, num_kv_heads, head_dim]`` of one sequence, read through its block table."""
+    block_size = kv_cache.shape[2]
+    nb = -(-seq_len // block_size)
+    kv = kv_cache[:, block_table[:nb].long()]  # [2, nb, bs, H, D]
+    kv = kv.reshape(2, nb * block_size, kv.shape[-2], kv.shape[-1])[:, :seq_len]
+    return kv[0], kv[1]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        decode_rows = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        if len(decode_rows) > 1:
+            self._decode_batch(query, kv_cache, meta, scale, decode_rows, out)
+            done = set(decode_rows)
+        else:
+            done = set()
+        for i in range(meta.num_seqs):
+            if i in done:
+                continue
+            s, e = qsl[i], qsl[i + 1]
+            out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale)
+        return out
+
+    @staticmethod
+    def _one_seq(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float):
+        k, v = gather_kv(kv_cache, block_table, seq_len)
+        nq = q.shape[0]
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+        if nq == seq_len:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # query j sits at position seq_len - nq + j and may see keys 0..that position
+            qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+    @staticmethod
+    def _decode_batch(query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], out) -> None:
+        block_size = kv_cache.shape[2]
+        lens = [meta.seq_lens_host[i] for i in rows]
+        max_len = max(lens)
+        nb = -(-max_len // block_size)
+        idx = torch.tensor(rows, device=query.device)
+        tables = meta.block_tables[idx, :nb].long()  # [B, nb]
+        kv = kv_cache[:, tables]  # [2, B, nb, bs, H, D]
+        b = len(rows)
+        kv = kv.reshape(2, b, nb * block_size, kv.shape[-2], kv.shape[-1])[:, :, :max_len]
+        k = kv[0].transpose(1, 2).to(query.dtype)  # [B, H, L, D]
+        v = kv[1].transpose(1, 2).to(query.dtype)
+        seq_lens = torch.tensor(lens, device=query.device)
+        mask = (torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None])[:, None, None, :]
+        rows_q = meta.query_start_loc[idx].long()
+        q = query[rows_q].unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows_q] = o.squeeze(2)

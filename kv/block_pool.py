@@ -1,0 +1,147 @@
+"""Physical KV blocks, their refcounts, and the LRU free queue that doubles as the prefix cache.
+
+A block is in exactly one of two states: referenced (``ref_cnt > 0``, owned by one or more block
+tables) or free (``ref_cnt == 0``, in the free queue). A free block may still carry a hash: its KV is
+valid and a later request with the same prefix can take it back out of the queue in O(1) (a prefix
+hit). Fresh blocks are taken from the queue's head, the least recently freed, and only then lose
+their hash (eviction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kv.prefix_cache import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    # The tokens whose KV this block holds, kept only once hashed (for collision checks).
+    token_ids: tuple[int, ...] | None = None
+    prev: KVBlock | None = field(default=None, repr=False)
+    next: KVBlock | None = field(default=None, repr=False)
+    in_free_queue: bool = False
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: O(1) append, pop from the head, and removal anywhere."""
+
+    def __init__(self, blocks: Iterable[KVBlock]) -> None:
+        self.head: KVBlock | None = None
+        self.tail: KVBlock | None = None
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        assert not block.in_free_queue
+        block.prev, block.next = self.tail, None
+        if self.tail is None:
+            self.head = block
+        else:
+            self.tail.next = block
+        self.tail = block
+        block.in_free_queue = True
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.in_free_queue
+        if block.prev is None:
+            self.head = block.next
+        else:
+            block.prev.next = block.next
+        if block.next is None:
+            self.tail = block.prev
+        else:
+            block.next.prev = block.prev
+        block.prev = block.next = None
+        block.in_free_queue = False
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        if self.head is None:
+            raise RuntimeError("no free KV blocks")
+        block = self.head
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        b = self.head
+        while b is not None:
+            yield b
+            b = b.next
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference, cached or not: all can be handed out."""
+        return self.free_queue.num_free
+
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        if n > self.free_queue.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.free_queue.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+
+    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:
+            return None
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on blocks found in the cache (reviving them from the free queue)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        # A block with the same content may already be cached (two requests computed the same prefix
+        # concurrently); keep the first, this one stays usable by its owner and is evicted normally.
+        self.cached.setdefault(block_hash, block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in eviction order (first freed = first evicted)."""
+        for block in ordered_blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed twice"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None or not self.enable_caching:
+                    self._evict(block)
+                self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_cnt == 0:
+                self._evict(block)
