@@ -113,12 +113,7 @@ class KVCacheManager:
         num_new_blocks = max(0, cdiv(total, bs) - len(blocks) - len(computed))
         # Copy-on-write: the block the first new token lands in is shared and only partly written.
         cow_index = start // bs
-        needs_cow = (
-            not computed
-            and num_new_tokens > 0
-            and cow_index < len(blocks)
-            and blocks[cow_index].ref_cnt > 1
-        )
+        needs_cow = not computed and num_new_tokens > 0 and cow_index < len(blocks) and blocks[cow_index].ref_cnt > 1
         revived = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks + int(needs_cow) + revived > self.pool.num_free_blocks:
             return None

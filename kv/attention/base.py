@@ -68,7 +68,5 @@ def allocate_kv_cache(
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
-def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
+def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

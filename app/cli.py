@@ -1,0 +1,97 @@
+"""The `sluice` command: generate, serve, bench, chat, cache-sim, train-draft, ..."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import fields
+
+from core.args import EngineArgs
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every EngineArgs field as a --flag (underscores become dashes)."""
+    for f in fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        elif default is None or isinstance(default, str):
+            p.add_argument(flag, default=default, type=_optional(f.type))
+        else:
+            p.add_argument(flag, default=default, type=type(default))
+
+
+def _optional(type_name) -> callable:
+    t = str(type_name)
+    if "int" in t:
+        return int
+    if "float" in t:
+        return float
+    return str
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from core import LLM, SamplingParams
+
+    llm = LLM(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
+    if ns.messages_file:
+        with open(ns.messages_file) as fh:
+            messages = json.load(fh)
+        outs = llm.chat([messages], params)
+    else:
+        outs = llm.generate([ns.prompt], params)
+    for o in outs:
+        print(o.text)
+    llm.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt or one conversation")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a plain text prompt")
+    src.add_argument("--messages-file", help="a JSON file with a list of chat messages")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    for register in _subcommand_modules():
+        register(sub)
+    return parser
+
+
+def _subcommand_modules():
+    """Subcommands that live beside their subject (server, benchmarks, ...) register themselves."""
+    import importlib
+
+    for name in ("app.server_cli", "app.bench.cli", "app.cache_sim", "spec.train_cli"):
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        yield mod.register
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Engine configuration: one dataclass, resolved against the model and the device at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from core.errors import InvalidRequestError
+from core.models.registry import DEFAULT_MODEL
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    dtype: str = "auto"  # "auto" = float32 on the CPU, bfloat16 on the GPU
+    max_model_len: int | None = None  # None = the model's own limit, capped at 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = sized from memory
+    cpu_kv_cache_gib: float = 2.0  # CPU: memory for the KV pool when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_waiting_requests: int = 1024
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = False
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(param: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param}: {msg}", param=param)
+
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise bad("device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise bad("dtype", f"must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise bad("block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise InvalidRequestError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidRequestError("device: cuda requested but no GPU is available", param="device")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

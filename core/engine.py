@@ -1,0 +1,228 @@
+"""AsyncEngine (the embeddable async API) and LLM (the sync offline API over the same engine).
+
+`AsyncEngine` wires the actors into one task group: a SchedulerActor, an ExecutorActor, and one
+RequestActor per `generate()` call (running in the caller's task). They share nothing mutable and
+talk only over bounded anyio memory streams.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+
+from core.args import EngineArgs
+from core.errors import EngineDeadError, InvalidRequestError, SluiceError
+from core.executor import ExecutorActor
+from core.models.loader import ModelSource, resolve_model
+from core.outputs import RequestOutput
+from core.request_actor import RequestLimits, run_request
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler, SchedulerConfig
+from core.scheduler_actor import EngineStats, SchedulerActor
+from core.tokenizer import apply_chat_template, load_tokenizer
+from kv.manager import KVCacheManager
+
+logger = logging.getLogger("sluice")
+
+Prompt = str | list[int] | list[dict]
+
+
+class AsyncEngine:
+    """``async with AsyncEngine(EngineArgs(...)) as engine: async for out in engine.generate(...)``."""
+
+    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+        self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncEngine:
+        await anyio.to_thread.run_sync(self._load)
+        self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
+        steps_send, steps_recv = anyio.create_memory_object_stream(1)
+        results_send, results_recv = anyio.create_memory_object_stream(1)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._executor.run, steps_recv, results_send)
+        self._tg.start_soon(self._scheduler_actor.run, inbox_recv, steps_send, results_recv)
+        return self
+
+    async def __aexit__(self, *exc) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        result = await self._tg.__aexit__(*exc)
+        self._tg = None
+        return result
+
+    def _load(self) -> None:
+        from core.model_runner import ModelRunner  # torch-heavy; keep `import core` light
+
+        source: ModelSource = resolve_model(self.args.model)
+        self.source = source
+        self.model_name = self.args.served_model_name or source.name
+        self.tokenizer = load_tokenizer(source.tokenizer_dir)
+        cfg = source.config
+        limit = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
+        if self.args.max_model_len is not None and self.args.max_model_len > limit:
+            raise InvalidRequestError(
+                f"max_model_len: {self.args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
+            )
+        self.max_model_len = self.args.max_model_len or min(limit, 8192)
+        runner = ModelRunner(self.args, source, self.max_model_len)
+        self._executor = ExecutorActor(runner)
+        kv = KVCacheManager(runner.num_kv_blocks, self.args.block_size, self.args.enable_prefix_caching)
+        self._scheduler_actor = SchedulerActor(
+            Scheduler(
+                SchedulerConfig(
+                    max_num_seqs=self.args.max_num_seqs,
+                    max_num_batched_tokens=self.args.max_num_batched_tokens,
+                    max_model_len=self.max_model_len,
+                    max_waiting_requests=self.args.max_waiting_requests,
+                ),
+                kv,
+            )
+        )
+        self._limits = RequestLimits(self.max_model_len, cfg.vocab_size, runner.num_kv_blocks * self.args.block_size)
+        self._eos = tuple(source.eos_token_ids)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt: must not be empty", param="prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return apply_chat_template(self.tokenizer, prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise InvalidRequestError(
+            "prompt: must be a string, a list of token ids, or a list of messages", param="prompt"
+        )
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request: a string, token ids, or chat messages (chat template applied)."""
+        if self._tg is None:
+            raise SluiceError("engine is not running: use `async with AsyncEngine(...) as engine`")
+        if self._scheduler_actor.dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._scheduler_actor.dead}")
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize_prompt(prompt)
+        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        async for out in run_request(
+            request_id, prompt_ids, params, self._eos, self._limits, self.tokenizer, self._inbox_send
+        ):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (all its sequences); unknown or finished ids are ignored."""
+        from core.request import AbortRequest
+
+        await self._inbox_send.send(AbortRequest(request_id))
+        for i in range(64):
+            if f"{request_id}#{i}" not in self._scheduler_actor.streams:
+                break
+            await self._inbox_send.send(AbortRequest(f"{request_id}#{i}"))
+
+    def stats(self) -> EngineStats:
+        return self._scheduler_actor.stats
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._tg is not None and self._scheduler_actor.dead is None
+
+
+class LLM:
+    """Sync offline API: ``LLM(model=...).generate(prompts, params)``. Runs an `AsyncEngine` on a
+    private event loop in a background thread; takes the same keyword arguments as `EngineArgs`."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model"] = model
+        self.engine = AsyncEngine(EngineArgs.from_kwargs(**kwargs))
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        try:
+            self._engine_cm = self._portal.wrap_async_context_manager(self.engine)
+            self._engine_cm.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def close(self) -> None:
+        if self._engine_cm is not None:
+            self._engine_cm.__exit__(None, None, None)
+            self._portal_cm.__exit__(None, None, None)
+            self._engine_cm = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Final outputs in prompt order (with ``n > 1``, the n sequences of each prompt in turn)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params, use_tqdm)
+
+    def chat(
+        self,
+        conversations: Sequence[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run(list(conversations), params, use_tqdm)
+
+    def _run(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError("params: one SamplingParams per prompt, or a single one", param="params")
+        return self._portal.call(self._generate_all, prompts, params_list, use_tqdm)
+
+    async def _generate_all(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool):
+        from tqdm.auto import tqdm
+
+        # Validate everything first, so bad input raises before any request runs.
+        ids = [self.engine.tokenize_prompt(p) for p in prompts]
+        results: list[list[RequestOutput | None]] = [[None] * p.n for p in params_list]
+        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2)
+
+        async def one(i: int) -> None:
+            async for out in self.engine.generate(ids[i], params_list[i], request_id=f"llm-{i}"):
+                if out.finished:
+                    results[i][out.index] = out
+            bar.update(1)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        bar.close()
+        return [o for per in results for o in per]

@@ -1,0 +1,1 @@
+"""Model code: layers, the Llama family, the registry and weight loading."""

@@ -1,0 +1,95 @@
+"""Building blocks shared by the model families; all run on a flattened token batch ``[num_tokens, ...]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What attention layers need besides activations: where the KV lives and how to read it."""
+
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    backend: AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With ``residual``: returns ``(norm(x + residual), x + residual)`` (the pre-norm residual stream)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a precomputed cos/sin table indexed by position.
+
+    The inverse frequencies come from transformers' own rope functions, so every rope type its
+    configs name (llama3 scaling, linear, yarn, ...) means here what it means there.
+    """
+
+    def __init__(self, config, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        params = _rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r}")
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        t = torch.arange(max_position, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q ``[T, Hq, D]``, k ``[T, Hk, D]``; rotated in the input dtype, as transformers does."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope_parameters(config) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    # transformers 4.x configs
+    out = dict(getattr(config, "rope_scaling", None) or {})
+    if "type" in out and "rope_type" not in out:
+        out["rope_type"] = out.pop("type")
+    out.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return out

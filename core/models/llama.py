@@ -1,0 +1,187 @@
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama; Qwen2 = Llama + qkv bias) on a flattened batch.
+
+Checkpoint names map onto merged projections: ``q/k/v_proj`` -> ``qkv_proj`` and ``gate/up_proj`` ->
+``gate_up_proj``, one matmul each instead of three and two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from core.errors import ModelLoadError
+from core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, SiluAndMul
+
+# checkpoint suffix -> (our suffix, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.layer_idx = layer_idx
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        # shard sizes along dim 0 of qkv_proj, in _STACKED order
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping)
+        o = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        h, m = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = nn.Linear(h, 2 * m, bias=False)
+        self.down_proj = nn.Linear(m, h, bias=False)
+        self.act = SiluAndMul()
+        self.shard_sizes = (m, m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, positions, rotary, ctx):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+
+    def __init__(self, config, max_position: int) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        head_dim = self.model.layers[0].self_attn.head_dim
+        self.rotary = RotaryEmbedding(config, head_dim, max_position)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final (normed) hidden states ``[num_tokens, hidden]`` of a flattened batch."""
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, positions, self.rotary, ctx)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the merged parameters; fail on anything missing or unexpected."""
+        params = dict(self.named_parameters())
+        # (param name, shard) pairs still to be filled
+        pending: set[tuple[str, int]] = set()
+        for name, _p in params.items():
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
+                shards = self.get_submodule(name.rsplit(".", 2)[0]).shard_sizes
+                pending.update((name, i) for i in range(len(shards)))
+            else:
+                pending.add((name, -1))
+        unexpected: list[str] = []
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if ckpt_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = ckpt_name, -1
+            for old, (new, idx) in _STACKED.items():
+                if f".{old}." in ckpt_name:
+                    target, shard = ckpt_name.replace(f".{old}.", f".{new}."), idx
+                    break
+            param = params.get(target)
+            if param is None:
+                unexpected.append(ckpt_name)
+                continue
+            with torch.no_grad():
+                if shard < 0:
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ModelLoadError(
+                            f"weight {ckpt_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                else:
+                    owner = self.get_submodule(target.rsplit(".", 2)[0])
+                    sizes = owner.shard_sizes
+                    start = sum(sizes[:shard])
+                    dst = param.narrow(0, start, sizes[shard])
+                    if tuple(dst.shape) != tuple(tensor.shape):
+                        raise ModelLoadError(
+                            f"weight {ckpt_name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}"
+                        )
+                    dst.copy_(tensor)
+            pending.discard((target, shard))
+        if unexpected:
+            raise ModelLoadError(f"unexpected weights in checkpoint: {', '.join(sorted(unexpected)[:8])}")
+        if pending:
+            missing = sorted({n for n, _ in pending})
+            raise ModelLoadError(f"missing weights in checkpoint: {', '.join(missing[:8])}")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True

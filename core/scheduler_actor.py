@@ -1,0 +1,190 @@
+"""SchedulerActor: the loop around `Scheduler` that moves messages in and out.
+
+Two tasks share the actor's state (cooperatively, on one thread): the inbox task admits and aborts
+requests at once, even while a step runs; the step loop sends one `SchedulerOutput` at a time to the
+executor and routes the resulting `TokenEvent`s to each request's own stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from core.errors import EngineDeadError, EngineOverloaded
+from core.request import AbortRequest, AddRequest, Request, TokenEvent
+from core.scheduler import ModelOutput, Scheduler, SchedulerOutput
+
+logger = logging.getLogger("sluice")
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens
+    prefix_cache_hits: int = 0  # tokens
+    num_steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    healthy: bool = True
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class SchedulerActor:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.streams: dict[str, ObjectSendStream[TokenEvent]] = {}
+        self._wakeup = anyio.Event()
+        self.dead: Exception | None = None
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.stats = EngineStats()
+        self._publish()
+
+    def _publish(self) -> None:
+        s, kv = self.scheduler, self.scheduler.kv
+        self.stats = EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_steps=s.step_id,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            healthy=self.dead is None,
+        )
+
+    async def run(
+        self,
+        inbox: ObjectReceiveStream[AddRequest | AbortRequest],
+        steps: ObjectSendStream[SchedulerOutput],
+        results: ObjectReceiveStream[ModelOutput],
+    ) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._inbox_loop, inbox)
+            await self._step_loop(steps, results)
+            tg.cancel_scope.cancel()
+
+    # -- inbox -------------------------------------------------------------------------------------
+    async def _inbox_loop(self, inbox: ObjectReceiveStream[AddRequest | AbortRequest]) -> None:
+        async with inbox:
+            async for msg in inbox:
+                if isinstance(msg, AddRequest):
+                    self._add(msg)
+                else:
+                    self._abort(msg.request_id)
+                self._publish()
+
+    def _add(self, msg: AddRequest) -> None:
+        s = self.scheduler
+        if self.dead is not None:
+            msg.events.send_nowait(
+                TokenEvent(
+                    msg.requests[0].request_id,
+                    [],
+                    finish_reason="abort",
+                    error=EngineDeadError(f"engine is dead: {self.dead}"),
+                )
+            )
+            return
+        if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
+            msg.events.send_nowait(
+                TokenEvent(
+                    msg.requests[0].request_id,
+                    [],
+                    finish_reason="abort",
+                    error=EngineOverloaded(
+                        f"engine overloaded: {len(s.waiting)} requests waiting (max_waiting_requests="
+                        f"{s.config.max_waiting_requests})"
+                    ),
+                )
+            )
+            return
+        for req in msg.requests:
+            self.streams[req.request_id] = msg.events
+            s.add_request(req)
+            self.prompt_tokens += req.num_prompt_tokens
+        msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
+        self._wakeup.set()
+
+    def _abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self._deliver(TokenEvent(request_id, [], finish_reason="abort"))
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        stream = self.streams.get(ev.request_id)
+        if stream is None:
+            return
+        try:
+            stream.send_nowait(ev)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
+            pass  # the caller is gone; its Abort is on the way
+        if ev.finish_reason is not None:
+            del self.streams[ev.request_id]
+
+    # -- steps -------------------------------------------------------------------------------------
+    async def _step_loop(self, steps: ObjectSendStream[SchedulerOutput], results: ObjectReceiveStream[ModelOutput]):
+        s = self.scheduler
+        async with steps, results:
+            while True:
+                if not s.has_work() or self.dead is not None:
+                    self._publish()
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
+                    continue
+                so = s.schedule()
+                if not so.requests:
+                    self._fail_unschedulable()
+                    continue
+                await steps.send(so)
+                out = await results.receive()
+                events = s.update_from_output(so, out)
+                for ev in events:
+                    self.generation_tokens += len(ev.token_ids)
+                    self._deliver(ev)
+                if out.fatal:
+                    self._die(out.error)
+                self._publish()
+
+    def _fail_unschedulable(self) -> None:
+        """Nothing fits although the pool is as free as it gets: the head request can never run."""
+        s = self.scheduler
+        if s.running or not s.waiting:
+            return
+        req: Request = s.waiting[0]
+        s.abort(req.request_id)
+        self._deliver(
+            TokenEvent(
+                req.request_id,
+                [],
+                finish_reason="abort",
+                error=RuntimeError(
+                    f"request {req.request_id} needs more KV blocks than the pool has ({s.kv.num_blocks})"
+                ),
+            )
+        )
+
+    def _die(self, error: Exception | None) -> None:
+        self.dead = error or RuntimeError("engine failed")
+        logger.error("engine is dead: %s", self.dead)
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
+            self._deliver(
+                TokenEvent(rid, [], finish_reason="abort", error=EngineDeadError(f"engine failed: {self.dead}"))
+            )

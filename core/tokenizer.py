@@ -1,0 +1,85 @@
+"""Tokenizer loading, chat templates, and incremental detokenization."""
+
+from __future__ import annotations
+
+from core.errors import InvalidRequestError
+
+
+def load_tokenizer(tokenizer_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages: must be a non-empty list", param="messages")
+    norm = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+            raise InvalidRequestError(
+                f"messages[{i}]: needs a role of system, user or assistant", param=f"messages[{i}].role"
+            )
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI text parts
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(
+                        f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise InvalidRequestError(
+                f"messages[{i}].content: must be a string or a list of text parts", param=f"messages[{i}].content"
+            )
+        role = "system" if m["role"] == "developer" else m["role"]
+        norm.append({"role": role, "content": content})
+    ids = tokenizer.apply_chat_template(norm, tokenize=True, add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas whose concatenation is the final text.
+
+    Decoding tokens one at a time breaks words (SentencePiece spaces) and multi-byte characters split
+    across tokens. So it decodes a short window ``tokens[prefix_offset:]`` and emits what extends the
+    already-emitted text of ``tokens[prefix_offset:read_offset]``; a window ending in U+FFFD (an
+    incomplete UTF-8 sequence) emits nothing until the next token completes it.
+    """
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.vocab_size = len(tokenizer)
+        self.token_ids: list[int] = []
+        # Start the window a few prompt tokens back so the first output token decodes in context.
+        self.context = [t for t in prompt_token_ids[-5:] if t < self.vocab_size]
+        self.prefix_offset = 0
+        self.read_offset = len(self.context)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_token_ids: list[int]) -> str:
+        delta = ""
+        for t in new_token_ids:
+            self.token_ids.append(t)
+            if t >= self.vocab_size:
+                continue  # ids past the tokenizer (random-weight models) carry no text
+            self.context.append(t)
+            prefix = self._decode(self.context[self.prefix_offset : self.read_offset])
+            full = self._decode(self.context[self.prefix_offset :])
+            if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                piece = full[len(prefix) :]
+                delta += piece
+                self.prefix_offset = self.read_offset
+                self.read_offset = len(self.context)
+        self.text += delta
+        return delta
