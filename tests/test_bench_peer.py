@@ -1,0 +1,79 @@
+import json
+
+import pytest
+import torch
+
+from app.bench.datasets import BenchRequest, sample_random
+from app.bench.hf_peer import (
+    DUMMY_SHAPES,
+    PeerResult,
+    load_hf_model,
+    run_hf_continuous_batching,
+    run_hf_generate,
+)
+from app.bench.results import format_table, machine_info, versions, write_result
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return load_hf_model("dummy:tiny", device="cpu", dtype=torch.float32)
+
+
+def _requests() -> list[BenchRequest]:
+    """Four requests with different prompt and forced output lengths."""
+    shapes = [(12, 8), (5, 3), (20, 13), (9, 1)]
+    return [
+        BenchRequest(
+            prompt_token_ids=sample_random(1, n_in, n_out, 49152, seed=i)[0].prompt_token_ids,
+            output_len=n_out,
+        )
+        for i, (n_in, n_out) in enumerate(shapes)
+    ]
+
+
+def test_dummy_model_is_deterministic(tiny_model):
+    cfg = tiny_model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (64, 2, 49152)
+    assert tiny_model.lm_head.weight is tiny_model.model.embed_tokens.weight  # tied
+    again = load_hf_model("dummy:tiny")
+    for (name, a), (_, b) in zip(tiny_model.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    std = tiny_model.model.embed_tokens.weight.std().item()
+    assert 0.018 < std < 0.022
+    assert set(DUMMY_SHAPES) >= {"llama3-8b", "smollm2-135m", "tiny"}
+
+
+def test_hf_continuous_batching_forced_lengths(tiny_model):
+    reqs = _requests()
+    res = run_hf_continuous_batching(tiny_model, reqs, timeout_s=120)
+    assert isinstance(res, PeerResult)
+    assert (res.num_requests, res.num_finished) == (4, 4)
+    assert res.output_lens == [r.output_len for r in reqs]
+    assert res.output_tokens == sum(r.output_len for r in reqs)
+    assert res.prompt_tokens == sum(len(r.prompt_token_ids) for r in reqs)
+    assert res.elapsed_s > 0 and res.output_tokens_per_s > 0
+    assert res.total_tokens_per_s > res.output_tokens_per_s
+
+
+def test_hf_generate_forced_lengths(tiny_model):
+    reqs = _requests()
+    res = run_hf_generate(tiny_model, reqs, batch_size=2)
+    assert res.num_finished == 4 and res.output_lens == [r.output_len for r in reqs]
+
+
+def test_write_result_and_table(tmp_path):
+    res = PeerResult.build("peer", _requests(), [8, 3, 13, 1], [True] * 4, 2.0)
+    rec = write_result(
+        tmp_path / "sub" / "r.json", "sluice bench x", "dummy:tiny", {"name": "random"}, res.figures()
+    )
+    on_disk = json.loads((tmp_path / "sub" / "r.json").read_text())
+    assert on_disk == json.loads(json.dumps(rec))
+    for key in ("command", "machine", "versions", "date", "model", "dataset", "output_tokens_per_s"):
+        assert key in on_disk
+    assert on_disk["output_tokens"] == 25 and on_disk["output_tokens_per_s"] == 12.5
+    assert on_disk["date"].endswith("+00:00")
+    with pytest.raises(ValueError):
+        write_result(tmp_path / "bad.json", "c", "m", "d", {"model": 1})
+    assert machine_info()["cores"] >= 1 and versions()["sluice"] == "0.1.0"
+    table = format_table([{"name": "a", "tok/s": 1.5}, {"name": "bb", "tok/s": 123.25}]).splitlines()
+    assert len(table) == 4 and len({len(line) for line in table[1:]}) == 1
