@@ -1,0 +1,79 @@
+"""Paged attention through the Triton kernels of `kv/attention/triton_kernels.py`.
+
+Pure decode batches (``max_query_len == 1``) take the split-K decode kernel; everything else (prefill,
+chunked prefill, prefill mixed with decode rows) the prefill kernel. ``forward`` never syncs the device:
+grid sizes come from ``meta.num_seqs``, ``meta.max_query_len`` and ``meta.max_seq_len`` (host values).
+
+CUDA graphs (decode): the grid is ``(num_seqs, num_kv_heads, num_splits)`` and ``num_splits`` depends only
+on ``num_seqs`` and ``meta.max_seq_len`` rounded up to a power of two, so capture with the largest context
+the graph must serve; the split count is correct for every shorter context (empty splits are no-ops), it
+only stops being the best one. Query row ``i`` of a decode batch is read at ``query_start_loc[i]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kv.attention import triton_kernels as tk
+from kv.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(
+        self,
+        decode_num_splits: int | None = None,
+        min_tokens_per_split: int = 256,
+        max_splits: int = 32,
+        num_sms: int | None = None,
+    ) -> None:
+        self.decode_num_splits = decode_num_splits  # fixed split count; None = heuristic below
+        self.min_tokens_per_split = min_tokens_per_split
+        self.max_splits = max_splits
+        self._num_sms = num_sms
+
+    def num_sms(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            if device.type == "cuda":
+                self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self._num_sms = 132  # H100/H200; only matters for the interpreter's split choice
+        return self._num_sms
+
+    def decode_splits(self, max_seq_len: int, num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+        """Split count from static bounds only: enough programs to fill the GPU ~4x over, each split
+        at least ``min_tokens_per_split`` keys of the bucketed context, a power of two, <= ``max_splits``."""
+        if self.decode_num_splits is not None:
+            return self.decode_num_splits
+        bucket = triton.next_power_of_2(max(max_seq_len, 1))
+        by_len = max(1, bucket // self.min_tokens_per_split)
+        by_occupancy = max(1, triton.cdiv(4 * self.num_sms(device), max(1, num_seqs * num_kv_heads)))
+        splits = max(1, min(by_len, by_occupancy, self.max_splits))
+        return 1 << (splits.bit_length() - 1)  # round down to a power of two: few kernel variants
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        tk.write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        num_seqs = meta.num_seqs
+        if num_seqs == 0 or query.shape[0] == 0:
+            return out
+        if meta.max_query_len == 1:
+            splits = self.decode_splits(meta.max_seq_len, num_seqs, kv_cache.shape[3], query.device)
+            tk.paged_decode(
+                query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
+                num_seqs, splits,
+            )  # fmt: skip
+        else:
+            tk.paged_prefill(
+                query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
+                num_seqs, meta.max_query_len,
+            )  # fmt: skip
+        return out

@@ -1,0 +1,490 @@
+"""Triton kernels for paged attention over the KV layout of `kv/attention/base.py`.
+
+Cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V). Keys are read
+token by token through the block table (``block_tables[seq, pos // block_size]``), so a tile of
+``BLOCK_N`` keys may span several (shuffled) physical blocks and ``BLOCK_N`` need not equal the block size.
+
+* ``_kv_write_kernel``: one program per token, stores its K and V at ``slot_mapping[t]`` (``-1`` = skip).
+* ``_decode_kernel`` + ``_decode_reduce_kernel``: one query per sequence. A program owns one
+  (sequence, KV head, split) and all ``GROUP`` query heads that share that KV head (padded to 16 rows for
+  ``tl.dot``). The context is cut into ``NUM_SPLITS`` equal ranges (flash-decoding); each program writes
+  its unnormalised partial output and its (max, sum) in the log2 domain, and the reduce kernel merges them.
+  With ``NUM_SPLITS == 1`` the decode kernel writes the final output itself. Any split count is correct
+  for any sequence length (empty splits contribute nothing), so a CUDA graph captured with one count
+  stays valid for every shorter context.
+* ``_prefill_kernel``: several queries per sequence (prefill, chunked prefill, or q=1 rows in a mixed
+  batch). A program owns (sequence, tile of queries, KV head); its ``BLOCK_M`` rows are (query, head of
+  the GQA group) pairs, so K/V tiles are loaded once per group. Keys every query of the tile can see are
+  processed without a mask, the causal tail with one.
+
+Softmax runs online in fp32 with ``exp2`` (the scale is pre-multiplied by log2(e)); inputs may be fp32,
+fp16 or bf16. ``DOT_F32`` upcasts the ``tl.dot`` operands to fp32: the Triton interpreter (CPU) multiplies
+bf16 tensors as raw integers, so the wrappers set it for bf16 on the CPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _kv_write_kernel(
+    key_ptr,
+    value_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c_kv,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+    k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    dst = (
+        cache_ptr
+        + blk * stride_c_blk
+        + off * stride_c_tok
+        + offs_h[:, None] * stride_c_head
+        + offs_d[None, :]
+    )
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,
+    bt_ptr,
+    pos,
+    load_mask,
+    offs_d,
+    dmask,
+    stride_c_kv,
+    stride_c_blk,
+    stride_c_tok,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """K and V ``[BLOCK_N, BLOCK_D]`` of the context positions ``pos`` (``cache_ptr`` at the KV head)."""
+    phys = tl.load(bt_ptr + pos // BLOCK_SIZE, mask=load_mask, other=0).to(tl.int64)
+    tok = phys * stride_c_blk + (pos % BLOCK_SIZE).to(tl.int64) * stride_c_tok
+    ptrs = cache_ptr + tok[:, None] + offs_d[None, :]
+    m = load_mask[:, None] & dmask[None, :]
+    k = tl.load(ptrs, mask=m, other=0.0)
+    v = tl.load(ptrs + stride_c_kv, mask=m, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_c_kv,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt,
+    num_heads,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    row = tl.load(qsl_ptr + seq).to(tl.int64)
+
+    # Equal ranges of whole key tiles; trailing splits of a short sequence are empty.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    hmask = offs_h < GROUP
+    dmask = offs_d < head_dim
+    heads = kvh * GROUP + offs_h
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
+    for t0 in range(start, end, BLOCK_N):
+        pos = t0 + offs_n
+        nmask = pos < end
+        k, v = _load_kv_tile(
+            head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
+        )
+        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=hmask[:, None] & dmask[None, :],
+        )
+    else:
+        # partials are contiguous [num_seqs, num_heads, NUM_SPLITS] (+ [head_dim] for acc)
+        idx = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + idx, m_i, mask=hmask)
+        tl.store(part_l_ptr + idx, l_i, mask=hmask)
+        tl.store(
+            part_acc_ptr + idx[:, None] * head_dim + offs_d[None, :],
+            acc,
+            mask=hmask[:, None] & dmask[None, :],
+        )
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    qsl_ptr,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(qsl_ptr + seq).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    dmask = offs_d < head_dim
+    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_m_ptr + base + offs_s, mask=smask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + base + offs_s, mask=smask, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: all weights 0, output 0
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * l_s, 0)
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(
+        out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=dmask
+    )
+
+
+@triton.jit
+def _attend_range(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    head_base,
+    bt,
+    lo,
+    hi,
+    offs_n,
+    offs_d,
+    dmask,
+    scale_log2,
+    stride_c_kv,
+    stride_c_blk,
+    stride_c_tok,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax pass over keys ``[lo, hi)``; ``CAUSAL`` masks key > query position and key >= hi."""
+    for t0 in range(lo, hi, BLOCK_N):
+        pos = t0 + offs_n
+        if CAUSAL:
+            nmask = pos < hi
+        else:
+            nmask = offs_n < BLOCK_N  # the whole tile is in range
+        k, v = _load_kv_tile(
+            head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
+        )
+        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        if CAUSAL:
+            qk = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_c_kv,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    stride_bt,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    qtile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if qtile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # tokens before this step's first query
+
+    # row r of the tile = (query qtile*BLOCK_Q + r // GROUP, query head kvh*GROUP + r % GROUP)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q_local = qtile * BLOCK_Q + offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    row_mask = (offs_m < BLOCK_Q * GROUP) & (q_local < q_len)
+    dmask = offs_d < head_dim
+    q_pos = ctx + q_local
+    rows = (q_start + q_local).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_mask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+
+    first_pos = ctx + qtile * BLOCK_Q  # smallest query position of the tile
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1  # largest
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys [0, full_end) are seen by every row
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2,
+        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_range(
+        acc, m_i, l_i, q, q_pos, head_base, bt, full_end, last_pos + 1, offs_n, offs_d, dmask, scale_log2,
+        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+    )  # fmt: skip
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dmask[None, :],
+    )
+
+
+# ----------------------------------------------------------------------------------------------- launchers
+
+
+def _dot_args(dtype: torch.dtype, device: torch.device) -> tuple[bool, str]:
+    dot_f32 = dtype == torch.bfloat16 and device.type == "cpu"  # interpreter: bf16 dot is broken
+    precision = "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+    return dot_f32, precision
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    assert kv_cache.stride(-1) == 1
+    _kv_write_kernel[(num_tokens,)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        num_kv_heads, head_dim, block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def paged_decode(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+    num_splits: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """One query per sequence at row ``query_start_loc[i]``; grid ``(num_seqs, num_kv_heads, num_splits)``."""
+    query = _last_dim_contiguous(query)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = _block_d(head_dim)
+    dot_f32, precision = _dot_args(query.dtype, query.device)
+    assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), num_heads, head_dim,
+        GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_acc, part_m, part_l, query_start_loc,
+            out.stride(0), out.stride(1), num_heads, head_dim,
+            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_seqs: int,
+    max_query_len: int,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its paged context (any query lengths)."""
+    query = _last_dim_contiguous(query)
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    block_m = max(block_m, 16, triton.next_power_of_2(group))
+    block_q = block_m // group
+    dot_f32, precision = _dot_args(query.dtype, query.device)
+    assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), head_dim,
+        GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=_block_d(head_dim),
+        BLOCK_N=block_n, DOT_F32=dot_f32, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out

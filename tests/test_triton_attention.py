@@ -1,0 +1,221 @@
+"""The Triton paged-attention kernels against the torch reference backend.
+
+Without a GPU the kernels run under the Triton interpreter. Triton reads ``TRITON_INTERPRET`` when a
+function is decorated with ``@triton.jit``: its own library functions (``tl.cdiv``, ``tl.max``, ...) are
+decorated when triton is first imported, ours when `kv.attention.triton_kernels` is. So the variable is
+set here before either import. If triton was already imported in this process without it (another test
+module got there first), the kernel tests cannot run in-process: they skip, and one test re-runs this
+file in a fresh interpreter process instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kv.attention import get_attention_backend  # noqa: E402
+from kv.attention import triton_kernels as tk  # noqa: E402
+from kv.attention.base import AttentionBackend, AttentionMetadata  # noqa: E402
+from kv.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from kv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+# triton's own jit library was decorated for the interpreter (or there is a GPU): kernels run in-process
+IN_PROCESS = ON_GPU or isinstance(triton.language.standard.cdiv, InterpretedFunction)
+if IN_PROCESS and not ON_GPU and not isinstance(tk._decode_kernel, InterpretedFunction):
+    importlib.reload(tk)  # decorated before TRITON_INTERPRET was set; the backend looks kernels up via `tk`
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernels(request):
+    if not IN_PROCESS and request.node.name != "test_kernels_in_fresh_process":
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1; covered by test_kernels_in_fresh_process"
+        )
+
+
+def test_kernels_in_fresh_process():
+    if IN_PROCESS:
+        pytest.skip("kernels run in this process")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+REF = TorchAttentionBackend()
+
+
+def _build(seq_lens, q_lens, num_kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=0):
+    """Random cache with shuffled block tables (block 0 and spare blocks hold garbage), queries, metadata."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 = padding, never owned
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    slots = []
+    for i, (s, q) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        for p in range(s - q, s):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_host=qsl,
+        seq_lens_host=list(seq_lens),
+    )
+    return query.to(DEVICE), cache.to(DEVICE), meta
+
+
+def _check(out, query, cache, meta, scale):
+    """fp32: tight against the reference. 16-bit: against the reference run in fp32 on the same (rounded)
+    inputs, within a bound derived from the 16-bit torch reference's own error."""
+    assert out.dtype == query.dtype and out.shape == query.shape
+    assert torch.isfinite(out).all()
+    exact = REF.forward(query.float(), cache.float(), meta, scale)
+    err = (out.float() - exact).abs().max().item()
+    if query.dtype == torch.float32:
+        assert err < 2e-5, err
+    else:
+        ref16 = REF.forward(query, cache, meta, scale)
+        ref_err = (ref16.float() - exact).abs().max().item()
+        floor = 2e-2 if query.dtype == torch.bfloat16 else 3e-3
+        assert err < max(4 * ref_err, floor), (err, ref_err)
+    return err
+
+
+def test_kernels_are_interpreted_without_gpu():
+    assert ON_GPU or isinstance(tk._decode_kernel, InterpretedFunction)
+
+
+def test_registry_returns_triton_backend():
+    backend = get_attention_backend("triton")
+    assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv(dtype):
+    g = torch.Generator().manual_seed(1)
+    num_blocks, block_size, num_kv_heads, head_dim = 6, 16, 3, 64
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    num_tokens = 11
+    # K and V as strided views into a fused qkv-like projection (non-contiguous token stride)
+    fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=g).to(DEVICE)
+    key, value = fused[:, num_kv_heads : 2 * num_kv_heads], fused[:, 2 * num_kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[[2, 5, 10]] = -1
+    slots = slots.to(DEVICE)
+    expected = cache.clone()
+    keep = slots >= 0
+    AttentionBackend().write_kv(key[keep], value[keep], expected, slots[keep])
+
+    TritonAttentionBackend().write_kv(key, value, cache, slots)
+    if dtype == torch.float32:
+        assert torch.equal(cache, expected)
+    else:  # the interpreter may round fp32 -> bf16 differently from torch: allow one bf16 ulp
+        torch.testing.assert_close(cache.float(), expected.float(), rtol=8e-3, atol=1e-6)
+        assert (cache != expected).float().mean() < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode(group, dtype):
+    """Seq lens around block boundaries, 1, and long enough for several splits of one 64-key tile."""
+    seq_lens = [1, 15, 16, 17, 100, 200]
+    query, cache, meta = _build(seq_lens, [1] * len(seq_lens), 2, group, 64, dtype=dtype, seed=group)
+    for splits in (1, 4):
+        backend = TritonAttentionBackend(decode_num_splits=splits)
+        _check(backend.forward(query, cache, meta, 0.125), query, cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_split_heuristic_and_graph_bound(group):
+    """The split count is chosen from bounds only; a larger (captured) max_seq_len stays correct."""
+    query, cache, meta = _build([3, 16, 33, 64, 150], [1] * 5, 2, group, 64, seed=7)
+    backend = TritonAttentionBackend(min_tokens_per_split=32, max_splits=16)
+    assert backend.decode_splits(meta.max_seq_len, meta.num_seqs, 2, DEVICE) == 8  # 256-bucket / 32
+    _check(backend.forward(query, cache, meta, 0.1), query, cache, meta, 0.1)
+    meta.max_seq_len = 8192  # as if captured in a CUDA graph for contexts up to 8k
+    splits = backend.decode_splits(meta.max_seq_len, meta.num_seqs, 2, DEVICE)
+    assert splits == backend.max_splits
+    _check(backend.forward(query, cache, meta, 0.1), query, cache, meta, 0.1)
+
+
+def test_decode_head_dim_128_block_32_gqa4():
+    query, cache, meta = _build([1, 31, 32, 33, 95], [1] * 5, 2, 4, 128, block_size=32, seed=3)
+    _check(
+        TritonAttentionBackend(decode_num_splits=2).forward(query, cache, meta, 0.09),
+        query,
+        cache,
+        meta,
+        0.09,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_from_scratch(group, dtype):
+    seq_lens = [1, 16, 17, 70, 130]
+    query, cache, meta = _build(seq_lens, seq_lens, 2, group, 64, dtype=dtype, seed=11 + group)
+    _check(TritonAttentionBackend().forward(query, cache, meta, 0.125), query, cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_chunked_prefill_over_cached_context(group, dtype):
+    """New chunks on top of cached tokens; this step's K/V are written first, by each backend's write_kv."""
+    seq_lens, q_lens = [100, 40, 150, 5, 47], [20, 16, 64, 5, 15]
+    query, cache, meta = _build(seq_lens, q_lens, 2, group, 64, dtype=dtype, seed=21 + group)
+    g = torch.Generator().manual_seed(5)
+    key = torch.randn(query.shape[0], 2, 64, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(query.shape[0], 2, 64, generator=g).to(dtype).to(DEVICE)
+    ref_cache = cache.clone()
+    REF.write_kv(key, value, ref_cache, meta.slot_mapping)
+    backend = TritonAttentionBackend()
+    backend.write_kv(key, value, cache, meta.slot_mapping)
+    assert torch.equal(cache, ref_cache)
+    _check(backend.forward(query, cache, meta, 0.125), query, cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_mixed_prefill_and_decode_rows(group, dtype):
+    seq_lens, q_lens = [50, 17, 1, 130, 16, 65], [50, 1, 1, 10, 1, 1]
+    query, cache, meta = _build(seq_lens, q_lens, 2, group, 64, dtype=dtype, seed=31 + group)
+    _check(TritonAttentionBackend().forward(query, cache, meta, 0.125), query, cache, meta, 0.125)
+
+
+def test_prefill_head_dim_128_block_32_gqa4():
+    seq_lens, q_lens = [90, 33, 64], [40, 33, 1]
+    query, cache, meta = _build(seq_lens, q_lens, 1, 4, 128, block_size=32, seed=41)
+    _check(TritonAttentionBackend().forward(query, cache, meta, 0.09), query, cache, meta, 0.09)
