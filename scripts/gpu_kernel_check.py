@@ -64,9 +64,7 @@ def real_cases() -> list[Case]:
             tag = f"rand<={ctx}" if rand else f"{ctx}"
             cases.append(Case(f"{model} decode b{batch} ctx{tag}", "decode", model, lens, [1] * batch))
         cases.append(Case(f"{model} prefill 8x2048", "prefill", model, [2048] * 8, [2048] * 8))
-        cases.append(
-            Case(f"{model} chunked 4x(4096 cached+512)", "chunked", model, [4096 + 512] * 4, [512] * 4)
-        )
+        cases.append(Case(f"{model} chunked 4x(4096 cached+512)", "chunked", model, [4096 + 512] * 4, [512] * 4))
         cases.append(Case(f"{model} chunked 1x(7680 cached+512)", "chunked", model, [8192], [512]))
         dec = _rand_lens(126, 1, 4096, 7)
         cases.append(
@@ -86,22 +84,14 @@ def real_cases() -> list[Case]:
         )
     )
     cases.append(
-        Case(
-            "llama3-8b prefill 2x1024 block32", "prefill", "llama3-8b", [1024] * 2, [1024] * 2, block_size=32
-        )
+        Case("llama3-8b prefill 2x1024 block32", "prefill", "llama3-8b", [1024] * 2, [1024] * 2, block_size=32)
     )
     for dtype in ("float16", "float32"):
-        cases.append(
-            Case(f"llama3-8b decode b16 ctx2048 {dtype}", "decode", "llama3-8b", [2048] * 16, [1] * 16, dtype)
-        )
-        cases.append(
-            Case(f"llama3-8b prefill 2x1024 {dtype}", "prefill", "llama3-8b", [1024] * 2, [1024] * 2, dtype)
-        )
+        cases.append(Case(f"llama3-8b decode b16 ctx2048 {dtype}", "decode", "llama3-8b", [2048] * 16, [1] * 16, dtype))
+        cases.append(Case(f"llama3-8b prefill 2x1024 {dtype}", "prefill", "llama3-8b", [1024] * 2, [1024] * 2, dtype))
     for model in ("llama3-8b", "smollm2"):
         lens = _rand_lens(32, 1, 8192, 3)
-        cases.append(
-            Case(f"{model} cuda-graph decode b32 (captured at 8192)", "graph", model, lens, [1] * 32)
-        )
+        cases.append(Case(f"{model} cuda-graph decode b32 (captured at 8192)", "graph", model, lens, [1] * 32))
     return cases
 
 
@@ -125,9 +115,7 @@ def tiny_cases() -> list[Case]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON results path (rewritten after every case)")
-    ap.add_argument(
-        "--tiny", action="store_true", help="tiny shapes (CPU: runs under the Triton interpreter)"
-    )
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU: runs under the Triton interpreter)")
     ap.add_argument("--only", default="", help="run only cases whose name contains this substring")
     ap.add_argument("--no-bench", action="store_true", help="skip timing")
     ap.add_argument("--seed", type=int, default=0)
@@ -165,9 +153,7 @@ def main() -> int:
             starts.append(starts[-1] + n)
         for i, n in enumerate(blocks):
             table[i, :n] = perm[starts[i] : starts[i] + n].to(torch.int32)
-        cache = torch.randn(
-            2, num_blocks, bs, num_kv_heads, head_dim, device=device, generator=g, dtype=dtype
-        )
+        cache = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, device=device, generator=g, dtype=dtype)
         num_tokens = sum(case.q_lens)
         query = torch.randn(num_tokens, num_heads, head_dim, device=device, generator=g, dtype=dtype)
         qsl = [0]
@@ -191,9 +177,7 @@ def main() -> int:
         qsl = meta.query_start_loc_host
         for i in range(meta.num_seqs):
             s, e = qsl[i], qsl[i + 1]
-            out[s:e] = ref._one_seq(
-                query[s:e].float(), cache, meta.block_tables[i], meta.seq_lens_host[i], scale
-            )
+            out[s:e] = ref._one_seq(query[s:e].float(), cache, meta.block_tables[i], meta.seq_lens_host[i], scale)
         return out
 
     def rel(a, b) -> float:
@@ -277,9 +261,7 @@ def main() -> int:
         num_tokens = sum(case.q_lens)
         g = torch.Generator(device=device).manual_seed(args.seed)
         num_blocks = -(-num_tokens // bs) * 2 + 1
-        cache = torch.randn(
-            2, num_blocks, bs, num_kv_heads, head_dim, device=device, generator=g, dtype=dtype
-        )
+        cache = torch.randn(2, num_blocks, bs, num_kv_heads, head_dim, device=device, generator=g, dtype=dtype)
         fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, device=device, generator=g, dtype=dtype)
         key, value = fused[:, num_kv_heads : 2 * num_kv_heads], fused[:, 2 * num_kv_heads :]  # strided views
         slots = torch.randperm(num_blocks * bs, device=device, generator=g)[:num_tokens]
@@ -298,9 +280,7 @@ def main() -> int:
     cases = tiny_cases() if args.tiny else real_cases()
     cases = [c for c in cases if args.only in c.name]
     info = {
-        "device": torch.cuda.get_device_name()
-        if on_gpu
-        else f"cpu (Triton interpreter) {platform.processor()}",
+        "device": torch.cuda.get_device_name() if on_gpu else f"cpu (Triton interpreter) {platform.processor()}",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "tiny": args.tiny,

@@ -81,9 +81,7 @@ def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs.to(noise.dtype) / noise).argmax(dim=-1)
 
 
-def sample_from_probs(
-    probs: torch.Tensor, generators: list[torch.Generator | None] | None = None
-) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
     """One categorical sample per row of ``probs`` [rows, vocab] (need not be normalised) -> [rows] int64.
 
     Exponential race, so each row with its own generator consumes exactly ``vocab`` exponentials from it.

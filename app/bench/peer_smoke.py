@@ -51,9 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     exact = sum(n == r.output_len for n, r in zip(result.output_lens, requests, strict=True))
     figures = result.figures()
     print_table([figures])
-    print(
-        f"finished {result.num_finished}/{result.num_requests}, exact forced lengths {exact}/{len(requests)}"
-    )
+    print(f"finished {result.num_finished}/{result.num_requests}, exact forced lengths {exact}/{len(requests)}")
     if args.out:
         dataset = {"name": "sharegpt", "seed": args.seed, **data}
         write_result(args.out, command_line(), args.model, dataset, {"peer": figures, "dtype": args.dtype})

@@ -81,9 +81,7 @@ def utc_now_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def write_result(
-    path: str | Path, command: str, model: str, dataset: Any, figures: Mapping[str, Any]
-) -> dict:
+def write_result(path: str | Path, command: str, model: str, dataset: Any, figures: Mapping[str, Any]) -> dict:
     """Write one benchmark result as JSON to `path` (parent directories created) and return it. Keys:
     `command`, `machine`, `versions`, `date` (ISO 8601, UTC), `model`, `dataset`, then the figures (which may
     not reuse those keys)."""
@@ -134,11 +132,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | Non
         columns = list(dict.fromkeys(k for r in rows for k in r))
     cells = [[_cell(r.get(c)) for c in columns] for r in rows]
     numeric = [
-        all(
-            isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)
-            for r in rows
-            if r.get(c) is not None
-        )
+        all(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows if r.get(c) is not None)
         for c in columns
     ]
     widths = [max(len(c), *(len(row[j]) for row in cells)) for j, c in enumerate(columns)]

@@ -70,13 +70,7 @@ def _kv_write_kernel(
     mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    dst = (
-        cache_ptr
-        + blk * stride_c_blk
-        + off * stride_c_tok
-        + offs_h[:, None] * stride_c_head
-        + offs_d[None, :]
-    )
+    dst = cache_ptr + blk * stride_c_blk + off * stride_c_tok + offs_h[:, None] * stride_c_head + offs_d[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -234,9 +228,7 @@ def _decode_reduce_kernel(
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l_s, 0)
     o = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(
-        out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=dmask
-    )
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 @triton.jit
@@ -383,9 +375,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
@@ -425,9 +415,7 @@ def paged_decode(
     dot_f32, precision = _dot_args(query.dtype, query.device)
     assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
     if num_splits > 1:
-        part_acc = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
-        )
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
     else:
