@@ -101,11 +101,21 @@ def _dummy(model: str) -> ModelSource:
     shape = model.split(":", 1)[1]
     if shape not in DUMMY_SHAPES:
         raise ModelLoadError(f"unknown dummy shape {shape!r}; choose from {sorted(DUMMY_SHAPES)}")
-    config = LlamaConfig(**DUMMY_SHAPES[shape], architectures=["LlamaForCausalLM"])
-    # Random weights still need real text in and out: borrow the default model's tokenizer.
-    tok_dir = gguf_to_hf_dir(_packaged_file(*ALIASES[DEFAULT_MODEL]))
-    config.eos_token_id = 2
-    return ModelSource(model, config, None, tok_dir, [2])
+    config = LlamaConfig(**DUMMY_SHAPES[shape], architectures=["LlamaForCausalLM"], eos_token_id=2)
+    return ModelSource(model, config, None, default_tokenizer_dir(), [2])
+
+
+def default_tokenizer_dir() -> str:
+    """The default model's tokenizer alone (a few MB), which random-weight models borrow for real text in
+    and out. Kept in its own cache folder so a machine without the model package can be given just it."""
+    out = cache_dir() / "tokenizers" / DEFAULT_MODEL
+    if not (out / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(gguf_to_hf_dir(_packaged_file(*ALIASES[DEFAULT_MODEL])))
+        out.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(out)
+    return str(out)
 
 
 def gguf_to_hf_dir(gguf_path: str) -> str:
