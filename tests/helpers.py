@@ -60,3 +60,116 @@ def chat_prompt_of_length(tokenizer, n: int, topic: str = "rivers", system: str 
     tail_ids = tokenizer.encode(tail, add_special_tokens=False)
     body = prompt_of_length(tokenizer, n - len(head_ids) - len(tail_ids), f"Explain {topic}:")
     return head_ids + body + tail_ids
+
+
+# --------------------------------------------------------------------------- tiny Hugging Face checkpoints
+
+# llama3 rope scaling with a small original context, so prompts of ~100 tokens run past it.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+
+
+def tiny_hf_config(arch: str, vocab_size: int, **overrides):
+    """A two-layer GQA config (4 query heads over 2 KV heads) of ``arch``: ``llama`` (llama3 rope scaling,
+    untied head) or ``qwen2`` (qkv bias, tied head)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+    )
+    if arch == "llama":
+        cfg = dict(common, head_dim=16, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+        return LlamaConfig(**(cfg | overrides))
+    if arch == "qwen2":
+        cfg = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True)
+        return Qwen2Config(**(cfg | overrides))
+    raise ValueError(f"unknown tiny arch {arch!r}")
+
+
+def save_tiny_hf_model(config, out_dir, tokenizer=None, seed: int = 0, init_std: float = 0.1):
+    """Build a transformers model from ``config`` with random weights, save it (safetensors) with
+    ``tokenizer`` into ``out_dir``, and return it in eval mode (fp32), the reference.
+
+    transformers initializes biases to 0 and norm weights to 1, which would leave their loading
+    untested; here every parameter is random. ``init_std`` above the usual 0.02 spreads the logits, so
+    greedy choices have clear margins."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- paged attention inputs
+
+
+def random_paged_batch(
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+):
+    """Random KV cache with SHUFFLED block tables, queries and metadata for one attention step.
+
+    Sequence ``i`` has ``seq_lens[i]`` tokens of context whose last ``q_lens[i]`` are this step's queries.
+    Block 0 is never owned (the tables' padding entries point at it) and spare blocks hold garbage, so
+    reading past a sequence's blocks shows. Returns ``(query, cache, meta)``."""
+    from kv.attention.base import AttentionMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 4
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 = padding, never owned
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=g).to(dtype)
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    slots = []
+    for i, (s, q) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        for p in range(s - q, s):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_host=qsl,
+        seq_lens_host=list(seq_lens),
+    )
+    return query.to(device), cache.to(device), meta
