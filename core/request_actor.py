@@ -100,14 +100,15 @@ async def run_request(
     stop_hold = max((len(s) for s in params.stop), default=1) - 1
     num_cached = 0
     unfinished = set(seqs)
-    admitted = False
     try:
+        # From here on the scheduler may hold the requests, even if we are cancelled before it answers
+        # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
         await inbox.send(AddRequest(requests, send))
         async with recv:
             first = await recv.receive()
             if first.error is not None:
+                unfinished.clear()  # refused: nothing was added
                 raise first.error
-            admitted = True
             while unfinished:
                 ev = await recv.receive()
                 seq = seqs[ev.request_id]
@@ -155,7 +156,7 @@ async def run_request(
                     stop_reason=stop_reason,
                 )
     finally:
-        if admitted and unfinished:
+        if unfinished:
             for rid in unfinished:
                 await _send_abort(inbox, rid)
 

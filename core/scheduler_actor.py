@@ -94,17 +94,19 @@ class SchedulerActor:
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
         if self.dead is not None:
-            msg.events.send_nowait(
+            _answer(
+                msg,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
                     finish_reason="abort",
                     error=EngineDeadError(f"engine is dead: {self.dead}"),
-                )
+                ),
             )
             return
         if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
-            msg.events.send_nowait(
+            _answer(
+                msg,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
@@ -113,14 +115,14 @@ class SchedulerActor:
                         f"engine overloaded: {len(s.waiting)} requests waiting (max_waiting_requests="
                         f"{s.config.max_waiting_requests})"
                     ),
-                )
+                ),
             )
             return
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
             s.add_request(req)
             self.prompt_tokens += req.num_prompt_tokens
-        msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
+        _answer(msg, TokenEvent(msg.requests[0].request_id, []))  # admitted
         self._wakeup.set()
 
     def _abort(self, request_id: str) -> None:
@@ -188,3 +190,12 @@ class SchedulerActor:
             self._deliver(
                 TokenEvent(rid, [], finish_reason="abort", error=EngineDeadError(f"engine failed: {self.dead}"))
             )
+
+
+def _answer(msg: AddRequest, ev: TokenEvent) -> None:
+    """Answer admission. A caller cancelled between sending and hearing back has closed its stream: that
+    must not crash the inbox loop (and with it every request); the caller's Abort follows."""
+    try:
+        msg.events.send_nowait(ev)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
