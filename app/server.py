@@ -415,45 +415,64 @@ class OpenAIServer:
         )
 
     # -- routes ----------------------------------------------------------------------------------------
+    async def _respond(
+        self,
+        request: Request,
+        stream: bool,
+        gen: AsyncIterator[RequestOutput],
+        prompt_param: str,
+        respond: Callable[[dict[int, RequestOutput], Usage], BaseModel],
+        make_chunk: Callable[[RequestOutput], str | None],
+        usage_chunk: Callable[[Usage], str] | None,
+    ) -> Response:
+        """The JSON response of a finished request, or its event stream (chat and text completions alike)."""
+        if not stream:
+            got = await self._collect(request, gen, prompt_param)
+            if got is None:
+                return Response(status_code=499)  # nobody is listening any more
+            return Response(respond(*got).model_dump_json(), media_type="application/json")
+        first = await self._first(request, gen, prompt_param)
+        if first is _GONE:
+            return Response(status_code=499)
+        return self._sse(self._stream_events(first, gen, make_chunk, usage_chunk))
+
+    @staticmethod
+    def _delta_logprobs(
+        out: RequestOutput, want_lp: bool, pending: dict[int, list[TokenLogprob]]
+    ) -> tuple[bool, list[TokenLogprob] | None]:
+        """Whether ``out`` makes a chunk, and the logprobs it carries. Tokens whose text is not shown yet
+        (an incomplete character, or text held back for a stop string) keep their logprobs for the next one."""
+        if want_lp and out.delta_logprobs:
+            pending.setdefault(out.index, []).extend(out.delta_logprobs)
+        if not out.delta_text and out.finish_reason is None:
+            return False, None
+        return True, (pending.pop(out.index, []) if want_lp else None)
+
     @_endpoint
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         req: S.ChatCompletionRequest = await self._parse(request, S.ChatCompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
-        gen = self._generate(req.prompt(), params, rid)
-
-        if not req.stream:
-            got = await self._collect(request, gen, "messages")
-            if got is None:
-                return Response(status_code=499)
-            finals, usage = got
-            resp = S.ChatCompletionResponse(
-                id=rid,
-                created=created,
-                model=model,
-                choices=[
-                    S.ChatChoice(
-                        index=i,
-                        message=S.AssistantMessage(content=o.text),
-                        logprobs=self._chat_logprobs(o.logprobs or []) if want_lp else None,
-                        finish_reason=o.finish_reason,
-                    )
-                    for i, o in sorted(finals.items())
-                ],
-                usage=self._usage(usage),
-            )
-            return Response(resp.model_dump_json(), media_type="application/json")
-
-        first = await self._first(request, gen, "messages")
-        if first is _GONE:
-            return Response(status_code=499)
-        include_usage = req.include_usage
         role_sent: set[int] = set()
         pending: dict[int, list[TokenLogprob]] = {}
+        usage_field = {"usage": None} if req.include_usage else {}
+
+        def respond(finals: dict[int, RequestOutput], usage: Usage) -> BaseModel:
+            choices = [
+                S.ChatChoice(
+                    index=i,
+                    message=S.AssistantMessage(content=o.text),
+                    logprobs=self._chat_logprobs(o.logprobs or []) if want_lp else None,
+                    finish_reason=o.finish_reason,
+                )
+                for i, o in sorted(finals.items())
+            ]
+            return S.ChatCompletionResponse(
+                id=rid, created=created, model=model, choices=choices, usage=self._usage(usage)
+            )
 
         def chunk(choices: list[S.ChatChunkChoice], **usage: Any) -> str:
             c = S.ChatCompletionChunk(
@@ -462,24 +481,27 @@ class OpenAIServer:
             return c.model_dump_json(exclude_unset=True)
 
         def make_chunk(out: RequestOutput) -> str | None:
-            i = out.index
-            if want_lp and out.delta_logprobs:
-                pending.setdefault(i, []).extend(out.delta_logprobs)
-            if not out.delta_text and out.finish_reason is None:
-                return None  # nothing to show yet (an incomplete character, or text held back for a stop string)
-            if i in role_sent:
-                delta = S.DeltaMessage(content=out.delta_text) if out.delta_text else S.DeltaMessage()
-            else:
-                role_sent.add(i)
+            emit, lps = self._delta_logprobs(out, want_lp, pending)
+            if not emit:
+                return None
+            if out.index not in role_sent:
+                role_sent.add(out.index)
                 delta = S.DeltaMessage(role="assistant", content=out.delta_text)
-            lp = self._chat_logprobs(pending.pop(i, [])) if want_lp else None
-            choice = S.ChatChunkChoice(index=i, delta=delta, logprobs=lp, finish_reason=out.finish_reason)
-            return chunk([choice], **({"usage": None} if include_usage else {}))
+            else:
+                delta = S.DeltaMessage(content=out.delta_text) if out.delta_text else S.DeltaMessage()
+            lp = self._chat_logprobs(lps) if lps is not None else None
+            return chunk(
+                [S.ChatChunkChoice(index=out.index, delta=delta, logprobs=lp, finish_reason=out.finish_reason)],
+                **usage_field,
+            )
 
         def usage_chunk(u: Usage) -> str:
             return chunk([], usage=self._usage(u))
 
-        return self._sse(self._stream_events(first, gen, make_chunk, usage_chunk if include_usage else None))
+        gen = self._generate(req.prompt(), params, rid)
+        return await self._respond(
+            request, bool(req.stream), gen, "messages", respond, make_chunk, usage_chunk if req.include_usage else None
+        )
 
     @_endpoint
     async def completions(self, request: Request) -> Response:
@@ -487,39 +509,23 @@ class OpenAIServer:
         req: S.CompletionRequest = await self._parse(request, S.CompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
-        gen = self._generate(req.prompt, params, rid)
-
-        if not req.stream:
-            got = await self._collect(request, gen, "prompt")
-            if got is None:
-                return Response(status_code=499)
-            finals, usage = got
-            resp = S.CompletionResponse(
-                id=rid,
-                created=created,
-                model=model,
-                choices=[
-                    S.CompletionChoice(
-                        index=i,
-                        text=o.text,
-                        logprobs=self._completion_logprobs(o.logprobs or [], 0) if want_lp else None,
-                        finish_reason=o.finish_reason,
-                    )
-                    for i, o in sorted(finals.items())
-                ],
-                usage=self._usage(usage),
-            )
-            return Response(resp.model_dump_json(), media_type="application/json")
-
-        first = await self._first(request, gen, "prompt")
-        if first is _GONE:
-            return Response(status_code=499)
-        include_usage = req.include_usage
         pending: dict[int, list[TokenLogprob]] = {}
         offsets: dict[int, int] = {}
+        usage_field = {"usage": None} if req.include_usage else {}
+
+        def respond(finals: dict[int, RequestOutput], usage: Usage) -> BaseModel:
+            choices = [
+                S.CompletionChoice(
+                    index=i,
+                    text=o.text,
+                    logprobs=self._completion_logprobs(o.logprobs or [], 0) if want_lp else None,
+                    finish_reason=o.finish_reason,
+                )
+                for i, o in sorted(finals.items())
+            ]
+            return S.CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=self._usage(usage))
 
         def chunk(choices: list[S.CompletionChoice], **usage: Any) -> str:
             c = S.CompletionResponse(
@@ -528,22 +534,25 @@ class OpenAIServer:
             return c.model_dump_json(exclude_unset=True)
 
         def make_chunk(out: RequestOutput) -> str | None:
-            i = out.index
-            if want_lp and out.delta_logprobs:
-                pending.setdefault(i, []).extend(out.delta_logprobs)
-            if not out.delta_text and out.finish_reason is None:
+            emit, lps = self._delta_logprobs(out, want_lp, pending)
+            if not emit:
                 return None
             lp = None
-            if want_lp:
-                lp = self._completion_logprobs(pending.pop(i, []), offsets.get(i, 0))
-                offsets[i] = offsets.get(i, 0) + sum(len(t) for t in lp.tokens)
-            choice = S.CompletionChoice(index=i, text=out.delta_text, logprobs=lp, finish_reason=out.finish_reason)
-            return chunk([choice], **({"usage": None} if include_usage else {}))
+            if lps is not None:
+                lp = self._completion_logprobs(lps, offsets.get(out.index, 0))
+                offsets[out.index] = offsets.get(out.index, 0) + sum(len(t) for t in lp.tokens)
+            choice = S.CompletionChoice(
+                index=out.index, text=out.delta_text, logprobs=lp, finish_reason=out.finish_reason
+            )
+            return chunk([choice], **usage_field)
 
         def usage_chunk(u: Usage) -> str:
             return chunk([], usage=self._usage(u))
 
-        return self._sse(self._stream_events(first, gen, make_chunk, usage_chunk if include_usage else None))
+        gen = self._generate(req.prompt, params, rid)
+        return await self._respond(
+            request, bool(req.stream), gen, "prompt", respond, make_chunk, usage_chunk if req.include_usage else None
+        )
 
     @_endpoint
     async def models(self, request: Request) -> Response:

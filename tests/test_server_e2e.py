@@ -53,7 +53,7 @@ def library(srv: ServerThread, prompt, **params):
 
 def test_greedy_stream_equals_non_stream_and_library(real_server, sync_client):
     # Distinct cache salts: each run computes its prompt afresh, so all three do the same arithmetic.
-    common = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
+    common = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16)
     full = sync_client.chat.completions.create(**common, extra_body={"cache_salt": "a"})
     text, finish, role = "", None, None
     for chunk in sync_client.chat.completions.create(**common, stream=True, extra_body={"cache_salt": "b"}):
@@ -61,7 +61,7 @@ def test_greedy_stream_equals_non_stream_and_library(real_server, sync_client):
         role = role or delta.role
         text += delta.content or ""
         finish = chunk.choices[0].finish_reason or finish
-    lib = library(real_server, MESSAGES, temperature=0, max_tokens=24, cache_salt="c")[0]
+    lib = library(real_server, MESSAGES, temperature=0, max_tokens=16, cache_salt="c")[0]
     assert role == "assistant"
     assert lib.text and full.choices[0].message.content == text == lib.text
     assert full.choices[0].finish_reason == finish == lib.finish_reason
@@ -100,7 +100,7 @@ async def test_async_client_stream_n2_include_usage_logprobs(real_server):
 
 
 def test_stop_strings_cut_the_text(sync_client):
-    base = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=32)
+    base = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24)
     text = sync_client.chat.completions.create(**base).choices[0].message.content
     words = text.split()
     assert len(words) >= 4, text
