@@ -76,22 +76,17 @@ LLAMA3_ROPE = {
 
 
 def tiny_hf_config(arch: str, vocab_size: int, **overrides):
-    """A two-layer GQA config (4 query heads over 2 KV heads) of ``arch``: ``llama`` (llama3 rope scaling,
-    untied head) or ``qwen2`` (qkv bias, tied head)."""
+    """A GQA config in the ``dummy:tiny`` shape of ``arch``: ``llama`` (llama3 rope scaling, untied head) or
+    ``qwen2`` (qkv bias, tied head)."""
     from transformers import LlamaConfig, Qwen2Config
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-    )
+    from core.models.registry import DUMMY_SHAPES
+
+    shape = {k: v for k, v in DUMMY_SHAPES["tiny"].items() if k not in ("rope_theta", "tie_word_embeddings")}
+    common = shape | dict(vocab_size=vocab_size, max_position_embeddings=512)
+    assert common["num_key_value_heads"] < common["num_attention_heads"]  # GQA
     if arch == "llama":
-        cfg = dict(common, head_dim=16, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
+        cfg = dict(common, rope_parameters=dict(LLAMA3_ROPE), tie_word_embeddings=False)
         return LlamaConfig(**(cfg | overrides))
     if arch == "qwen2":
         cfg = dict(common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True)
