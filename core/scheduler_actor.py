@@ -118,8 +118,8 @@ class SchedulerActor:
             return
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
-            s.add_request(req)
             self.prompt_tokens += req.num_prompt_tokens
+        s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
         self._wakeup.set()
 
