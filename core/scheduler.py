@@ -160,6 +160,9 @@ class Scheduler:
             group = 1 + len(self._pending_forks.get(req.request_id, ()))
             if seats > 0 and seats + group > max_seqs:
                 break
+            if self.kv.still_awaiting_prefix(req):
+                deferred.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             if self.kv.prefix_in_flight(req, len(hit_blocks)):
                 deferred.append(self.waiting.popleft())

@@ -49,6 +49,7 @@ class KVCacheManager:
         self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept for block_table()
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
+        self._awaited: dict[str, tuple[str, int]] = {}  # waiting request -> (request computing its block, index)
         # Prefix-cache counters, in tokens: the scheduler records each request's first admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -115,12 +116,28 @@ class KVCacheManager:
         if i >= (len(req.all_token_ids) - 1) // self.block_size:
             return False  # nothing more could hit anyway
         want = self._hashes(req)[i]
-        for rid, blocks in self.req_blocks.items():
-            if rid == req.request_id or not self.num_cached_blocks.get(rid, 0) <= i < len(blocks):
+        # A running request computes block i if its hashes (its known tokens) reach it and it has not
+        # published it yet; it may not have allocated it yet (a later prefill chunk).
+        for rid in self.req_blocks:
+            if rid == req.request_id or self.num_cached_blocks.get(rid, 0) > i:
                 continue
             hashes = self.req_hashes.get(rid)
             if hashes is not None and i < len(hashes) and hashes[i] == want:
+                self._awaited[req.request_id] = (rid, i)
                 return True
+        self._awaited.pop(req.request_id, None)
+        return False
+
+    def still_awaiting_prefix(self, req: KVRequest) -> bool:
+        """O(1) re-check of an earlier positive `prefix_in_flight`: the block it waits for is still unpublished
+        by the request computing it (so the lookup need not be repeated this step)."""
+        awaited = self._awaited.get(req.request_id)
+        if awaited is None:
+            return False
+        owner, i = awaited
+        if owner in self.req_blocks and self.num_cached_blocks.get(owner, 0) <= i:
+            return True
+        del self._awaited[req.request_id]
         return False
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -162,6 +179,7 @@ class KVCacheManager:
 
         ids = self.req_block_ids.get(rid)
         if ids is None:
+            self._awaited.pop(rid, None)
             self.req_blocks[rid] = blocks
             ids = self.req_block_ids[rid] = []
             self.num_cached_blocks.setdefault(rid, 0)
@@ -219,6 +237,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         blocks = self.req_blocks.pop(request_id, None)
         self.req_block_ids.pop(request_id, None)
+        self._awaited.pop(request_id, None)
         self.num_cached_blocks.pop(request_id, None)
         self.req_hashes.pop(request_id, None)
         if blocks:
