@@ -94,8 +94,8 @@ class SchedulerActor:
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
         if self.dead is not None:
-            _answer(
-                msg,
+            self._reply(
+                msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
@@ -105,8 +105,8 @@ class SchedulerActor:
             )
             return
         if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
-            _answer(
-                msg,
+            self._reply(
+                msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
@@ -118,12 +118,21 @@ class SchedulerActor:
                 ),
             )
             return
+        if not self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [])):  # admitted
+            return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
-            s.add_request(req)
             self.prompt_tokens += req.num_prompt_tokens
-        _answer(msg, TokenEvent(msg.requests[0].request_id, []))  # admitted
+        s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         self._wakeup.set()
+
+    @staticmethod
+    def _reply(events: ObjectSendStream[TokenEvent], ev: TokenEvent) -> bool:
+        try:
+            events.send_nowait(ev)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
 
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
@@ -190,12 +199,3 @@ class SchedulerActor:
             self._deliver(
                 TokenEvent(rid, [], finish_reason="abort", error=EngineDeadError(f"engine failed: {self.dead}"))
             )
-
-
-def _answer(msg: AddRequest, ev: TokenEvent) -> None:
-    """Answer admission. A caller cancelled between sending and hearing back has closed its stream: that
-    must not crash the inbox loop (and with it every request); the caller's Abort follows."""
-    try:
-        msg.events.send_nowait(ev)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        pass
