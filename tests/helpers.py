@@ -200,3 +200,37 @@ def chi2_test(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected
     stat = float(((obs - exp) ** 2 / exp).sum())
     df = len(exp) - 1
     return stat, df, chi2_sf(stat, df)
+
+
+class EngineInTask:
+    """Runs ``async with AsyncEngine(args)`` inside one background task, so a module-scoped async fixture
+    (whose setup and teardown pytest-asyncio runs in different tasks) enters and exits the engine's task
+    group in the same task."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+
+    async def start(self):
+        import asyncio
+
+        from core import AsyncEngine
+
+        ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._stop = asyncio.Event()
+
+        async def hold() -> None:
+            try:
+                async with AsyncEngine(self.args) as engine:
+                    ready.set_result(engine)
+                    await self._stop.wait()
+            except BaseException as e:
+                if not ready.done():
+                    ready.set_exception(e)
+                raise
+
+        self._task = asyncio.get_running_loop().create_task(hold())
+        return await ready
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
