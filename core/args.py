@@ -34,7 +34,8 @@ class EngineArgs:
     max_waiting_requests: int = 1024
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    fused_kernels: str = "auto"  # "auto" (on for cuda) | "on" | "off": Triton RMSNorm+residual, SiLU-and-mul, RoPE
     seed: int = 0
     served_model_name: str | None = None
 
@@ -55,6 +56,8 @@ class EngineArgs:
             raise bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.fused_kernels not in ("auto", "on", "off"):
+            raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -213,3 +213,24 @@ def summarize(requests: Sequence[BenchRequest]) -> dict[str, float]:
         "mean_prompt_len": p / n if n else 0.0,
         "mean_output_len": o / n if n else 0.0,
     }
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def save_requests(path: str | Path, requests: Sequence[BenchRequest], meta: dict[str, Any] | None = None) -> None:
+    """Write sampled requests (token ids and forced output lengths) as one JSON file, so the very same
+    requests can be replayed where the dataset itself is not installed (the GPU machine)."""
+    record = {
+        "meta": meta or {},
+        "requests": [{"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in requests],
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, separators=(",", ":")), encoding="utf-8")
+
+
+def load_requests(path: str | Path) -> tuple[list[BenchRequest], dict[str, Any]]:
+    """The requests and metadata written by `save_requests`."""
+    record = json.loads(Path(path).read_text(encoding="utf-8"))
+    reqs = [BenchRequest(list(r["prompt_token_ids"]), int(r["output_len"])) for r in record["requests"]]
+    return reqs, dict(record.get("meta", {}))
