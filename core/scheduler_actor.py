@@ -85,11 +85,22 @@ class SchedulerActor:
     async def _inbox_loop(self, inbox: ObjectReceiveStream[AddRequest | AbortRequest]) -> None:
         async with inbox:
             async for msg in inbox:
-                if isinstance(msg, AddRequest):
-                    self._add(msg)
-                else:
-                    self._abort(msg.request_id)
+                self._handle(msg)
+                # Take everything already queued before yielding: requests submitted together then reach
+                # the scheduler (woken by the first) together, and share their first step.
+                while True:
+                    try:
+                        msg = inbox.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                    self._handle(msg)
                 self._publish()
+
+    def _handle(self, msg: AddRequest | AbortRequest) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        else:
+            self._abort(msg.request_id)
 
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler

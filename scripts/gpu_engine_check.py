@@ -7,8 +7,9 @@ profile of where a step's time goes.
 ``equality``: 16 chat prompts, greedy, EOS ignored. The reference engine runs the torch attention backend,
 eagerly, with the unfused torch layers, and records the top-2 logprobs of every step; the engine under test
 runs its defaults (Triton kernels, CUDA graphs for decode, fused kernels). Each prompt must give the same
-first ``--tokens`` tokens, or diverge only where the reference's top-2 logit gap is under ``--near-tie``
-(bf16 logits of magnitude ~16 are spaced 0.0625 apart, so such a gap is within rounding).
+first ``--tokens`` tokens, or diverge only where the reference's top-2 logit gap is at most ``--near-tie``.
+The logits are bf16 (the LM head runs in bf16): SmolLM2's top logits lie between ~8 and ~40, where bf16
+values are 0.0625 to 0.25 apart, so a gap of one such step (the default, 0.25) is a tie at bf16 resolution.
 
 ``profile``: a `ModelRunner` driven with synthetic steps (no scheduler, no actors): decode steps at several
 batch sizes with and without CUDA graphs, and a prefill step of ``8 x 2048`` tokens; a torch.profiler
@@ -80,8 +81,8 @@ def equality(ns: argparse.Namespace) -> dict:
             top = r.logprobs[div].top
             gap = top[0][1] - top[1][1]
             row.update(ref_token=r.token_ids[div], fast_token=f.token_ids[div], ref_top2_gap=gap)
-            row["verdict"] = "near-tie" if gap < ns.near_tie else "MISMATCH"
-            ok &= gap < ns.near_tie
+            row["verdict"] = "near-tie" if gap <= ns.near_tie else "MISMATCH"
+            ok &= gap <= ns.near_tie
         else:
             row["verdict"] = "equal"
         rows.append(row)
@@ -264,7 +265,7 @@ def main() -> int:
     e = sub.add_parser("equality")
     e.add_argument("--model", default="smollm2-135m-instruct")
     e.add_argument("--tokens", type=int, default=32)
-    e.add_argument("--near-tie", type=float, default=0.1, help="top-2 logit gap under which a divergence is a tie")
+    e.add_argument("--near-tie", type=float, default=0.25, help="largest top-2 logit gap at which a divergence is a tie")
     e.add_argument("--out", required=True)
     p = sub.add_parser("profile")
     p.add_argument("--model", default="dummy:llama3-8b")

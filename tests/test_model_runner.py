@@ -112,3 +112,21 @@ def test_decode_through_the_graph_path_matches_eager():
     assert [o.token_ids for o in mixed] == [eager[0], eager[1][:2], eager[2]]
     assert 4 in graphs.replayed and set(graphs.replayed) <= {1, 2, 4}  # 3 running requests padded to 4
     assert np.all(np.array([len(t) for t in graphed]) == 6)
+
+
+def test_requests_submitted_together_share_their_first_step():
+    import anyio
+
+    from app.bench.common import drive_engine
+    from app.bench.datasets import sample_random
+    from core import AsyncEngine
+
+    async def go() -> int:
+        async with AsyncEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64) as engine:
+            before = engine.stats().num_steps
+            run = await drive_engine(engine, sample_random(8, 10, 4, 1000, seed=1))
+            assert run.output_lens == [4] * 8
+            return engine.stats().num_steps - before
+
+    # one prefill step for all eight (it samples each one's first token), then three decode steps
+    assert anyio.run(go) == 4

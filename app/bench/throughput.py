@@ -129,6 +129,8 @@ def main(ns: argparse.Namespace) -> int:
     }
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)
     release_device_memory()
+    if ns.out and ns.peer:  # the engine's figures survive a peer that is killed at a time limit
+        write_result(ns.out, command_line(), ns.model, dataset, figures)
     if ns.peer == "hf":
         try:
             peer = run_peer(ns.model, device, dtype, requests, ns.peer_timeout, ns.peer_max_batch_tokens)
