@@ -265,7 +265,7 @@ def main() -> int:
     e = sub.add_parser("equality")
     e.add_argument("--model", default="smollm2-135m-instruct")
     e.add_argument("--tokens", type=int, default=32)
-    e.add_argument("--near-tie", type=float, default=0.25, help="largest top-2 logit gap at which a divergence is a tie")
+    e.add_argument("--near-tie", type=float, default=0.25, help="largest top-2 logit gap that counts as a tie")
     e.add_argument("--out", required=True)
     p = sub.add_parser("profile")
     p.add_argument("--model", default="dummy:llama3-8b")
