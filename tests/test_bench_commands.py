@@ -165,3 +165,23 @@ def test_poisson_arrivals_have_the_requested_rate():
     assert arrival_times(3, float("inf"), 0) == [0.0, 0.0, 0.0]
     with pytest.raises(ValueError):
         arrival_times(3, 0.0, 0)
+
+
+def test_serve_against_the_real_server(tmp_path):
+    pytest.importorskip("sse_starlette")
+    from app.server import build_app
+    from core import AsyncEngine, EngineArgs
+    from tests.server_helpers import ServerThread
+
+    engine = AsyncEngine(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=512))
+    srv = ServerThread(build_app(engine)).start()
+    try:
+        r = _run(
+            tmp_path, "bench", "serve", "--base-url", srv.url, "--dataset", "random", "--num-prompts", "5",
+            "--input-len", "12", "--output-len", "6", "--request-rate", "100",
+        )  # fmt: skip
+    finally:
+        srv.stop()
+    assert r["model"] == "dummy:tiny" and r["completed"] == 5 and r["failed"] == 0
+    assert r["output_tokens"] == 30  # forced lengths (ignore_eos), counted from the usage chunks
+    assert 0 < r["ttft_median_ms"] <= r["e2e_median_ms"] and r["tpot_median_ms"] > 0
