@@ -38,6 +38,11 @@ class ModelRunner:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = get_attention_backend(backend)
         self.num_layers = cfg.num_hidden_layers
+        self.spec = None  # speculative decoding: the draft head and its steps
+        if args.speculative_model is not None:
+            from core.spec_decode import SpecDecodeRunner
+
+            self.spec = SpecDecodeRunner(self, source)
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
@@ -48,6 +53,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        if self.spec is not None:
+            self.spec.allocate_kv(self.num_kv_blocks)
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.generators: dict[str, torch.Generator] = {}
         logger.info(
@@ -60,7 +67,8 @@ class ModelRunner:
         )
 
     def _bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
+        draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
+        return draft + kv_bytes_per_block(
             self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
         )
 
@@ -77,6 +85,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.spec is not None:
+            return self.spec.execute(so)
         if not so.requests:
             return ModelOutput(so.step_id, {})
         if so.block_copies:
@@ -95,19 +105,23 @@ class ModelRunner:
         out = sample(logits, batch)
         tokens = out.token_ids.tolist()  # the step's one host sync
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = {}
-            lp = out.logprobs.tolist()
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            for i, r in enumerate(sampling):
-                n = r.sampling_params.logprobs
-                if n is None:
-                    continue
-                top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
-                logprobs[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
-        return ModelOutput(so.step_id, sampled, logprobs)
+        return ModelOutput(so.step_id, sampled, self._logprobs(sampling, tokens, out))
+
+    @staticmethod
+    def _logprobs(sampling: list[ScheduledRequest], tokens: list[int], out) -> dict[str, TokenLogprob] | None:
+        if out.logprobs is None:
+            return None
+        logprobs = {}
+        lp = out.logprobs.tolist()
+        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+        for i, r in enumerate(sampling):
+            n = r.sampling_params.logprobs
+            if n is None:
+                continue
+            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
+            logprobs[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+        return logprobs
 
     def _prepare(self, reqs: list[ScheduledRequest]):
         bs = self.block_size

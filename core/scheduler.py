@@ -6,6 +6,14 @@ chunk), then waiting ones take what is left of the budget, their prompts cut int
 do not fit (chunked prefill). Prefill and decode tokens share one flattened batch. When the KV pool
 runs dry, the newest running request is preempted: its blocks are freed and it goes back to the
 front of the waiting queue, to be recomputed later (its prefix may still be cached).
+
+Speculative decoding (``num_speculative_tokens > 0``): a decoding request whose draft head proposed
+tokens last step computes ``1 + k`` tokens (its last token and the drafts, to verify) with KV slots
+reserved ``k - 1`` further for the next drafts. After the step ``num_computed_tokens`` rolls back over
+the rejected drafts (their KV slots are simply overwritten later), and only verified tokens ever enter
+``all_token_ids``, so only they are hashed into the prefix cache. Above
+``speculative_disable_batch_size`` requests a step does not speculate; a request whose tokens were
+computed without the draft head keeps decoding without it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ class ScheduledRequest:
     # only when the request uses penalties (copies, so nothing mutable crosses actors)
     output_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # speculative decoding: the last num_draft_tokens of token_ids are drafts to verify
+    num_draft_tokens: int = 0
+    spec: bool = False  # run the draft head over this step's verified positions (and propose if sample)
+    next_token_id: int = -1  # spec, chunk that does not sample: the token after the chunk
 
 
 @dataclass(slots=True)
@@ -57,6 +69,10 @@ class ModelOutput:
     logprobs: dict[str, TokenLogprob] | None = None
     error: Exception | None = None
     fatal: bool = False
+    # speculative decoding: for requests that verified drafts, the accepted drafts then the
+    # resampled / bonus token (instead of `sampled`); and the next drafts proposed per request
+    spec_token_ids: dict[str, list[int]] | None = None
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +81,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_waiting_requests: int
+    num_speculative_tokens: int = 0  # 0 = no speculative decoding
+    speculative_disable_batch_size: int = 1 << 30
+
+
+@dataclass(slots=True)
+class SpecStats:
+    num_drafts: int = 0  # verification steps with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -77,9 +103,12 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self.spec_stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
     # -- intake ------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        # logprobs are reported per sampled token; verification does not compute them
+        req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -102,6 +131,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
+        k = self.config.num_speculative_tokens
+        spec_on = k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
         # 1. running requests, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
@@ -110,6 +141,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if spec_on and req.draft_synced:
+                drafts = self._drafts_to_verify(req, n, budget)
+                reaches_end = req.num_computed_tokens + n == req.num_tokens
+                got = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=k - 1 if reaches_end else 0)
+                if got is not None:
+                    copies.extend(got)
+                    scheduled.append(self._scheduled(req, n, drafts, spec=True))
+                    budget -= n + len(drafts)
+                    i += 1
+                    continue
+                # short of blocks: this step goes without speculation (and may preempt, below)
             while True:
                 got = self.kv.allocate_slots(req, n)
                 if got is not None:
@@ -129,7 +171,11 @@ class Scheduler:
             req = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            got = self.kv.allocate_slots(req, n, hit_blocks)
+            spec = spec_on and req.draft_synced
+            look = k - 1 if spec and num_hit + n == req.num_tokens else 0
+            got = self.kv.allocate_slots(req, n, hit_blocks, num_lookahead_tokens=look)
+            if got is None and look:
+                spec, got = False, self.kv.allocate_slots(req, n, hit_blocks)
             if got is None:
                 break
             self.waiting.popleft()
@@ -139,21 +185,36 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             self.running.append(req)
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(req, n, spec=spec))
             budget -= n
         self.step_id += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(self.step_id, scheduled, copies, finished)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """The pending drafts this step can verify: only after the last token, within the token budget,
+        and never past max_tokens or max_model_len (the verified tokens would be cut off anyway)."""
+        if req.num_computed_tokens + n != req.num_tokens:
+            return []
+        room = min(
+            budget - n,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens,
+        )
+        return req.spec_token_ids[: max(room, 0)]
+
+    def _scheduled(self, req: Request, n: int, drafts: list[int] = (), spec: bool = False) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
         sp = req.sampling_params
         penalties = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
-        req.num_computed_tokens += n  # optimistic: the executor computes them this step
+        req.num_computed_tokens += n + len(drafts)  # optimistic: the executor computes them this step
+        req.spec_token_ids = []
+        if not spec:
+            req.draft_synced = False  # positions computed without the draft head: its KV has a gap now
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=req.all_token_ids[start : start + n] + list(drafts),
             start_pos=start,
             block_table=self.kv.block_table(req.request_id),
             sample=sample,
@@ -162,12 +223,18 @@ class Scheduler:
             eos_token_ids=req.eos_token_ids,
             output_token_ids=list(req.output_token_ids) if sample and penalties else None,
             prompt_token_ids=list(req.prompt_token_ids) if sample and sp.repetition_penalty != 1 else None,
+            num_draft_tokens=len(drafts),
+            spec=spec,
+            next_token_id=req.all_token_ids[start + n] if spec and not sample else -1,
         )
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        # recomputed from scratch, so the draft head can follow again
+        req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -187,17 +254,30 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            token = out.sampled.get(sr.request_id)
-            if token is None:
+            if sr.num_draft_tokens:
+                tokens = out.spec_token_ids[sr.request_id]
+                self._roll_back(req, sr.num_draft_tokens, len(tokens) - 1)
+            else:
+                token = out.sampled.get(sr.request_id)
+                tokens = None if token is None else [token]
+            if out.draft_token_ids:
+                req.spec_token_ids = out.draft_token_ids.get(sr.request_id, [])
+            if tokens is None:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end yet
-            req.append_output(token)
-            reason, stop_reason = self._check_stop(req, token)
+            reason = stop_reason = None
+            for n, token in enumerate(tokens, 1):
+                req.append_output(token)
+                reason, stop_reason = self._check_stop(req, token)
+                if reason is not None:
+                    tokens = tokens[:n]
+                    break
+            self.kv.cache_blocks(req, req.num_computed_tokens)
             lp = out.logprobs.get(sr.request_id) if out.logprobs else None
             events.append(
                 TokenEvent(
                     req.request_id,
-                    [token],
+                    tokens,
                     logprobs=[lp] if lp is not None else None,
                     finish_reason=reason,
                     stop_reason=stop_reason,
@@ -207,6 +287,17 @@ class Scheduler:
             if reason is not None:
                 self._finish(req)
         return events
+
+    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Rejected drafts were computed optimistically: their KV slots are now past the end, to be
+        overwritten (the cache never hashes them: they are not in all_token_ids)."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        st = self.spec_stats
+        st.num_drafts += 1
+        st.num_draft_tokens += num_drafts
+        st.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            st.accepted_per_position[j] += 1
 
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         sp = req.sampling_params

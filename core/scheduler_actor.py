@@ -33,6 +33,11 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     healthy: bool = True
+    # speculative decoding (mean acceptance length = 1 + accepted / drafts)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -41,6 +46,11 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verification step: the accepted drafts plus the one the target always adds."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class SchedulerActor:
@@ -68,6 +78,10 @@ class SchedulerActor:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             healthy=self.dead is None,
+            spec_num_drafts=s.spec_stats.num_drafts,
+            spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
         )
 
     async def run(
@@ -116,11 +130,14 @@ class SchedulerActor:
                 )
             )
             return
+        try:
+            msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return  # the caller was cancelled before admission: nobody would read, nobody would abort
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
             s.add_request(req)
             self.prompt_tokens += req.num_prompt_tokens
-        msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
         self._wakeup.set()
 
     def _abort(self, request_id: str) -> None:

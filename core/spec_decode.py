@@ -1,0 +1,206 @@
+"""The model runner's speculative steps: verify last step's drafts inside the normal mixed batch, then
+let the EAGLE proposer draft the next ones.
+
+One target forward covers every scheduled request. A request verifying ``d`` drafts computes ``1 + d``
+tokens (its last token, then the drafts); its last ``d + 1`` rows are projected through the LM head and
+turned into the target's distributions ``p_1..p_{d+1}`` by the sampler's own ``process_logits``, each
+row with the request's temperature / top-k / top-p and with penalties and ``min_tokens`` bans as they
+stand after the drafts before it. `spec.rejection.rejection_sample` then accepts or rejects (greedy
+requests: exact argmax matching) and adds the resampled or bonus token. Requests without drafts (a
+prefill's last chunk, logprobs requests) are sampled exactly as in the plain step.
+
+The draft's distribution ``q`` of the pending drafts stays here, on the device, keyed by request (only
+for sampled requests; greedy verification needs none), until the next step verifies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from core.models.layers import ForwardContext
+from core.models.loader import ModelSource
+from core.sampler import SamplingBatch, process_logits, sample
+from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+from kv.attention.base import kv_bytes_per_block
+from spec.eagle import load_draft_head, resolve_draft_head
+from spec.proposer import DraftInput, DraftSampling, EagleProposer
+from spec.rejection import RejectionOutput, greedy_verify, rejection_sample
+
+
+class SpecDecodeRunner:
+    def __init__(self, runner, source: ModelSource) -> None:
+        args = runner.args
+        self.runner = runner
+        self.k = args.num_speculative_tokens
+        path = resolve_draft_head(args.speculative_model, source.name)
+        # Speculative pairs run up to k - 1 positions past the verified ones.
+        self.head = load_draft_head(
+            path, source.config, source.name, runner.max_model_len + 2 * self.k + 1, runner.device, runner.dtype
+        )
+        self.proposer: EagleProposer | None = None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.head.cfg
+        return kv_bytes_per_block(1, self.runner.block_size, cfg.num_key_value_heads, cfg.head_dim, self.runner.dtype)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        r = self.runner
+        self.proposer = EagleProposer(
+            self.head, r.model, num_blocks, r.block_size, self.k, r.backend, r.device, r.dtype
+        )
+
+    # -- one step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        r = self.runner
+        for rid in so.finished_request_ids:
+            self.draft_probs.pop(rid, None)
+        if not so.requests:
+            return ModelOutput(so.step_id, {})
+        if so.block_copies:
+            src = torch.tensor([s for s, _ in so.block_copies], device=r.device)
+            dst = torch.tensor([d for _, d in so.block_copies], device=r.device)
+            for kv in r.kv_caches:
+                kv[:, dst] = kv[:, src]
+            self.proposer.copy_blocks(src, dst)
+        reqs = so.requests
+        input_ids, positions, meta, _ = r._prepare(reqs)
+        hidden = r.model(input_ids, positions, ForwardContext(meta, r.kv_caches, r.backend))
+        qsl = meta.query_start_loc_host
+        plain = [i for i, sr in enumerate(reqs) if sr.sample and not sr.num_draft_tokens]
+        verify = [i for i, sr in enumerate(reqs) if sr.num_draft_tokens]
+        rows = [qsl[i + 1] - 1 for i in plain]
+        for i in verify:
+            d = reqs[i].num_draft_tokens
+            rows.extend(range(qsl[i + 1] - 1 - d, qsl[i + 1]))
+        parts: list[torch.Tensor] = []
+        out_plain = None
+        if rows:
+            logits = r.model.compute_logits(hidden[torch.tensor(rows, device=r.device)])
+            if plain:
+                out_plain = sample(logits[: len(plain)], r._sampling_batch([reqs[i] for i in plain]))
+                parts.append(out_plain.token_ids)
+            if verify:
+                res = self._verify(logits[len(plain) :], [reqs[i] for i in verify])
+                parts += [res.output_token_ids.flatten(), res.num_accepted]
+        host = torch.cat(parts).tolist() if parts else []  # the target's one host sync
+
+        sampled = {reqs[i].request_id: t for i, t in zip(plain, host)}
+        spec_tokens: dict[str, list[int]] = {}
+        if verify:
+            width = max(reqs[i].num_draft_tokens for i in verify) + 1
+            base = len(plain)
+            accepted = host[base + width * len(verify) :]
+            for b, i in enumerate(verify):
+                row = host[base + b * width : base + (b + 1) * width]
+                spec_tokens[reqs[i].request_id] = row[: accepted[b] + 1]
+        logprobs = None
+        if out_plain is not None:
+            logprobs = r._logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
+        drafts = self._propose(reqs, hidden, qsl, sampled, spec_tokens)
+        return ModelOutput(so.step_id, sampled, logprobs, spec_token_ids=spec_tokens or None, draft_token_ids=drafts)
+
+    def _verify(self, logits: torch.Tensor, vreqs: list[ScheduledRequest]) -> RejectionOutput:
+        """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``."""
+        r = self.runner
+        dev = logits.device
+        rows: list[ScheduledRequest] = []
+        for sr in vreqs:
+            d = sr.num_draft_tokens
+            drafts = sr.token_ids[-d:]
+            for j in range(d + 1):
+                # row j sees the drafts before it as output tokens (penalties, min_tokens)
+                outs = None if sr.output_token_ids is None else sr.output_token_ids + drafts[:j]
+                rows.append(replace(sr, num_output_tokens=sr.num_output_tokens + j, output_token_ids=outs))
+        processed = process_logits(logits.float(), r._sampling_batch(rows))
+        b, kmax = len(vreqs), max(sr.num_draft_tokens for sr in vreqs)
+        flat = torch.tensor(
+            [i * (kmax + 1) + j for i, sr in enumerate(vreqs) for j in range(sr.num_draft_tokens + 1)], device=dev
+        )
+        draft_ids = torch.tensor(
+            [sr.token_ids[-sr.num_draft_tokens :] + [0] * (kmax - sr.num_draft_tokens) for sr in vreqs], device=dev
+        )
+        num_draft = torch.tensor([sr.num_draft_tokens for sr in vreqs], device=dev)
+        greedy = [sr.sampling_params.temperature == 0 for sr in vreqs]
+        if all(greedy):
+            argmax = torch.zeros(b * (kmax + 1), dtype=torch.long, device=dev)
+            argmax[flat] = processed.argmax(-1)
+            return greedy_verify(draft_ids, argmax.view(b, kmax + 1), num_draft)
+        p = processed.softmax(-1)
+        vocab = p.shape[-1]
+        target = p.new_zeros(b, kmax + 1, vocab)
+        target.view(-1, vocab)[flat] = p
+        q = None
+        if not all(greedy):
+            q = p.new_zeros(b, kmax, vocab)
+            for i, sr in enumerate(vreqs):
+                if not greedy[i]:
+                    q[i, : sr.num_draft_tokens] = self.draft_probs[sr.request_id][: sr.num_draft_tokens]
+        gens = [r._generator(sr) for sr in vreqs]
+        return rejection_sample(draft_ids, q, target, torch.tensor(greedy, device=dev), gens, num_draft)
+
+    def _propose(
+        self,
+        reqs: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        qsl: list[int],
+        sampled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+    ) -> dict[str, list[int]] | None:
+        """Draft KV catch-up over every verified position, then k drafts for the requests that sampled."""
+        inp = DraftInput([], [], [], [], [], [])
+        proposing: list[ScheduledRequest] = []
+        for i, sr in enumerate(reqs):
+            if not sr.spec:
+                continue
+            rid = sr.request_id
+            if sr.num_draft_tokens:
+                # x_{N-1}, d_1..d_a stand; the pairs' next tokens are the emitted tokens themselves
+                nxt = spec_tokens[rid]
+            elif sr.sample:
+                nxt = sr.token_ids[1:] + [sampled[rid]]
+            else:
+                nxt = sr.token_ids[1:] + [sr.next_token_id]
+            inp.starts.append(sr.start_pos)
+            inp.lens.append(len(nxt))
+            inp.block_tables.append(sr.block_table)
+            inp.propose.append(sr.sample)
+            inp.feature_rows.extend(range(qsl[i], qsl[i] + len(nxt)))
+            inp.next_tokens.extend(nxt)
+            if sr.sample:
+                proposing.append(sr)
+        if not inp.starts:
+            return None
+        r = self.runner
+        greedy = [sr.sampling_params.temperature == 0 for sr in proposing]
+        ng = [sr for sr, g in zip(proposing, greedy) if not g]
+        sampling = DraftSampling(greedy, [r._generator(sr) for sr in proposing], self._probs_fn(ng) if ng else None)
+        out = self.proposer.propose(hidden, inp, sampling)
+        if out is None:
+            return None
+        drafts = out.token_ids.tolist()  # the draft's one host sync
+        for sr in proposing:
+            self.draft_probs.pop(sr.request_id, None)
+        for j, row in enumerate(out.probs_rows):
+            self.draft_probs[proposing[row].request_id] = out.probs[j]
+        return {sr.request_id: d for sr, d in zip(proposing, drafts)}
+
+    def _probs_fn(self, reqs: list[ScheduledRequest]):
+        """q for sampled drafts: the request's temperature and truncation over the draft's vocabulary.
+        Penalties are left out: q may be any distribution, as long as the drafts are drawn from it."""
+        dev = self.runner.device
+        sps = [sr.sampling_params for sr in reqs]
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)
+        batch = SamplingBatch(
+            temperature=f([p.temperature for p in sps]),
+            top_k=torch.tensor([max(p.top_k, 0) for p in sps], dtype=torch.long, device=dev),
+            top_p=f([p.top_p for p in sps]),
+            min_p=f([p.min_p for p in sps]),
+            generators=[None] * len(sps),
+            any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sps),
+            any_min_p=any(p.min_p > 0 for p in sps),
+        )
+        return lambda logits: process_logits(logits, batch).softmax(-1)
