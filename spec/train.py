@@ -291,9 +291,12 @@ def train_draft_head(
     progress: bool = True,
     max_steps: int | None = None,
     provenance: dict | None = None,
+    time_limit: float | None = None,
 ) -> TrainResult:
     """Train a head for ``model`` on ``examples``; writes ``out_dir`` (the head, and a checkpoint while
-    training). ``max_steps`` stops early (a resumable interruption, for tests)."""
+    training). ``max_steps`` stops early (a resumable interruption, for tests). ``time_limit`` (seconds
+    of training) shortens the schedule to the steps that fit, timed over the first ten; such a run is not
+    resumable step for step."""
     from tqdm.auto import tqdm
 
     cfg = cfg or TrainConfig()
@@ -361,9 +364,20 @@ def train_draft_head(
     bar = tqdm(total=total, initial=start, desc="train draft", unit="step", disable=not progress)
     t0 = time.perf_counter()
     head.train()
-    for step in range(start, stop):
+    step = start
+    order, order_epoch = [], -1
+    while step < stop:
+        if time_limit is not None and step == start + 10:
+            per_step = (time.perf_counter() - t0) / 10
+            fit = step + int((time_limit - (time.perf_counter() - t0)) / per_step)
+            if fit < stop:
+                logger.warning("--train-time-limit: %d of %d steps fit (%.3fs/step)", fit, total, per_step)
+                stop = total = max(fit, step + 1)
+                bar.total = total
         epoch, idx = divmod(step, per_epoch)
-        batch_ids = _batches(lengths, cfg.batch_tokens, cfg.seed * 1000 + epoch)[idx]
+        if epoch != order_epoch:
+            order, order_epoch = _batches(lengths, cfg.batch_tokens, cfg.seed * 1000 + epoch), epoch
+        batch_ids = order[idx]
         for group in opt.param_groups:
             group["lr"] = _lr(step, total, cfg)
         with autocast:
@@ -378,8 +392,9 @@ def train_draft_head(
         history.append({"step": step + 1, "loss": round(value, 5), "acc": [round(a, 4) for a in acc]})
         bar.set_postfix(loss=f"{value:.3f}", acc="/".join(f"{a:.2f}" for a in acc))
         bar.update(1)
-        if (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(step + 1)
+        step += 1
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint(step)
     bar.close()
     save_checkpoint(stop)
     head.eval()
@@ -396,4 +411,3 @@ def train_draft_head(
         }
         save_draft_head(head, out)
     return TrainResult(head, stop, history)
-

@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--max-new-tokens", type=int, default=256, help="regenerated response length limit")
     t.add_argument("--gen-time-limit", type=float, default=None, help="stop regenerating after this many seconds")
     t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--train-time-limit", type=float, default=None, help="fit the schedule into this many seconds")
     t.add_argument("--batch-tokens", type=int, default=16384)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--ttt-steps", type=int, default=3)
@@ -121,6 +122,8 @@ def _engine_kwargs(ns, **extra) -> dict:
     )
     if ns.device == "cpu" or (ns.device == "auto" and not _has_cuda()):
         kw["num_kv_blocks"] = 4096
+    else:
+        kw["gpu_memory_utilization"] = 0.3  # training shares the GPU with this engine
     kw.update(extra)
     return kw
 
@@ -229,6 +232,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             eos_token_ids=llm.engine.source.eos_token_ids,
             resume=ns.resume,
             provenance=provenance,
+            time_limit=ns.train_time_limit,
         )
     finally:
         llm.close()
