@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from core.models.layers import ForwardContext
 from kv.attention import allocate_kv_cache, get_attention_backend
-from spec.eagle import EagleDraftHead, new_draft_head, save_draft_head, target_lm_weight
+from spec.eagle import EagleDraftHead, load_draft_head, new_draft_head, save_draft_head, target_lm_weight
 from spec.proposer import paged_metadata
 
 logger = logging.getLogger("sluice")
@@ -61,7 +61,7 @@ class TrainConfig:
     ttt_steps: int = 3  # unrolled draft steps per position
     step_decay: float = 0.8  # loss weight of step s: step_decay ** (s - 1)
     w_reg: float = 1.0
-    w_cls: float = 0.1
+    w_cls: float = 1.0  # EAGLE-1 used 0.1; the token loss is what acceptance measures (EAGLE-3 keeps only it)
     draft_vocab: int = 8192  # 0 = the target's whole vocabulary
     init_from_last_layer: bool = True
     seed: int = 0
@@ -227,7 +227,7 @@ def _init_from_target(head: EagleDraftHead, model) -> None:
         head.fc.weight[:, h:] += torch.eye(h, device=head.fc.weight.device, dtype=head.fc.weight.dtype)
 
 
-def _losses(head, lm_d, embed, batch, feats_list, cfg: TrainConfig, device):
+def _losses(head, lm_d, embed, batch, feats_list, tokens_list, cfg: TrainConfig, device):
     """The weighted loss of one batch and per-step top-1 agreement with the target."""
     lens = [len(ex.token_ids) for ex in batch]
     length = max(lens)
@@ -235,8 +235,8 @@ def _losses(head, lm_d, embed, batch, feats_list, cfg: TrainConfig, device):
     h = feats_list[0].shape[-1]
     tokens = torch.zeros(b, length, dtype=torch.long, device=device)
     feats = torch.zeros(b, length, h, dtype=feats_list[0].dtype, device=device)
-    for i, (ex, f) in enumerate(zip(batch, feats_list)):
-        tokens[i, : lens[i]] = torch.tensor(ex.token_ids, device=device)
+    for i, (tok, f) in enumerate(zip(tokens_list, feats_list)):
+        tokens[i, : lens[i]] = tok
         feats[i, : lens[i]] = f
     t = torch.arange(length, device=device)[None, :]
     ln = torch.tensor(lens, device=device)[:, None]
@@ -265,9 +265,10 @@ def _losses(head, lm_d, embed, batch, feats_list, cfg: TrainConfig, device):
 
 
 def _lr(step: int, total: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(total - cfg.warmup_steps, 1)
+    warmup = min(cfg.warmup_steps, max(1, total // 20))  # short runs must not spend themselves warming up
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    frac = (step - warmup) / max(total - warmup, 1)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
@@ -292,11 +293,13 @@ def train_draft_head(
     max_steps: int | None = None,
     provenance: dict | None = None,
     time_limit: float | None = None,
+    init_from: str | Path | None = None,
 ) -> TrainResult:
     """Train a head for ``model`` on ``examples``; writes ``out_dir`` (the head, and a checkpoint while
     training). ``max_steps`` stops early (a resumable interruption, for tests). ``time_limit`` (seconds
     of training) shortens the schedule to the steps that fit, timed over the first ten; such a run is not
-    resumable step for step."""
+    resumable step for step. ``init_from`` starts from an existing head of this target (its weights and
+    draft vocabulary) instead of a fresh one, so short runs can add up."""
     from tqdm.auto import tqdm
 
     cfg = cfg or TrainConfig()
@@ -317,8 +320,13 @@ def train_draft_head(
         raise ValueError(f"{ckpt_path} belongs to another run (data or config differ); remove it or pass --no-resume")
 
     vocab = target_config.vocab_size
+    start_head = None
+    if ckpt is None and init_from is not None:
+        start_head = load_draft_head(init_from, target_config, target_name, cfg.max_seq_len + cfg.ttt_steps + 1)
     if ckpt is not None:
         draft_vocab = ckpt["draft_vocab"]
+    elif start_head is not None:
+        draft_vocab = None if start_head.draft_vocab is None else start_head.draft_vocab.cpu()
     elif cfg.draft_vocab and cfg.draft_vocab < vocab:
         draft_vocab = draft_vocabulary(examples, vocab, cfg.draft_vocab, eos_token_ids)
     else:
@@ -328,7 +336,9 @@ def train_draft_head(
         target_name, target_config, cfg.max_seq_len + cfg.ttt_steps + 1, draft_vocab=draft_vocab, seed=cfg.seed
     ).to(device)
     head.rotary.to(torch.float32)
-    if ckpt is None and cfg.init_from_last_layer:
+    if start_head is not None:
+        head.load_state_dict(start_head.state_dict())
+    elif ckpt is None and cfg.init_from_last_layer:
         _init_from_target(head, model)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     start = 0
@@ -340,6 +350,7 @@ def train_draft_head(
         logger.info("resuming draft training at step %d", start)
 
     feats = target_features(model, [ex.token_ids for ex in examples], device, progress=progress)
+    token_tensors = [torch.tensor(ex.token_ids, device=device) for ex in examples]
     lm_d = head.lm_weight(target_lm_weight(model)).detach()
     embed = model.model.embed_tokens
     lengths = [len(ex.token_ids) for ex in examples]
@@ -362,13 +373,15 @@ def train_draft_head(
         tmp.replace(ckpt_path)
 
     bar = tqdm(total=total, initial=start, desc="train draft", unit="step", disable=not progress)
-    t0 = time.perf_counter()
+    t0 = t5 = time.perf_counter()
     head.train()
     step = start
     order, order_epoch = [], -1
     while step < stop:
-        if time_limit is not None and step == start + 10:
-            per_step = (time.perf_counter() - t0) / 10
+        if time_limit is not None and step == start + 5:
+            t5 = time.perf_counter()  # the first steps pay for kernel warm-up: time the next ten
+        if time_limit is not None and step == start + 15:
+            per_step = (time.perf_counter() - t5) / 10
             fit = step + int((time_limit - (time.perf_counter() - t0)) / per_step)
             if fit < stop:
                 logger.warning("--train-time-limit: %d of %d steps fit (%.3fs/step)", fit, total, per_step)
@@ -382,7 +395,14 @@ def train_draft_head(
             group["lr"] = _lr(step, total, cfg)
         with autocast:
             loss, acc = _losses(
-                head, lm_d, embed, [examples[i] for i in batch_ids], [feats[i] for i in batch_ids], cfg, device
+                head,
+                lm_d,
+                embed,
+                [examples[i] for i in batch_ids],
+                [feats[i] for i in batch_ids],
+                [token_tensors[i] for i in batch_ids],
+                cfg,
+                device,
             )
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -407,6 +427,7 @@ def train_draft_head(
             "config": asdict(cfg),
             "final": history[-1] if history else None,
             "seconds_this_run": round(time.perf_counter() - t0, 1),
+            "previous": start_head.cfg.training if start_head is not None else None,
             **(provenance or {}),
         }
         save_draft_head(head, out)

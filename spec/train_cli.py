@@ -41,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--ttt-steps", type=int, default=3)
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument("--init-from", default=None, help="continue from this head (e.g. the shipped one)")
     t.add_argument("--smoke", action="store_true", help="tiny CPU config: dummy:tiny, 16 prompts, seconds")
     t.add_argument("--export-data", default=None, help="write the selected conversations to this JSON file, exit")
     t.set_defaults(func=cmd_train)
@@ -221,6 +222,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             "split": ns.split,
             "responses": ns.responses,
             "max_new_tokens": ns.max_new_tokens,
+            "init_from": ns.init_from,
         }
         res = train_draft_head(
             runner.model,
@@ -233,6 +235,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             resume=ns.resume,
             provenance=provenance,
             time_limit=ns.train_time_limit,
+            init_from=ns.init_from,
         )
     finally:
         llm.close()

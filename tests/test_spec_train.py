@@ -75,7 +75,7 @@ def test_training_learns_the_targets_next_token(tmp_path, tiny_target):
     cfg = TrainConfig(**{**CFG, "epochs": 30, "batch_tokens": 4096})  # one batch of 4 sequences, 30 steps
     res = train_draft_head(model, "dummy:tiny", source.config, _examples(4), tmp_path, cfg, progress=False)
     first, last = res.history[0], res.history[-1]
-    assert last["loss"] < 0.8 * first["loss"]
+    assert last["loss"] < first["loss"] - 0.5  # the soft cross-entropy has the target's entropy as its floor
     assert first["acc"][0] < 0.3 and last["acc"][0] > 0.6  # top-1 agreement with the target, first draft
 
 
@@ -98,6 +98,21 @@ def test_training_resumes_exactly(tmp_path, tiny_target):
         train_draft_head(model, "dummy:tiny", source.config, _examples(20), tmp_path / "b", cfg, progress=False)
     head = load_draft_head(tmp_path / "a", source.config, "dummy:tiny", 128)
     assert head.cfg.draft_vocab_size == 512 and head.cfg.training["steps"] == full.steps
+    # --init-from: a new run starts from that head's weights and vocabulary
+    cont = train_draft_head(
+        model,
+        "dummy:tiny",
+        source.config,
+        _examples(),
+        tmp_path / "c",
+        cfg,
+        progress=False,
+        max_steps=0,
+        init_from=tmp_path / "a",
+    )
+    assert torch.equal(cont.head.draft_vocab, head.draft_vocab)
+    for (name, a), b in zip(head.state_dict().items(), cont.head.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
 
 
 def test_cli_smoke_trains_a_head_that_serves(tmp_path):
