@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
+SERVE_ARGS ?=
 
 .PHONY: install serve test test-fast lint
 
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 serve: install
-	$(BIN)/sluice serve --host $(HOST) --port $(PORT)
+	$(BIN)/sluice serve --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q

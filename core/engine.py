@@ -136,6 +136,11 @@ class AsyncEngine:
         return self._scheduler_actor.stats
 
     @property
+    def is_running(self) -> bool:
+        """Inside ``async with`` (started, not yet stopped)."""
+        return self._tg is not None
+
+    @property
     def is_healthy(self) -> bool:
         return self._tg is not None and self._scheduler_actor.dead is None
 

@@ -45,9 +45,9 @@ def prompt_of_length(tokenizer, n: int, seed_text: str = "Tell me a story about"
     words = (
         seed_text + " a curious fox who lived near the old mill by the river and liked apples, "
         "books, maps and long walks in the autumn rain while the town slept quietly "
-    ) * 8
+    )
     ids = tokenizer.encode(words, add_special_tokens=False)
-    assert len(ids) >= n
+    ids = ids * (n // len(ids) + 1)
     return ids[:n]
 
 

@@ -1,0 +1,121 @@
+"""Prometheus metrics of one server app, named after vLLM's under the ``sluice:`` prefix.
+
+Engine-wide figures (queue lengths, KV usage, prefix-cache and token counters) are read from
+``engine.stats()`` when /metrics is scraped, so they cost nothing per step; latency histograms are
+observed per request by the server. Each app owns its `CollectorRegistry`: two apps in one process (or
+one test session) never share or clash over metric state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "sluice:"
+
+# (stats attribute, metric name, help). Counters are exposed with the `_total` suffix.
+_GAUGES = (
+    ("num_running", "num_requests_running", "Sequences in the running batch."),
+    ("num_waiting", "num_requests_waiting", "Sequences waiting to be scheduled."),
+    ("kv_blocks_free", "kv_blocks_free", "KV blocks not held by any request (unreferenced cached blocks count)."),
+    ("kv_blocks_total", "kv_blocks_total", "KV blocks in the pool."),
+)
+_COUNTERS = (
+    ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    ("num_preemptions", "num_preemptions", "Requests preempted (blocks freed, recomputed later)."),
+    ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted."),
+    ("generation_tokens", "generation_tokens", "Tokens generated."),
+)
+# Speculative-decoding counters appear as soon as EngineStats carries them (fields named spec_decode_*).
+_SPEC_PREFIX = "spec_decode_"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.engine.stats()
+        except Exception:  # an engine that never started has no scheduler yet: export nothing
+            return
+        for attr, name, doc in _GAUGES:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+        yield GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of KV blocks held by requests, 0 to 1 (unreferenced cached blocks count as free).",
+            value=stats.kv_cache_usage,
+        )
+        for attr, name, doc in _COUNTERS:
+            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+        for attr in getattr(stats, "__dataclass_fields__", {}):
+            if attr.startswith(_SPEC_PREFIX):
+                yield CounterMetricFamily(PREFIX + attr, f"Speculative decoding: {attr}.", value=getattr(stats, attr))
+        yield GaugeMetricFamily(
+            PREFIX + "engine_healthy", "1 while the engine serves requests.", value=int(stats.healthy)
+        )
+
+
+class ServerMetrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first token.", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between successive outputs of one sequence.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", buckets=_E2E_BUCKETS, registry=r
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished sequences by finish reason.", ["finished_reason"], registry=r
+        )
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """Observes one request's latencies as its outputs go by (all n sequences of it)."""
+
+    __slots__ = ("metrics", "arrival", "first", "last")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.first = False
+        self.last: dict[int, float] = {}
+
+    def observe(self, index: int, finish_reason: str | None) -> None:
+        now = time.monotonic()
+        if not self.first:
+            self.first = True
+            self.metrics.ttft.observe(now - self.arrival)
+        prev = self.last.get(index)
+        if prev is not None:
+            self.metrics.itl.observe(now - prev)
+        self.last[index] = now
+        if finish_reason is not None:
+            self.metrics.request_success.labels(finish_reason).inc()
+
+    def done(self) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
