@@ -83,8 +83,14 @@ async def test_long_prompt_is_prefilled_in_chunks_with_the_same_output(engine, d
     prompt = chat_prompt_of_length(default_tokenizer, 300, topic="glaciers")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     whole, _ = await collect(engine, prompt, params)
-    args = EngineArgs(model=MODEL, device="cpu", num_kv_blocks=256, max_model_len=2048, max_num_batched_tokens=64,
-                      enable_prefix_caching=False)
+    args = EngineArgs(
+        model=MODEL,
+        device="cpu",
+        num_kv_blocks=256,
+        max_model_len=2048,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
     async with AsyncEngine(args) as small_budget:
         before = small_budget.stats().num_steps
         first_token_steps = None

@@ -286,3 +286,30 @@ async def aenumerate(it):
     async for x in it:
         yield n, x
         n += 1
+
+
+def test_metrics_export_the_spec_counters():
+    from app.metrics import ServerMetrics
+    from core.scheduler_actor import EngineStats
+
+    class Engine:
+        def __init__(self, stats):
+            self._stats = stats
+
+        def stats(self):
+            return self._stats
+
+    on = EngineStats(
+        kv_blocks_total=4,
+        spec_num_drafts=3,
+        spec_num_draft_tokens=12,
+        spec_num_accepted_tokens=7,
+        spec_accepted_per_position=(3, 2, 1, 1),
+    )
+    text = ServerMetrics(Engine(on)).render()[0].decode()
+    assert "sluice:spec_decode_num_drafts_total 3.0" in text
+    assert "sluice:spec_decode_num_accepted_tokens_total 7.0" in text
+    assert 'sluice:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
+    assert on.spec_mean_acceptance_length == pytest.approx(1 + 7 / 3)
+    off = ServerMetrics(Engine(EngineStats(kv_blocks_total=4))).render()[0].decode()
+    assert "spec_decode" not in off
