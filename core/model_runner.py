@@ -105,23 +105,19 @@ class ModelRunner:
         out = sample(logits, batch)
         tokens = out.token_ids.tolist()  # the step's one host sync
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
-        return ModelOutput(so.step_id, sampled, self._logprobs(sampling, tokens, out))
-
-    @staticmethod
-    def _logprobs(sampling: list[ScheduledRequest], tokens: list[int], out) -> dict[str, TokenLogprob] | None:
-        if out.logprobs is None:
-            return None
-        logprobs = {}
-        lp = out.logprobs.tolist()
-        top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        for i, r in enumerate(sampling):
-            n = r.sampling_params.logprobs
-            if n is None:
-                continue
-            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
-            logprobs[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
-        return logprobs
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = {}
+            lp = out.logprobs.tolist()
+            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+            top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+            for i, r in enumerate(sampling):
+                n = r.sampling_params.logprobs
+                if n is None:
+                    continue
+                top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
+                logprobs[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+        return ModelOutput(so.step_id, sampled, logprobs)
 
     def _prepare(self, reqs: list[ScheduledRequest]):
         bs = self.block_size

@@ -11,6 +11,10 @@ prefill's last chunk, logprobs requests) are sampled exactly as in the plain ste
 
 The draft's distribution ``q`` of the pending drafts stays here, on the device, keyed by request (only
 for sampled requests; greedy verification needs none), until the next step verifies them.
+
+Of the plain runner it uses the model, the KV tensors, the attention backend and the per-request
+generators; step inputs and sampling rows are built here, so the plain step's own buffers and CUDA
+graphs can change without touching this path.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import torch
 
 from core.models.layers import ForwardContext
 from core.models.loader import ModelSource
-from core.sampler import SamplingBatch, process_logits, sample
+from core.outputs import TokenLogprob
+from core.sampler import SamplerOutput, SamplingBatch, process_logits, sample
 from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from kv.attention.base import kv_bytes_per_block
 from spec.eagle import load_draft_head, resolve_draft_head
-from spec.proposer import DraftInput, DraftSampling, EagleProposer
+from spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata
 from spec.rejection import RejectionOutput, greedy_verify, rejection_sample
 
 
@@ -67,7 +72,14 @@ class SpecDecodeRunner:
                 kv[:, dst] = kv[:, src]
             self.proposer.copy_blocks(src, dst)
         reqs = so.requests
-        input_ids, positions, meta, _ = r._prepare(reqs)
+        positions, meta = paged_metadata(
+            [sr.start_pos for sr in reqs],
+            [len(sr.token_ids) for sr in reqs],
+            [sr.block_table for sr in reqs],
+            r.block_size,
+            r.device,
+        )
+        input_ids = torch.tensor([t for sr in reqs for t in sr.token_ids], dtype=torch.long, device=r.device)
         hidden = r.model(input_ids, positions, ForwardContext(meta, r.kv_caches, r.backend))
         qsl = meta.query_start_loc_host
         plain = [i for i, sr in enumerate(reqs) if sr.sample and not sr.num_draft_tokens]
@@ -81,7 +93,7 @@ class SpecDecodeRunner:
         if rows:
             logits = r.model.compute_logits(hidden[torch.tensor(rows, device=r.device)])
             if plain:
-                out_plain = sample(logits[: len(plain)], r._sampling_batch([reqs[i] for i in plain]))
+                out_plain = sample(logits[: len(plain)], self._sampling_batch([reqs[i] for i in plain]))
                 parts.append(out_plain.token_ids)
             if verify:
                 res = self._verify(logits[len(plain) :], [reqs[i] for i in verify])
@@ -99,7 +111,7 @@ class SpecDecodeRunner:
                 spec_tokens[reqs[i].request_id] = row[: accepted[b] + 1]
         logprobs = None
         if out_plain is not None:
-            logprobs = r._logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
+            logprobs = _logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
         drafts = self._propose(reqs, hidden, qsl, sampled, spec_tokens)
         return ModelOutput(so.step_id, sampled, logprobs, spec_token_ids=spec_tokens or None, draft_token_ids=drafts)
 
@@ -115,7 +127,7 @@ class SpecDecodeRunner:
                 # row j sees the drafts before it as output tokens (penalties, min_tokens)
                 outs = None if sr.output_token_ids is None else sr.output_token_ids + drafts[:j]
                 rows.append(replace(sr, num_output_tokens=sr.num_output_tokens + j, output_token_ids=outs))
-        processed = process_logits(logits.float(), r._sampling_batch(rows))
+        processed = process_logits(logits.float(), self._sampling_batch(rows))
         b, kmax = len(vreqs), max(sr.num_draft_tokens for sr in vreqs)
         flat = torch.tensor(
             [i * (kmax + 1) + j for i, sr in enumerate(vreqs) for j in range(sr.num_draft_tokens + 1)], device=dev
@@ -188,6 +200,37 @@ class SpecDecodeRunner:
             self.draft_probs[proposing[row].request_id] = out.probs[j]
         return {sr.request_id: d for sr, d in zip(proposing, drafts)}
 
+    def _sampling_batch(self, reqs: list[ScheduledRequest]) -> SamplingBatch:
+        """The sampler's per-row parameters (penalties and min_tokens bans as each row stands)."""
+        dev = self.runner.device
+        sps = [r.sampling_params for r in reqs]
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)
+        any_pen = any(r.output_token_ids is not None for r in reqs)
+        banned = [
+            list(r.eos_token_ids) * (not p.ignore_eos) + list(p.stop_token_ids)
+            if r.num_output_tokens < p.min_tokens
+            else []
+            for r, p in zip(reqs, sps)
+        ]
+        nlp = [p.logprobs for p in sps if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=f([p.temperature for p in sps]),
+            top_k=torch.tensor([max(p.top_k, 0) for p in sps], dtype=torch.long, device=dev),
+            top_p=f([p.top_p for p in sps]),
+            min_p=f([p.min_p for p in sps]),
+            generators=[self.runner._generator(r) for r in reqs],
+            presence_penalty=f([p.presence_penalty for p in sps]) if any_pen else None,
+            frequency_penalty=f([p.frequency_penalty for p in sps]) if any_pen else None,
+            repetition_penalty=f([p.repetition_penalty for p in sps]) if any_pen else None,
+            output_token_ids=[r.output_token_ids or [] for r in reqs] if any_pen else None,
+            prompt_token_ids=[r.prompt_token_ids or [] for r in reqs] if any_pen else None,
+            banned_token_ids=banned if any(banned) else None,
+            num_logprobs=max(nlp) if nlp else -1,
+            all_greedy=all(p.temperature == 0 for p in sps),
+            any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sps),
+            any_min_p=any(p.min_p > 0 for p in sps),
+        )
+
     def _probs_fn(self, reqs: list[ScheduledRequest]):
         """q for sampled drafts: the request's temperature and truncation over the draft's vocabulary.
         Penalties are left out: q may be any distribution, as long as the drafts are drawn from it."""
@@ -204,3 +247,18 @@ class SpecDecodeRunner:
             any_min_p=any(p.min_p > 0 for p in sps),
         )
         return lambda logits: process_logits(logits, batch).softmax(-1)
+
+
+def _logprobs(reqs: list[ScheduledRequest], tokens: list[int], out: SamplerOutput) -> dict[str, TokenLogprob] | None:
+    if out.logprobs is None:
+        return None
+    lp = out.logprobs.tolist()
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    res = {}
+    for i, r in enumerate(reqs):
+        n = r.sampling_params.logprobs
+        if n is not None:
+            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
+            res[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+    return res
