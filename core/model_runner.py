@@ -101,6 +101,10 @@ class ModelRunner:
         if not sampling:
             return ModelOutput(so.step_id, {})
         logits = self.model.compute_logits(hidden[logit_rows])
+        if any(r.forks for r in sampling):
+            # n > 1: each fork samples from its parent's last-prompt-token row (one prefill for all).
+            logits = logits[[i for i, r in enumerate(sampling) for _ in range(1 + len(r.forks))]]
+            sampling = [s for r in sampling for s in (r, *r.forks)]
         batch = self._sampling_batch(sampling)
         out = sample(logits, batch)
         tokens = out.token_ids.tolist()  # the step's one host sync

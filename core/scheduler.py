@@ -14,11 +14,17 @@ the rejected drafts (their KV slots are simply overwritten later), and only veri
 ``all_token_ids``, so only they are hashed into the prefix cache. Above
 ``speculative_disable_batch_size`` requests a step does not speculate; a request whose tokens were
 computed without the draft head keeps decoding without it.
+
+With the prefix cache on, a waiting request whose next uncached block is being computed right now by
+another request waits for it instead of computing it a second time (it hits a step later); the
+requests behind it are still admitted. Parallel sampling (``n > 1``) computes the prompt once and
+forks: see `Scheduler.add_request`.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.outputs import TokenLogprob
@@ -46,6 +52,9 @@ class ScheduledRequest:
     num_draft_tokens: int = 0
     spec: bool = False  # run the draft head over this step's verified positions (and propose if sample)
     next_token_id: int = -1  # spec, chunk that does not sample: the token after the chunk
+    # n > 1: sibling sequences that sample their first token from this request's logits row (no tokens
+    # of their own this step); only on the chunk that computes the last prompt token.
+    forks: list[ScheduledRequest] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -105,11 +114,32 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.spec_stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
+        self._pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings not yet forked
+
     # -- intake ------------------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, forks: Sequence[Request] = ()) -> None:
+        """Queue a request; ``forks`` are its sibling sequences (``SamplingParams.n > 1``: same prompt).
+
+        Parallel sampling computes the prompt once. Only ``req``, the parent, is queued; the siblings
+        wait outside the queues and are admitted with it as one group (room for all in ``max_num_seqs``,
+        unless nothing else runs). In the step that computes the parent's last prompt token each sibling
+        forks the parent's block table (`KVCacheManager.fork`: every prompt block shared, the partial
+        last one included) and samples its first token from the parent's logits row with its own
+        sampling params and seed (the executor repeats the row: `ScheduledRequest.forks`), so sequence i
+        draws exactly what a solo request would. From then on the siblings are ordinary running
+        requests; the first decode of each writes into the shared partial last block, which
+        `allocate_slots` replaces with a private copy (copy-on-write) before the step's attention.
+        A parent that ends before its prompt is computed (aborted) hands its place to the first sibling.
+        """
         # logprobs are reported per sampled token; verification does not compute them
         req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
+        for sib in forks:
+            sib.draft_synced = False  # forks decode without the draft head
         self.requests[req.request_id] = req
+        for sib in forks:
+            self.requests[sib.request_id] = sib
+        if forks:
+            self._pending_forks[req.request_id] = list(forks)
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -133,6 +163,7 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         k = self.config.num_speculative_tokens
         spec_on = k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
+        forked: list[Request] = []  # siblings forked this step; they run from the next step on
         # 1. running requests, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
@@ -147,7 +178,7 @@ class Scheduler:
                 got = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=k - 1 if reaches_end else 0)
                 if got is not None:
                     copies.extend(got)
-                    scheduled.append(self._scheduled(req, n, drafts, spec=True))
+                    scheduled.append(self._scheduled(req, n, forked, drafts, spec=True))
                     budget -= n + len(drafts)
                     i += 1
                     continue
@@ -163,13 +194,24 @@ class Scheduler:
             if got is None:
                 break  # req itself was preempted: nothing after it is left either
             copies.extend(got)
-            scheduled.append(self._scheduled(req, n))
+            scheduled.append(self._scheduled(req, n, forked))
             budget -= n
             i += 1
         # 2. waiting requests, in arrival order (preempted ones were put back at the front)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        deferred: list[Request] = []
+        max_seqs = self.config.max_num_seqs
+        while self.waiting and budget > 0 and (seats := self._num_seats() + len(forked)) < max_seqs:
             req = self.waiting[0]
+            group = 1 + len(self._pending_forks.get(req.request_id, ()))
+            if seats > 0 and seats + group > max_seqs:
+                break
+            if self.kv.still_awaiting_prefix(req):
+                deferred.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            if self.kv.prefix_in_flight(req, len(hit_blocks)):
+                deferred.append(self.waiting.popleft())
+                continue
             n = min(req.num_tokens - num_hit, budget)
             spec = spec_on and req.draft_synced
             look = k - 1 if spec and num_hit + n == req.num_tokens else 0
@@ -182,11 +224,14 @@ class Scheduler:
             copies.extend(got)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission: what the hit rate counts
                 req.num_cached_tokens = num_hit
+                self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
             self.running.append(req)
-            scheduled.append(self._scheduled(req, n, spec=spec))
+            scheduled.append(self._scheduled(req, n, forked, spec=spec))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
+        self.running.extend(forked)
         self.step_id += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(self.step_id, scheduled, copies, finished)
@@ -203,29 +248,50 @@ class Scheduler:
         )
         return req.spec_token_ids[: max(room, 0)]
 
-    def _scheduled(self, req: Request, n: int, drafts: list[int] = (), spec: bool = False) -> ScheduledRequest:
+    def _num_seats(self) -> int:
+        """Sequences running, plus the siblings that running parents will fork (their seats are taken)."""
+        pending = sum(
+            len(sibs) for rid, sibs in self._pending_forks.items() if self.requests[rid].status is RequestStatus.RUNNING
+        )
+        return len(self.running) + pending
+
+    def _scheduled(
+        self, req: Request, n: int, forked: list[Request], drafts: Sequence[int] = (), spec: bool = False
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
-        sp = req.sampling_params
-        penalties = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
         req.num_computed_tokens += n + len(drafts)  # optimistic: the executor computes them this step
         req.spec_token_ids = []
         if not spec:
             req.draft_synced = False  # positions computed without the draft head: its KV has a gap now
+        sr = self._sampling_request(req, req.all_token_ids[start : start + n] + list(drafts), start, sample)
+        sr.num_draft_tokens = len(drafts)
+        sr.spec = spec
+        sr.next_token_id = req.all_token_ids[start + n] if spec and not sample else -1
+        if sample and req.request_id in self._pending_forks:
+            for sib in self._pending_forks.pop(req.request_id):
+                self.kv.fork(req.request_id, sib.request_id)
+                sib.status = RequestStatus.RUNNING
+                sib.num_computed_tokens = req.num_computed_tokens
+                sib.num_cached_tokens = max(req.num_cached_tokens, 0)
+                forked.append(sib)
+                sr.forks.append(self._sampling_request(sib, [], sib.num_computed_tokens, True))
+        return sr
+
+    def _sampling_request(self, req: Request, token_ids: list[int], start: int, sample: bool) -> ScheduledRequest:
+        sp = req.sampling_params
+        penalties = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n] + list(drafts),
+            token_ids=token_ids,
             start_pos=start,
-            block_table=self.kv.block_table(req.request_id),
+            block_table=self.kv.block_table(req.request_id) if token_ids else [],
             sample=sample,
             sampling_params=sp if sample else None,
             num_output_tokens=req.num_output_tokens,
             eos_token_ids=req.eos_token_ids,
             output_token_ids=list(req.output_token_ids) if sample and penalties else None,
             prompt_token_ids=list(req.prompt_token_ids) if sample and sp.repetition_penalty != 1 else None,
-            num_draft_tokens=len(drafts),
-            spec=spec,
-            next_token_id=req.all_token_ids[start + n] if spec and not sample else -1,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -245,23 +311,28 @@ class Scheduler:
         events: list[TokenEvent] = []
         if out.error is not None:
             for sr in so.requests:
-                req = self.requests.get(sr.request_id)
-                if req is not None:
+                for x in (sr, *sr.forks):
+                    req = self.requests.get(x.request_id)
+                    if req is None:
+                        continue
+                    for sib in self._pending_forks.pop(x.request_id, ()):  # never forked: fails with it
+                        self._finish(sib)
+                        events.append(TokenEvent(sib.request_id, [], finish_reason="abort", error=out.error))
                     self._finish(req)
-                    events.append(TokenEvent(sr.request_id, [], finish_reason="abort", error=out.error))
+                    events.append(TokenEvent(x.request_id, [], finish_reason="abort", error=out.error))
             return events
-        for sr in so.requests:
-            req = self.requests.get(sr.request_id)
+        for x in (x for sr in so.requests for x in (sr, *sr.forks)):
+            req = self.requests.get(x.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            if sr.num_draft_tokens:
-                tokens = out.spec_token_ids[sr.request_id]
-                self._roll_back(req, sr.num_draft_tokens, len(tokens) - 1)
+            if x.num_draft_tokens:
+                tokens = out.spec_token_ids[x.request_id]
+                self._roll_back(req, x.num_draft_tokens, len(tokens) - 1)
             else:
-                token = out.sampled.get(sr.request_id)
+                token = out.sampled.get(x.request_id)
                 tokens = None if token is None else [token]
             if out.draft_token_ids:
-                req.spec_token_ids = out.draft_token_ids.get(sr.request_id, [])
+                req.spec_token_ids = out.draft_token_ids.get(x.request_id, [])
             if tokens is None:
                 self.kv.cache_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end yet
@@ -273,7 +344,7 @@ class Scheduler:
                     tokens = tokens[:n]
                     break
             self.kv.cache_blocks(req, req.num_computed_tokens)
-            lp = out.logprobs.get(sr.request_id) if out.logprobs else None
+            lp = out.logprobs.get(x.request_id) if out.logprobs else None
             events.append(
                 TokenEvent(
                     req.request_id,
@@ -313,9 +384,24 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
+        elif req.status is RequestStatus.WAITING and not self._drop_pending_fork(req):
             self.waiting.remove(req)
+        siblings = self._pending_forks.pop(req.request_id, None)
+        if siblings:  # the parent ends before its prompt is computed: the first sibling takes its place
+            heir, rest = siblings[0], siblings[1:]
+            if rest:
+                self._pending_forks[heir.request_id] = rest
+            self.waiting.appendleft(heir)
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self._finished_ids.append(req.request_id)
+
+    def _drop_pending_fork(self, req: Request) -> bool:
+        for parent_id, sibs in self._pending_forks.items():
+            if req in sibs:
+                sibs.remove(req)
+                if not sibs:
+                    del self._pending_forks[parent_id]
+                return True
+        return False

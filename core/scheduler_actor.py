@@ -108,17 +108,19 @@ class SchedulerActor:
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
         if self.dead is not None:
-            msg.events.send_nowait(
+            self._reply(
+                msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
                     finish_reason="abort",
                     error=EngineDeadError(f"engine is dead: {self.dead}"),
-                )
+                ),
             )
             return
         if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
-            msg.events.send_nowait(
+            self._reply(
+                msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
@@ -127,18 +129,24 @@ class SchedulerActor:
                         f"engine overloaded: {len(s.waiting)} requests waiting (max_waiting_requests="
                         f"{s.config.max_waiting_requests})"
                     ),
-                )
+                ),
             )
             return
-        try:
-            msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return  # the caller was cancelled before admission: nobody would read, nobody would abort
+        if not self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [])):  # admitted
+            return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
-            s.add_request(req)
             self.prompt_tokens += req.num_prompt_tokens
+        s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         self._wakeup.set()
+
+    @staticmethod
+    def _reply(events: ObjectSendStream[TokenEvent], ev: TokenEvent) -> bool:
+        try:
+            events.send_nowait(ev)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
 
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:
