@@ -20,7 +20,7 @@ from core.errors import EngineDeadError, InvalidRequestError, SluiceError
 from core.executor import ExecutorActor
 from core.models.loader import ModelSource, resolve_model
 from core.outputs import RequestOutput
-from core.request_actor import RequestLimits, run_request
+from core.request_actor import RequestLimits, make_requests, run_request
 from core.sampling_params import SamplingParams
 from core.scheduler import Scheduler, SchedulerConfig
 from core.scheduler_actor import EngineStats, SchedulerActor
@@ -83,6 +83,8 @@ class AsyncEngine:
                     max_num_batched_tokens=self.args.max_num_batched_tokens,
                     max_model_len=self.max_model_len,
                     max_waiting_requests=self.args.max_waiting_requests,
+                    num_speculative_tokens=self.args.num_speculative_tokens if runner.spec is not None else 0,
+                    speculative_disable_batch_size=self.args.speculative_disable_batch_size,
                 ),
                 kv,
             )
@@ -217,17 +219,29 @@ class LLM:
 
         # Validate everything first, so bad input raises before any request runs.
         ids = [self.engine.tokenize_prompt(p) for p in prompts]
+        for p_ids, params in zip(ids, params_list):
+            make_requests("validate", p_ids, params, self.engine._eos, self.engine._limits)
         results: list[list[RequestOutput | None]] = [[None] * p.n for p in params_list]
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2)
+        errors: list[Exception] = []
 
         async def one(i: int) -> None:
-            async for out in self.engine.generate(ids[i], params_list[i], request_id=f"llm-{i}"):
-                if out.finished:
-                    results[i][out.index] = out
+            try:
+                async for out in self.engine.generate(ids[i], params_list[i], request_id=f"llm-{i}"):
+                    if out.finished:
+                        results[i][out.index] = out
+            except Exception as e:
+                # The first failure cancels the rest (they abort) and is raised as itself, typed, rather
+                # than wrapped in the task group's exception group.
+                errors.append(e)
+                tg.cancel_scope.cancel()
+                return
             bar.update(1)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         bar.close()
+        if errors:
+            raise errors[0]
         return [o for per in results for o in per]

@@ -70,6 +70,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             sys.setswitchinterval(min(sys.getswitchinterval(), GPU_SWITCH_INTERVAL_S))
+        self.spec = None  # speculative decoding: the draft head and its steps
+        if args.speculative_model is not None:
+            from core.spec_decode import SpecDecodeRunner
+
+            self.spec = SpecDecodeRunner(self, source)
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
@@ -80,6 +85,8 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+        if self.spec is not None:
+            self.spec.allocate_kv(self.num_kv_blocks)
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB (%s, %s)",
             self.num_kv_blocks,
@@ -108,7 +115,8 @@ class ModelRunner:
 
     # -- memory --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
+        draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
+        return draft + kv_bytes_per_block(
             self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
         )
 
@@ -197,6 +205,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.spec is not None:
+            return self.spec.execute(so)
         reqs = so.requests
         if not reqs:
             return ModelOutput(so.step_id, {})
@@ -230,6 +240,10 @@ class ModelRunner:
         if not sampling_idx:
             return ModelOutput(so.step_id, {})
         sampling = [reqs[i] for i in sampling_idx]
+        if any(r.forks for r in sampling):
+            # n > 1: each fork samples from its parent's last-prompt-token row (one prefill for all).
+            logits = logits[[i for i, r in enumerate(sampling) for _ in range(1 + len(r.forks))]]
+            sampling = [s for r in sampling for s in (r, *r.forks)]
         batch = self._sampling_batch(sampling, b)
         if batch is None:  # every row greedy, no penalties, bans or logprobs
             tokens = logits.argmax(-1).tolist()  # the step's one host sync

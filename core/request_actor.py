@@ -50,7 +50,9 @@ def make_requests(
             f"prompt: {len(prompt_ids)} tokens leaves no room to generate within max_model_len={limits.max_model_len}",
             param="prompt",
         )
-    bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < limits.vocab_size]
+    # The set/min/max pass runs in C; the per-token check below only runs to name a bad token.
+    ok = set(map(type, prompt_ids)) == {int} and 0 <= min(prompt_ids) and max(prompt_ids) < limits.vocab_size
+    bad = [] if ok else [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequestError(f"prompt: token id {bad[0]!r} outside [0, {limits.vocab_size})", param="prompt")
     room = limits.max_model_len - len(prompt_ids)
@@ -100,14 +102,15 @@ async def run_request(
     stop_hold = max((len(s) for s in params.stop), default=1) - 1
     num_cached = 0
     unfinished = set(seqs)
-    admitted = False
     try:
+        # From here on the scheduler may hold the requests, even if we are cancelled before it answers
+        # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
         await inbox.send(AddRequest(requests, send))
         async with recv:
             first = await recv.receive()
             if first.error is not None:
+                unfinished.clear()  # refused: nothing was added
                 raise first.error
-            admitted = True
             while unfinished:
                 ev = await recv.receive()
                 seq = seqs[ev.request_id]
@@ -155,7 +158,7 @@ async def run_request(
                     stop_reason=stop_reason,
                 )
     finally:
-        if admitted and unfinished:
+        if unfinished:
             for rid in unfinished:
                 await _send_abort(inbox, rid)
 

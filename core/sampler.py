@@ -82,7 +82,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     # nucleus: keep the smallest prefix whose mass reaches top_p (the token that crosses is kept)
     probs = sorted_logits.masked_fill(sorted_logits < kth, float("-inf")).softmax(-1)
     mass_before = probs.cumsum(-1) - probs
-    keep_sorted = mass_before < top_p[:, None]
+    # top_p = 1 is off: float32 cumsum can reach 1.0 before a tiny tail, which `< 1` would cut
+    keep_sorted = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)
     keep_sorted[:, 0] = True
     num_keep = keep_sorted.sum(-1, keepdim=True).clamp(max=k[:, None])
     cutoff = sorted_logits.gather(-1, num_keep - 1)

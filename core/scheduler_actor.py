@@ -33,6 +33,11 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     healthy: bool = True
+    # speculative decoding (mean acceptance length = 1 + accepted / drafts)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -41,6 +46,11 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verification step: the accepted drafts plus the one the target always adds."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class SchedulerActor:
@@ -68,6 +78,10 @@ class SchedulerActor:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             healthy=self.dead is None,
+            spec_num_drafts=s.spec_stats.num_drafts,
+            spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
         )
 
     async def run(
@@ -105,17 +119,19 @@ class SchedulerActor:
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
         if self.dead is not None:
-            msg.events.send_nowait(
+            self._reply(
+                msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
                     finish_reason="abort",
                     error=EngineDeadError(f"engine is dead: {self.dead}"),
-                )
+                ),
             )
             return
         if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
-            msg.events.send_nowait(
+            self._reply(
+                msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
                     [],
@@ -124,15 +140,24 @@ class SchedulerActor:
                         f"engine overloaded: {len(s.waiting)} requests waiting (max_waiting_requests="
                         f"{s.config.max_waiting_requests})"
                     ),
-                )
+                ),
             )
             return
+        if not self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [])):  # admitted
+            return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
-            s.add_request(req)
             self.prompt_tokens += req.num_prompt_tokens
-        msg.events.send_nowait(TokenEvent(msg.requests[0].request_id, []))  # admitted
+        s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         self._wakeup.set()
+
+    @staticmethod
+    def _reply(events: ObjectSendStream[TokenEvent], ev: TokenEvent) -> bool:
+        try:
+            events.send_nowait(ev)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
 
     def _abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id) is not None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from core.errors import InvalidRequestError
+from core.errors import InvalidRequestError, ModelLoadError
 
 
 def load_tokenizer(tokenizer_dir: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # transformers raises several types for missing or broken tokenizer files
+        raise ModelLoadError(f"cannot load the tokenizer in {tokenizer_dir}: {e}") from e
 
 
 def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:

@@ -3,16 +3,28 @@
 A block is in exactly one of two states: referenced (``ref_cnt > 0``, owned by one or more block
 tables) or free (``ref_cnt == 0``, in the free queue). A free block may still carry a hash: its KV is
 valid and a later request with the same prefix can take it back out of the queue in O(1) (a prefix
-hit). Fresh blocks are taken from the queue's head, the least recently freed, and only then lose
-their hash (eviction).
+hit). Fresh blocks are taken from the queue's head and only then lose their hash (eviction). A freed
+block with a hash joins the tail (least recently used first out); one without a hash holds nothing
+worth keeping and joins the head, so it is reused before any cached block is evicted.
+
+Verification of a hit. The hash is only a lookup key. Each published block also records what its KV
+was computed from: its own token ids, the salt (first block only), and ``parent_key``, the
+``cache_key`` of the block before it in the table that computed it. A ``cache_key`` names one content
+(a prefix ending in this block): equal keys are handed out only to blocks whose tokens, salt and
+parent key are all equal, so by induction from the first block, equal keys mean equal full prefixes
+at equal positions. A lookup accepts a block only if its tokens and salt match and its parent key is
+the key of the block it matched one position earlier, so even when every hash collides no request
+ever gets KV computed from a different prefix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kv.prefix_cache import BlockHash
+
+ROOT_KEY = 0  # the parent key of a first block; real keys start at 1
 
 
 @dataclass(slots=True, eq=False)
@@ -20,15 +32,18 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
-    # The tokens whose KV this block holds, kept only once hashed (for collision checks).
+    # What the KV was computed from, kept only while the block is published (see the module docstring).
     token_ids: tuple[int, ...] | None = None
+    cache_key: int = ROOT_KEY
+    parent_key: int = ROOT_KEY
+    extra_key: str | None = None
     prev: KVBlock | None = field(default=None, repr=False)
     next: KVBlock | None = field(default=None, repr=False)
     in_free_queue: bool = False
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks: O(1) append, pop from the head, and removal anywhere."""
+    """Doubly linked list of free blocks: O(1) append at either end, pop from the head, removal anywhere."""
 
     def __init__(self, blocks: Iterable[KVBlock]) -> None:
         self.head: KVBlock | None = None
@@ -45,6 +60,17 @@ class FreeBlockQueue:
         else:
             self.tail.next = block
         self.tail = block
+        block.in_free_queue = True
+        self.num_free += 1
+
+    def appendleft(self, block: KVBlock) -> None:
+        assert not block.in_free_queue
+        block.prev, block.next = None, self.head
+        if self.head is None:
+            self.tail = block
+        else:
+            self.head.prev = block
+        self.head = block
         block.in_free_queue = True
         self.num_free += 1
 
@@ -69,7 +95,7 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVBlock]:
         b = self.head
         while b is not None:
             yield b
@@ -85,6 +111,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
+        self._next_key = ROOT_KEY + 1
 
     @property
     def num_free_blocks(self) -> int:
@@ -108,10 +135,21 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = None
             block.token_ids = None
+            block.cache_key = block.parent_key = ROOT_KEY
+            block.extra_key = None
 
-    def get_cached_block(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def get_cached_block(
+        self, block_hash: BlockHash, token_ids: tuple[int, ...], parent_key: int, extra_key: str | None = None
+    ) -> KVBlock | None:
+        """The cached block for this content, or None; ``parent_key`` is the key of the block matched one
+        position earlier (`ROOT_KEY` for the first block), ``extra_key`` the first block's salt."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:
+        if (
+            block is None
+            or block.parent_key != parent_key
+            or block.token_ids != token_ids
+            or block.extra_key != extra_key
+        ):
             return None
         return block
 
@@ -122,13 +160,29 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVBlock, block_hash: BlockHash, token_ids: tuple[int, ...]) -> None:
+    def cache_full_block(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        token_ids: tuple[int, ...],
+        parent_key: int,
+        extra_key: str | None = None,
+    ) -> None:
+        """Publish a full block whose KV is computed; ``parent_key`` is the key of the table's previous block."""
         if not self.enable_caching or block.block_hash is not None:
             return
+        token_ids = tuple(token_ids)
+        same = self.get_cached_block(block_hash, token_ids, parent_key, extra_key)
+        # Two tables computed the same content (concurrently): the copies share a key, so a chain that
+        # continues in either one still verifies; the first stays the one the lookup finds.
+        if same is not None:
+            key = same.cache_key
+        else:
+            key = self._next_key
+            self._next_key += 1
         block.block_hash = block_hash
         block.token_ids = token_ids
-        # A block with the same content may already be cached (two requests computed the same prefix
-        # concurrently); keep the first, this one stays usable by its owner and is evicted normally.
+        block.cache_key, block.parent_key, block.extra_key = key, parent_key, extra_key
         self.cached.setdefault(block_hash, block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
@@ -139,7 +193,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is None or not self.enable_caching:
                     self._evict(block)
-                self.free_queue.append(block)
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

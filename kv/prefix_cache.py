@@ -39,9 +39,14 @@ def block_hashes(
 ) -> list[BlockHash]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on (``parent`` is block
     ``start - 1``'s hash)."""
+    end = len(token_ids) // block_size
+    if end <= start:
+        return []
+    # One conversion for all blocks: each block hashes a view of this array.
+    arr = np.asarray(token_ids[start * block_size : end * block_size], dtype=np.int64)
     out: list[BlockHash] = []
-    for i in range(start, len(token_ids) // block_size):
-        chunk = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, chunk, cache_salt if i == 0 else None)
+    for j in range(end - start):
+        chunk = arr[j * block_size : (j + 1) * block_size]
+        parent = hash_block_tokens(parent, chunk, cache_salt if start + j == 0 else None)
         out.append(parent)
     return out

@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from core import AsyncEngine, EngineArgs, EngineOverloaded, SamplingParams
-from tests.helpers import chat_prompt_of_length, prompt_of_length
+from tests.helpers import EngineInTask, chat_prompt_of_length, prompt_of_length
 
 MODEL = "smollm2-135m-instruct"
 
@@ -33,15 +33,17 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 
 @pytest.fixture(scope="module")
 async def engine():
-    async with AsyncEngine(EngineArgs(model=MODEL, device="cpu", num_kv_blocks=2048, max_model_len=2048)) as eng:
-        yield eng
+    holder = EngineInTask(EngineArgs(model=MODEL, device="cpu", num_kv_blocks=2048, max_model_len=2048))
+    yield await holder.start()
+    await holder.stop()
 
 
 @pytest.fixture(scope="module")
 async def tiny_engine():
     args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024, max_num_seqs=32)
-    async with AsyncEngine(args) as eng:
-        yield eng
+    holder = EngineInTask(args)
+    yield await holder.start()
+    await holder.stop()
 
 
 @pytest.mark.slow
@@ -83,8 +85,14 @@ async def test_long_prompt_is_prefilled_in_chunks_with_the_same_output(engine, d
     prompt = chat_prompt_of_length(default_tokenizer, 300, topic="glaciers")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     whole, _ = await collect(engine, prompt, params)
-    args = EngineArgs(model=MODEL, device="cpu", num_kv_blocks=256, max_model_len=2048, max_num_batched_tokens=64,
-                      enable_prefix_caching=False)
+    args = EngineArgs(
+        model=MODEL,
+        device="cpu",
+        num_kv_blocks=256,
+        max_model_len=2048,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+    )
     async with AsyncEngine(args) as small_budget:
         before = small_budget.stats().num_steps
         first_token_steps = None

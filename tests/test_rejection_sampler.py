@@ -9,37 +9,9 @@ import torch
 
 import spec.rejection as rej
 from spec.rejection import rejection_sample, sample_from_probs
+from tests.helpers import chi2_sf, chi2_test
 
 # --------------------------------------------------------------------------- chi-square helpers
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """Survival function of the chi-square distribution: Q(df/2, x/2), the regularized upper gamma."""
-    return float(
-        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64))
-    )
-
-
-def chi2_test(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected: float = 5.0):
-    """Pearson goodness-of-fit test; cells with expected count < min_expected are pooled.
-
-    Returns (statistic, df, p_value).
-    """
-    obs = observed.flatten().to(torch.float64)
-    exp = expected_probs.flatten().to(torch.float64) * obs.sum()
-    order = torch.argsort(exp)
-    obs, exp = obs[order], exp[order]
-    # Pool the smallest cells (in ascending expected order) until the pool reaches min_expected.
-    n_small = int((exp < min_expected).sum())
-    if n_small:
-        n_pool = n_small
-        while exp[:n_pool].sum() < min_expected and n_pool < len(exp):
-            n_pool += 1
-        obs = torch.cat([obs[:n_pool].sum()[None], obs[n_pool:]])
-        exp = torch.cat([exp[:n_pool].sum()[None], exp[n_pool:]])
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    df = len(exp) - 1
-    return stat, df, chi2_sf(stat, df)
 
 
 def test_chi2_sf_known_values():

@@ -10,6 +10,7 @@ file in a fresh interpreter process instead.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import subprocess
@@ -29,9 +30,10 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kv.attention import get_attention_backend  # noqa: E402
 from kv.attention import triton_kernels as tk  # noqa: E402
-from kv.attention.base import AttentionBackend, AttentionMetadata  # noqa: E402
+from kv.attention.base import AttentionBackend  # noqa: E402
 from kv.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 from kv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tests.helpers import random_paged_batch  # noqa: E402
 
 # triton's own jit library was decorated for the interpreter (or there is a GPU): kernels run in-process
 IN_PROCESS = ON_GPU or isinstance(triton.language.standard.cdiv, InterpretedFunction)
@@ -62,37 +64,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 REF = TorchAttentionBackend()
 
 
-def _build(seq_lens, q_lens, num_kv_heads, group, head_dim, block_size=16, dtype=torch.float32, seed=0):
-    """Random cache with shuffled block tables (block 0 and spare blocks hold garbage), queries, metadata."""
-    g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 4
-    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # block 0 = padding, never owned
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    for i, n in enumerate(blocks_per_seq):
-        tables[i, :n] = torch.tensor(perm[:n], dtype=torch.int32)
-        perm = perm[n:]
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    num_tokens = sum(q_lens)
-    query = torch.randn(num_tokens, num_kv_heads * group, head_dim, generator=g).to(dtype)
-    qsl = [0]
-    for q in q_lens:
-        qsl.append(qsl[-1] + q)
-    slots = []
-    for i, (s, q) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        for p in range(s - q, s):
-            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        block_tables=tables.to(DEVICE),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_host=qsl,
-        seq_lens_host=list(seq_lens),
-    )
-    return query.to(DEVICE), cache.to(DEVICE), meta
+_build = functools.partial(random_paged_batch, device=DEVICE)
 
 
 def _check(out, query, cache, meta, scale):

@@ -1,25 +1,26 @@
-"""`sluice bench <name>`: each benchmark lives in its own module and adds its own subcommand here."""
+"""`sluice bench ...`: one subcommand per benchmark. Each lives in its own module with a
+``register(subparsers)`` that adds its parser; add a module's name to `BENCHMARKS` to add a benchmark."""
 
 from __future__ import annotations
 
 import importlib
+import sys
 
-# benchmark modules, each with `add_parser(subparsers)` registering one subcommand
-BENCHMARKS = ("app.bench.throughput", "app.bench.latency", "app.bench.serve")
+BENCHMARKS = ("app.bench.throughput", "app.bench.latency", "app.bench.serve", "app.bench.prefix")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: " + ", ".join(m.rsplit(".", 1)[1] for m in BENCHMARKS))
-    sub = p.add_subparsers(dest="bench_command", required=True)
+    bench = subparsers.add_parser("bench", help="benchmarks: " + ", ".join(m.rsplit(".", 1)[1] for m in BENCHMARKS))
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name in BENCHMARKS:
-        importlib.import_module(name).add_parser(sub)
+        importlib.import_module(name).register(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.bench.cli throughput ...` (the same as `sluice bench throughput ...`)."""
     from app.cli import main as sluice_main
 
-    return sluice_main(["bench", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return sluice_main(["bench", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

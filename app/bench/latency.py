@@ -26,7 +26,7 @@ from app.bench.datasets import BenchRequest, sample_random
 from app.bench.results import command_line, machine_info, versions, write_result
 
 
-def add_parser(sub) -> None:
+def register(sub) -> None:
     from app.cli import add_engine_args
 
     p = sub.add_parser("latency", help="end-to-end latency of one fixed batch; per-step time and ms/token")

@@ -32,7 +32,7 @@ class RequestTiming:
     itl_s: list[float] = field(default_factory=list)
 
 
-def add_parser(sub) -> None:
+def register(sub) -> None:
     p = sub.add_parser("serve", help="online benchmark: Poisson arrivals against a running OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")

@@ -25,7 +25,7 @@ from app.bench.datasets import BenchRequest, sample_random
 from app.bench.results import command_line, machine_info, versions, write_result
 
 
-def add_parser(sub) -> None:
+def register(sub) -> None:
     from app.cli import add_engine_args
 
     p = sub.add_parser("throughput", help="offline throughput (ShareGPT or random), optionally beside the HF peer")

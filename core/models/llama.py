@@ -24,6 +24,15 @@ _STACKED = {
 }
 
 
+def _checkpoint_name(param: str, shard: int) -> str:
+    """The checkpoint tensor behind ``(param, shard)``: a shard of a merged projection by its own name."""
+    if shard < 0:
+        return param
+    prefix, merged, suffix = param.rsplit(".", 2)
+    ckpt = next(old for old, (new, idx) in _STACKED.items() if new == merged and idx == shard)
+    return f"{prefix}.{ckpt}.{suffix}"
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool) -> None:
         super().__init__()
@@ -179,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         if unexpected:
             raise ModelLoadError(f"unexpected weights in checkpoint: {', '.join(sorted(unexpected)[:8])}")
         if pending:
-            missing = sorted({n for n, _ in pending})
+            missing = sorted({_checkpoint_name(n, shard) for n, shard in pending})
             raise ModelLoadError(f"missing weights in checkpoint: {', '.join(missing[:8])}")
 
 

@@ -91,7 +91,10 @@ def _from_hf_dir(model_dir: str, name: str) -> ModelSource:
         config = AutoConfig.from_pretrained(model_dir)
     except Exception as e:  # transformers raises several types for a bad config
         raise ModelLoadError(f"cannot read config.json in {model_dir}: {e}") from e
-    model_class_for(config)  # fail early on an unsupported architecture
+    try:
+        model_class_for(config)  # fail early on an unsupported architecture
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: {e}") from None
     return ModelSource(name, config, model_dir, model_dir, _eos_ids(model_dir, config))
 
 
@@ -184,5 +187,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
                 else:
                     p.normal_(0.0, 0.02, generator=g)
     else:
-        model.load_weights(iter_safetensors(source.weights_dir))
+        try:
+            model.load_weights(iter_safetensors(source.weights_dir))
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{source.weights_dir}: {e}") from None
     return model.eval()

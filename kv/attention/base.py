@@ -45,7 +45,11 @@ class AttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store this step's K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+        """Store this step's K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots (``-1``: skipped)."""
+        keep = slot_mapping >= 0
+        # A host sync, paid only by the torch reference; the Triton kernel skips -1 slots on the device.
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         flat = kv_cache.view(2, num_slots, kv_cache.shape[3], kv_cache.shape[4])
         flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))

@@ -1,0 +1,307 @@
+"""`sluice cache-sim`: prefix-cache hit rates of a workload for many KV pool sizes and block sizes, in
+seconds, without a model.
+
+It replays a workload (`app.bench.workloads`) through the engine's own `Scheduler` and
+`KVCacheManager`, with requests built by the engine's own `make_requests`: admission, chunked prefill,
+deferral behind an in-flight prefix, preemption, hashing, LRU eviction and the hit counters are the
+engine's code. Only the model is replaced: a fake step "samples" a filler token for every request that
+samples (or, with ``recorded_replies``, the reply the workload recorded), and advances a virtual clock by
+``step_s + token_s * tokens`` so that arrival times keep their meaning.
+
+Replayed with the same engine settings and the same order of arrivals (one request at a time, say), its
+hit rate is the one the real engine measures (`sluice bench prefix`); a test holds them equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from app.bench.workloads import Workload
+from core.errors import InvalidRequestError
+from core.request import Request
+from core.request_actor import RequestLimits, make_requests
+from core.sampling_params import SamplingParams
+from core.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from kv.manager import KVCacheManager, cdiv
+
+FILLER_TOKEN = 0  # what the fake model "generates": only identical prompts then share output blocks
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """The engine settings that shape scheduling (the same names as `EngineArgs`)."""
+
+    num_kv_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    max_concurrency: int | None = None  # requests in flight at once (None: no limit)
+    recorded_replies: bool = False
+    step_s: float = 0.02  # virtual cost of one step ...
+    token_s: float = 0.0005  # ... plus this per token in it
+
+
+@dataclass(slots=True)
+class SimResult:
+    block_size: int
+    num_kv_blocks: int
+    pool_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    hit_rate: float
+    num_requests: int
+    num_finished: int
+    num_rejected: int
+    num_preemptions: int
+    num_steps: int
+    computed_tokens: int  # prompt and output tokens the (fake) model computed
+    virtual_s: float
+    wall_s: float
+
+
+def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
+    """Replay ``workload`` through a fresh `Scheduler` + `KVCacheManager` configured by ``cfg``."""
+    t0 = time.perf_counter()
+    kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    sched = Scheduler(
+        SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, max_waiting_requests=1 << 62),
+        kv,
+    )
+    limits = RequestLimits(cfg.max_model_len, 1 << 62, cfg.num_kv_blocks * cfg.block_size)
+    reqs = workload.requests
+    dependents: dict[int, list[int]] = {}
+    ready: list[tuple[float, int]] = []  # (time it may start, index), the earliest first
+    for i, r in enumerate(reqs):
+        if r.after is None:
+            ready.append((r.arrival_time, i))
+        else:
+            dependents.setdefault(r.after, []).append(i)
+    heapq.heapify(ready)
+    limit = cfg.max_concurrency or math.inf
+    index_of: dict[str, int] = {}
+    replies: dict[str, list[int]] = {}
+    in_flight = finished = rejected = computed = 0
+    clock = 0.0
+
+    def settle(i: int, ok: bool) -> None:
+        nonlocal finished, rejected
+        finished += ok
+        rejected += not ok
+        for j in dependents.pop(i, ()):  # the next turn starts once this one is over
+            heapq.heappush(ready, (max(reqs[j].arrival_time, clock), j))
+
+    while True:
+        while ready and ready[0][0] <= clock and in_flight < limit:
+            _, i = heapq.heappop(ready)
+            r = reqs[i]
+            rid = f"sim-{i}"
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, cache_salt=r.cache_salt)
+            try:
+                (req,) = make_requests(rid, r.prompt_token_ids, params, (), limits)
+            except InvalidRequestError:  # the engine refuses it too (longer than the pool or max_model_len)
+                settle(i, ok=False)
+                continue
+            index_of[rid] = i
+            if cfg.recorded_replies and r.reply_token_ids:
+                replies[rid] = r.reply_token_ids
+            sched.add_request(req)
+            in_flight += 1
+        if not sched.has_work():
+            if not ready:
+                break
+            clock = max(clock, ready[0][0])
+            continue
+        so = sched.schedule()
+        if not so.requests:
+            # As the engine does: the head request can never fit, even in an empty pool.
+            head: Request = sched.waiting[0]
+            sched.abort(head.request_id)
+            in_flight -= 1
+            settle(index_of.pop(head.request_id), ok=False)
+            continue
+        sampled: dict[str, int] = {}
+        for sr in so.requests:
+            computed += len(sr.token_ids)
+            if sr.sample:
+                for x in (sr, *sr.forks):
+                    reply = replies.get(x.request_id)
+                    n = x.num_output_tokens
+                    sampled[x.request_id] = reply[n] if reply is not None and n < len(reply) else FILLER_TOKEN
+        clock += cfg.step_s + cfg.token_s * so.num_tokens
+        for ev in sched.update_from_output(so, ModelOutput(so.step_id, sampled)):
+            if ev.finish_reason is not None:
+                replies.pop(ev.request_id, None)
+                in_flight -= 1
+                settle(index_of.pop(ev.request_id), ok=True)
+    q, h = kv.prefix_cache_queries, kv.prefix_cache_hits
+    return SimResult(
+        block_size=cfg.block_size,
+        num_kv_blocks=cfg.num_kv_blocks,
+        pool_tokens=cfg.num_kv_blocks * cfg.block_size,
+        prefix_cache_queries=q,
+        prefix_cache_hits=h,
+        hit_rate=h / q if q else 0.0,
+        num_requests=len(reqs),
+        num_finished=finished,
+        num_rejected=rejected,
+        num_preemptions=sched.num_preemptions,
+        num_steps=sched.step_id,
+        computed_tokens=computed,
+        virtual_s=clock,
+        wall_s=time.perf_counter() - t0,
+    )
+
+
+def default_pool_sizes(workload: Workload, block_size: int, points: int = 8) -> list[int]:
+    """From the smallest pool that holds the longest request to one that never evicts, geometrically."""
+    lo = max(cdiv(len(r.prompt_token_ids) + r.output_len, block_size) for r in workload.requests)
+    hi = max(lo, workload.max_blocks_touched(block_size))
+    if points <= 1 or hi == lo:
+        return [hi]
+    ratio = (hi / lo) ** (1 / (points - 1))
+    return sorted({round(lo * ratio**k) for k in range(points)} | {hi})
+
+
+def sweep(
+    workload: Workload, pool_sizes: Sequence[int] | None, block_sizes: Sequence[int], base: SimConfig
+) -> list[SimResult]:
+    out = []
+    for bs in block_sizes:
+        for n in pool_sizes or default_pool_sizes(workload, bs):
+            cfg = SimConfig(**{**asdict(base), "num_kv_blocks": n, "block_size": bs})
+            out.append(simulate(workload, cfg))
+    return out
+
+
+def plot_hit_rates(results: Sequence[SimResult], path: str, title: str) -> None:
+    """Hit rate against pool size (in tokens, log scale), one line per block size (needs matplotlib:
+    ``pip install 'sluice[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'sluice[plot]'") from e
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for bs in sorted({r.block_size for r in results}):
+        rows = sorted((r for r in results if r.block_size == bs), key=lambda r: r.pool_tokens)
+        ax.plot([r.pool_tokens for r in rows], [100 * r.hit_rate for r in rows], marker="o", label=f"block {bs}")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV pool size (tokens)")
+    ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
+    ax.set_ylim(0, 100)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def cmd_cache_sim(ns: argparse.Namespace) -> int:
+    from app.bench.results import command_line, print_table, write_result
+    from app.bench.workloads import build_workload
+    from core.models.loader import resolve_model
+    from core.tokenizer import load_tokenizer
+
+    t = time.perf_counter()
+    source = resolve_model(ns.model)
+    workload = build_workload(ns, lambda: load_tokenizer(source.tokenizer_dir), source.config.vocab_size)
+    print(f"{workload.name}: {workload.summary()} (built in {time.perf_counter() - t:.1f}s)")
+    base = SimConfig(
+        num_kv_blocks=1,
+        enable_prefix_caching=not ns.no_prefix_caching,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        max_model_len=ns.max_model_len,
+        max_concurrency=ns.max_concurrency,
+        recorded_replies=ns.recorded_replies,
+        step_s=ns.step_ms / 1000,
+        token_s=ns.token_us / 1e6,
+    )
+    results = sweep(workload, ns.pool_blocks, ns.block_sizes, base)
+    cols = [
+        "block_size",
+        "num_kv_blocks",
+        "pool_tokens",
+        "hit_rate",
+        "prefix_cache_hits",
+        "prefix_cache_queries",
+        "num_preemptions",
+        "num_rejected",
+        "num_steps",
+        "wall_s",
+    ]
+    rows = [{**asdict(r), "hit_rate": f"{100 * r.hit_rate:.2f}%", "wall_s": round(r.wall_s, 2)} for r in results]
+    print_table(rows, cols)
+    if ns.plot:
+        plot_hit_rates(results, ns.plot, f"{workload.name}: {len(workload.requests)} requests")
+        print(f"wrote {ns.plot}")
+    if ns.out:
+        write_result(
+            ns.out,
+            command_line(),
+            "none (cache-sim)",
+            workload.summary(),
+            {"config": asdict(base), "results": [asdict(r) for r in results]},
+        )
+        print(f"wrote {ns.out}")
+    return 0
+
+
+def register(subparsers) -> None:
+    from app.bench.workloads import add_workload_args
+    from core.models.registry import DEFAULT_MODEL
+
+    p = subparsers.add_parser(
+        "cache-sim",
+        help="prefix-cache hit rates of a workload for many KV pool and block sizes, without a model",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_workload_args(p)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="whose tokenizer and vocabulary build the workload")
+    p.add_argument("--pool-blocks", type=_ints, default=None, help="KV pool sizes in blocks (default: 8 sizes)")
+    p.add_argument("--block-sizes", type=_ints, default=[16], help="block sizes, e.g. 16,32 (default 16)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="replay with the cache off (a baseline)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once")
+    p.add_argument(
+        "--recorded-replies",
+        action="store_true",
+        help="the fake model 'generates' each request's recorded reply (traces, ShareGPT), as a deployment "
+        "whose history holds its own replies would; off, it generates filler like `bench prefix` does not "
+        "match dataset replies",
+    )
+    p.add_argument("--step-ms", type=float, default=20.0, help="virtual time of one step (for arrival times)")
+    p.add_argument("--token-us", type=float, default=500.0, help="virtual time per token in a step")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="draw hit rate against pool size")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.set_defaults(func=cmd_cache_sim)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="cache-sim")
+    register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["cache-sim", *sys.argv[1:]])
+    sys.exit(ns.func(ns))
