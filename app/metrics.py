@@ -32,8 +32,11 @@ _COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
 )
-# Speculative-decoding counters appear as soon as EngineStats carries them (fields named spec_decode_*).
-_SPEC_PREFIX = "spec_decode_"
+_SPEC_COUNTERS = (
+    ("spec_num_drafts", "spec_decode_num_drafts", "Speculative verification steps with at least one draft."),
+    ("spec_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
+    ("spec_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+)
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -58,9 +61,18 @@ class _EngineCollector(Collector):
         )
         for attr, name, doc in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
-        for attr in getattr(stats, "__dataclass_fields__", {}):
-            if attr.startswith(_SPEC_PREFIX):
-                yield CounterMetricFamily(PREFIX + attr, f"Speculative decoding: {attr}.", value=getattr(stats, attr))
+        per_pos = getattr(stats, "spec_accepted_per_position", ())
+        if per_pos:  # speculative decoding is on
+            for attr, name, doc in _SPEC_COUNTERS:
+                yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+            fam = CounterMetricFamily(
+                PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position.",
+                labels=["position"],
+            )
+            for i, n in enumerate(per_pos):
+                fam.add_metric([str(i)], n)
+            yield fam
         yield GaugeMetricFamily(
             PREFIX + "engine_healthy", "1 while the engine serves requests.", value=int(stats.healthy)
         )

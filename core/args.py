@@ -34,9 +34,16 @@ class EngineArgs:
     max_waiting_requests: int = 1024
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    fused_kernels: str = "auto"  # "auto" (on for cuda) | "on" | "off": Triton RMSNorm+residual, SiLU-and-mul, RoPE
     seed: int = 0
     served_model_name: str | None = None
+    # Speculative decoding: an EAGLE draft head (a directory, or "default" for the head shipped for the
+    # default model); None = off.
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    # Above this many running + waiting requests a step does not speculate (it would cost throughput).
+    speculative_disable_batch_size: int = 16
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
@@ -55,6 +62,14 @@ class EngineArgs:
             raise bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.fused_kernels not in ("auto", "on", "off"):
+            raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculative_disable_batch_size < 1:
+            raise bad("speculative_disable_batch_size", f"must be >= 1, got {self.speculative_disable_batch_size}")
+        if self.speculative_model is not None and not self.speculative_model:
+            raise bad("speculative_model", "must be a directory, 'default', or None")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -83,6 +83,8 @@ class AsyncEngine:
                     max_num_batched_tokens=self.args.max_num_batched_tokens,
                     max_model_len=self.max_model_len,
                     max_waiting_requests=self.args.max_waiting_requests,
+                    num_speculative_tokens=self.args.num_speculative_tokens if runner.spec is not None else 0,
+                    speculative_disable_batch_size=self.args.speculative_disable_batch_size,
                 ),
                 kv,
             )

@@ -31,6 +31,10 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Speculative decoding: drafts proposed for the next step (never part of all_token_ids), and whether
+    # the draft head's KV has kept up with every computed position (it stops once a step skips it).
+    spec_token_ids: list[int] = field(default_factory=list)
+    draft_synced: bool = True
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

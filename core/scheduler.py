@@ -7,6 +7,14 @@ do not fit (chunked prefill). Prefill and decode tokens share one flattened batc
 runs dry, the newest running request is preempted: its blocks are freed and it goes back to the
 front of the waiting queue, to be recomputed later (its prefix may still be cached).
 
+Speculative decoding (``num_speculative_tokens > 0``): a decoding request whose draft head proposed
+tokens last step computes ``1 + k`` tokens (its last token and the drafts, to verify) with KV slots
+reserved ``k - 1`` further for the next drafts. After the step ``num_computed_tokens`` rolls back over
+the rejected drafts (their KV slots are simply overwritten later), and only verified tokens ever enter
+``all_token_ids``, so only they are hashed into the prefix cache. Above
+``speculative_disable_batch_size`` requests a step does not speculate; a request whose tokens were
+computed without the draft head keeps decoding without it.
+
 With the prefix cache on, a waiting request whose next uncached block is being computed right now by
 another request waits for it instead of computing it a second time (it hits a step later); the
 requests behind it are still admitted. Parallel sampling (``n > 1``) computes the prompt once and
@@ -40,6 +48,10 @@ class ScheduledRequest:
     # only when the request uses penalties (copies, so nothing mutable crosses actors)
     output_token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    # speculative decoding: the last num_draft_tokens of token_ids are drafts to verify
+    num_draft_tokens: int = 0
+    spec: bool = False  # run the draft head over this step's verified positions (and propose if sample)
+    next_token_id: int = -1  # spec, chunk that does not sample: the token after the chunk
     # n > 1: sibling sequences that sample their first token from this request's logits row (no tokens
     # of their own this step); only on the chunk that computes the last prompt token.
     forks: list[ScheduledRequest] = field(default_factory=list)
@@ -66,6 +78,10 @@ class ModelOutput:
     logprobs: dict[str, TokenLogprob] | None = None
     error: Exception | None = None
     fatal: bool = False
+    # speculative decoding: for requests that verified drafts, the accepted drafts then the
+    # resampled / bonus token (instead of `sampled`); and the next drafts proposed per request
+    spec_token_ids: dict[str, list[int]] | None = None
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +90,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     max_waiting_requests: int
+    num_speculative_tokens: int = 0  # 0 = no speculative decoding
+    speculative_disable_batch_size: int = 1 << 30
+
+
+@dataclass(slots=True)
+class SpecStats:
+    num_drafts: int = 0  # verification steps with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -86,6 +112,8 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self.spec_stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+
         self._pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings not yet forked
 
     # -- intake ------------------------------------------------------------------------------------
@@ -103,6 +131,10 @@ class Scheduler:
         `allocate_slots` replaces with a private copy (copy-on-write) before the step's attention.
         A parent that ends before its prompt is computed (aborted) hands its place to the first sibling.
         """
+        # logprobs are reported per sampled token; verification does not compute them
+        req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
+        for sib in forks:
+            sib.draft_synced = False  # forks decode without the draft head
         self.requests[req.request_id] = req
         for sib in forks:
             self.requests[sib.request_id] = sib
@@ -129,6 +161,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         copies: list[tuple[int, int]] = []
+        k = self.config.num_speculative_tokens
+        spec_on = k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
         forked: list[Request] = []  # siblings forked this step; they run from the next step on
         # 1. running requests, oldest first
         i = 0
@@ -138,6 +172,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if spec_on and req.draft_synced:
+                drafts = self._drafts_to_verify(req, n, budget)
+                reaches_end = req.num_computed_tokens + n == req.num_tokens
+                got = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=k - 1 if reaches_end else 0)
+                if got is not None:
+                    copies.extend(got)
+                    scheduled.append(self._scheduled(req, n, forked, drafts, spec=True))
+                    budget -= n + len(drafts)
+                    i += 1
+                    continue
+                # short of blocks: this step goes without speculation (and may preempt, below)
             while True:
                 got = self.kv.allocate_slots(req, n)
                 if got is not None:
@@ -168,7 +213,11 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())
                 continue
             n = min(req.num_tokens - num_hit, budget)
-            got = self.kv.allocate_slots(req, n, hit_blocks)
+            spec = spec_on and req.draft_synced
+            look = k - 1 if spec and num_hit + n == req.num_tokens else 0
+            got = self.kv.allocate_slots(req, n, hit_blocks, num_lookahead_tokens=look)
+            if got is None and look:
+                spec, got = False, self.kv.allocate_slots(req, n, hit_blocks)
             if got is None:
                 break
             self.waiting.popleft()
@@ -179,13 +228,25 @@ class Scheduler:
                 req.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
             self.running.append(req)
-            scheduled.append(self._scheduled(req, n, forked))
+            scheduled.append(self._scheduled(req, n, forked, spec=spec))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         self.running.extend(forked)
         self.step_id += 1
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(self.step_id, scheduled, copies, finished)
+
+    def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
+        """The pending drafts this step can verify: only after the last token, within the token budget,
+        and never past max_tokens or max_model_len (the verified tokens would be cut off anyway)."""
+        if req.num_computed_tokens + n != req.num_tokens:
+            return []
+        room = min(
+            budget - n,
+            req.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens,
+        )
+        return req.spec_token_ids[: max(room, 0)]
 
     def _num_seats(self) -> int:
         """Sequences running, plus the siblings that running parents will fork (their seats are taken)."""
@@ -194,11 +255,19 @@ class Scheduler:
         )
         return len(self.running) + pending
 
-    def _scheduled(self, req: Request, n: int, forked: list[Request]) -> ScheduledRequest:
+    def _scheduled(
+        self, req: Request, n: int, forked: list[Request], drafts: Sequence[int] = (), spec: bool = False
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
-        req.num_computed_tokens += n  # optimistic: the executor computes them this step
-        sr = self._sampling_request(req, req.all_token_ids[start : start + n], start, sample)
+        req.num_computed_tokens += n + len(drafts)  # optimistic: the executor computes them this step
+        req.spec_token_ids = []
+        if not spec:
+            req.draft_synced = False  # positions computed without the draft head: its KV has a gap now
+        sr = self._sampling_request(req, req.all_token_ids[start : start + n] + list(drafts), start, sample)
+        sr.num_draft_tokens = len(drafts)
+        sr.spec = spec
+        sr.next_token_id = req.all_token_ids[start + n] if spec and not sample else -1
         if sample and req.request_id in self._pending_forks:
             for sib in self._pending_forks.pop(req.request_id):
                 self.kv.fork(req.request_id, sib.request_id)
@@ -229,6 +298,9 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        # recomputed from scratch, so the draft head can follow again
+        req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -253,17 +325,30 @@ class Scheduler:
             req = self.requests.get(x.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            token = out.sampled.get(x.request_id)
-            if token is None:
+            if x.num_draft_tokens:
+                tokens = out.spec_token_ids[x.request_id]
+                self._roll_back(req, x.num_draft_tokens, len(tokens) - 1)
+            else:
+                token = out.sampled.get(x.request_id)
+                tokens = None if token is None else [token]
+            if out.draft_token_ids:
+                req.spec_token_ids = out.draft_token_ids.get(x.request_id, [])
+            if tokens is None:
+                self.kv.cache_blocks(req, req.num_computed_tokens)
                 continue  # a prefill chunk that does not reach the end yet
-            req.append_output(token)
-            reason, stop_reason = self._check_stop(req, token)
+            reason = stop_reason = None
+            for n, token in enumerate(tokens, 1):
+                req.append_output(token)
+                reason, stop_reason = self._check_stop(req, token)
+                if reason is not None:
+                    tokens = tokens[:n]
+                    break
+            self.kv.cache_blocks(req, req.num_computed_tokens)
             lp = out.logprobs.get(x.request_id) if out.logprobs else None
             events.append(
                 TokenEvent(
                     req.request_id,
-                    [token],
+                    tokens,
                     logprobs=[lp] if lp is not None else None,
                     finish_reason=reason,
                     stop_reason=stop_reason,
@@ -273,6 +358,17 @@ class Scheduler:
             if reason is not None:
                 self._finish(req)
         return events
+
+    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Rejected drafts were computed optimistically: their KV slots are now past the end, to be
+        overwritten (the cache never hashes them: they are not in all_token_ids)."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        st = self.spec_stats
+        st.num_drafts += 1
+        st.num_draft_tokens += num_drafts
+        st.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            st.accepted_per_position[j] += 1
 
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         sp = req.sampling_params

@@ -33,6 +33,11 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     healthy: bool = True
+    # speculative decoding (mean acceptance length = 1 + accepted / drafts)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -41,6 +46,11 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verification step: the accepted drafts plus the one the target always adds."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class SchedulerActor:
@@ -68,6 +78,10 @@ class SchedulerActor:
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             healthy=self.dead is None,
+            spec_num_drafts=s.spec_stats.num_drafts,
+            spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
         )
 
     async def run(
@@ -85,11 +99,22 @@ class SchedulerActor:
     async def _inbox_loop(self, inbox: ObjectReceiveStream[AddRequest | AbortRequest]) -> None:
         async with inbox:
             async for msg in inbox:
-                if isinstance(msg, AddRequest):
-                    self._add(msg)
-                else:
-                    self._abort(msg.request_id)
+                self._handle(msg)
+                # Take everything already queued before yielding: requests submitted together then reach
+                # the scheduler (woken by the first) together, and share their first step.
+                while True:
+                    try:
+                        msg = inbox.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                    self._handle(msg)
                 self._publish()
+
+    def _handle(self, msg: AddRequest | AbortRequest) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        else:
+            self._abort(msg.request_id)
 
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
@@ -152,26 +177,37 @@ class SchedulerActor:
     # -- steps -------------------------------------------------------------------------------------
     async def _step_loop(self, steps: ObjectSendStream[SchedulerOutput], results: ObjectReceiveStream[ModelOutput]):
         s = self.scheduler
+        # A step's events are delivered only after the next step has been sent: delivering wakes every
+        # request actor (detokenizing, building outputs), and the executor should start first, so that
+        # work overlaps the GPU instead of delaying it.
+        pending: list[TokenEvent] = []
         async with steps, results:
             while True:
                 if not s.has_work() or self.dead is not None:
+                    pending = self._deliver_all(pending)
                     self._publish()
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
                 so = s.schedule()
                 if not so.requests:
+                    pending = self._deliver_all(pending)
                     self._fail_unschedulable()
                     continue
                 await steps.send(so)
+                pending = self._deliver_all(pending)
                 out = await results.receive()
-                events = s.update_from_output(so, out)
-                for ev in events:
-                    self.generation_tokens += len(ev.token_ids)
-                    self._deliver(ev)
+                pending = s.update_from_output(so, out)
                 if out.fatal:
+                    pending = self._deliver_all(pending)
                     self._die(out.error)
                 self._publish()
+
+    def _deliver_all(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        for ev in events:
+            self.generation_tokens += len(ev.token_ids)
+            self._deliver(ev)
+        return []
 
     def _fail_unschedulable(self) -> None:
         """Nothing fits although the pool is as free as it gets: the head request can never run."""

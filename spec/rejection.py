@@ -188,8 +188,29 @@ def rejection_sample(
         noise = _exponential_noise((batch, vocab), device, cdtype, row_gens)
         final = torch.where(is_greedy, final, _race(p_final, noise))
 
-    out_pos = torch.arange(k + 1, device=device)
+    return _assemble(drafts, num_accepted, final)
+
+
+def _assemble(drafts: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> RejectionOutput:
+    """[batch, k+1]: the accepted drafts, then ``final``, then -1 padding."""
+    batch, k = drafts.shape
+    out_pos = torch.arange(k + 1, device=drafts.device)
     drafts_padded = torch.cat([drafts, drafts.new_zeros(batch, 1)], dim=1)
     output = torch.where(out_pos[None, :] < num_accepted[:, None], drafts_padded, PLACEHOLDER_TOKEN_ID)
     output.scatter_(1, num_accepted[:, None], final[:, None])
     return RejectionOutput(output_token_ids=output, num_accepted=num_accepted)
+
+
+def greedy_verify(
+    draft_token_ids: torch.Tensor, target_argmax: torch.Tensor, num_draft_tokens: torch.Tensor
+) -> RejectionOutput:
+    """`rejection_sample` for a batch of greedy rows, from the target's argmax ``[batch, k+1]`` alone
+    (no vocabulary-sized tensors): accept while the draft equals the argmax, then emit the argmax."""
+    batch, k = draft_token_ids.shape
+    device = target_argmax.device
+    valid = torch.arange(k, device=device)[None, :] < num_draft_tokens.to(device)[:, None]
+    drafts = torch.where(valid, draft_token_ids.to(device=device, dtype=torch.long), 0)
+    accepted = (drafts == target_argmax[:, :k]) & valid
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
+    final = target_argmax[torch.arange(batch, device=device), num_accepted]
+    return _assemble(drafts, num_accepted, final)

@@ -73,3 +73,25 @@ def test_write_result_and_table(tmp_path):
     assert machine_info()["cores"] >= 1 and versions()["sluice"] == "0.1.0"
     table = format_table([{"name": "a", "tok/s": 1.5}, {"name": "bb", "tok/s": 123.25}]).splitlines()
     assert len(table) == 4 and len({len(line) for line in table[1:]}) == 1
+
+
+def test_cb_config_maps_fields_across_transformers_versions():
+    from dataclasses import dataclass
+
+    from app.bench.hf_peer import _cb_config
+
+    @dataclass
+    class Old:  # transformers 5.17: no page_size, no auto_switch_to_flash
+        block_size: int = 256
+        num_blocks: int | None = None
+
+    @dataclass
+    class New:
+        page_size: int = 256
+        block_size: int = 256
+        auto_switch_to_flash: bool = False
+
+    old = _cb_config(Old, page_size=64, num_blocks=9, auto_switch_to_flash=True)
+    assert (old.block_size, old.num_blocks) == (64, 9)
+    new = _cb_config(New, page_size=64, num_blocks=9, auto_switch_to_flash=True)
+    assert (new.page_size, new.block_size, new.auto_switch_to_flash) == (64, 256, True)

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
-BENCHMARKS = ("app.bench.prefix",)
+BENCHMARKS = ("app.bench.throughput", "app.bench.latency", "app.bench.serve", "app.bench.prefix")
 
 
 def register(subparsers) -> None:
@@ -13,3 +14,14 @@ def register(subparsers) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for name in BENCHMARKS:
         importlib.import_module(name).register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m app.bench.cli throughput ...` (the same as `sluice bench throughput ...`)."""
+    from app.cli import main as sluice_main
+
+    return sluice_main(["bench", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -121,6 +121,15 @@ def _cb_num_blocks(requests: Sequence[BenchRequest], page_size: int) -> int:
     return blocks + 2
 
 
+def _cb_config(cls, **kwargs):
+    """A ContinuousBatchingConfig across transformers versions: 5.17 (the GPU machine's) calls the page size
+    ``block_size`` and has no ``auto_switch_to_flash`` (it switches to a paged attention by itself)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "page_size" not in names and "block_size" in names:
+        kwargs["block_size"] = kwargs.pop("page_size")
+    return cls(**{k: v for k, v in kwargs.items() if k in names})
+
+
 def run_hf_continuous_batching(
     model,
     requests: Sequence[BenchRequest],
@@ -147,7 +156,8 @@ def run_hf_continuous_batching(
     max_out = max(r.output_len for r in requests)
     gen_cfg = GenerationConfig(max_new_tokens=max_out, eos_token_id=-1, do_sample=False)
     on_cpu = model.device.type == "cpu"
-    cb_cfg = ContinuousBatchingConfig(
+    cb_cfg = _cb_config(
+        ContinuousBatchingConfig,
         page_size=page_size,
         max_batch_tokens=max_batch_tokens,
         num_blocks=num_blocks if num_blocks is not None else (_cb_num_blocks(requests, page_size) if on_cpu else None),

@@ -25,9 +25,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = None  # a kernel of core/models/fused.py, set by `enable_fused_kernels`
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With ``residual``: returns ``(norm(x + residual), x + residual)`` (the pre-norm residual stream)."""
+        if self.fused is not None:
+            out, res = self.fused(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
         if residual is not None:
             x = x + residual
             residual = x
@@ -39,7 +43,13 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = None
+
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -70,12 +80,37 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.fused = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q ``[T, Hq, D]``, k ``[T, Hk, D]``; rotated in the input dtype, as transformers does."""
+        """q ``[T, Hq, D]``, k ``[T, Hk, D]``; rotated in the input dtype, as transformers does.
+        The fused path rotates q and k in place (they are views of the qkv projection's output)."""
+        if self.fused is not None:
+            self.fused(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def enable_fused_kernels(model: nn.Module) -> int:
+    """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
+    shapes allow (rotary needs ``head_dim / 2`` a power of two); returns how many modules switched."""
+    from core.models import fused
+
+    kernels = {RMSNorm: fused.add_rmsnorm, SiluAndMul: fused.silu_and_mul, RotaryEmbedding: fused.rope_}
+    n = 0
+    for m in model.modules():
+        kernel = kernels.get(type(m))
+        if kernel is None:
+            continue
+        if isinstance(m, RotaryEmbedding):
+            half = m.cos.shape[-1] // 2
+            if half & (half - 1):
+                continue
+        m.fused = kernel
+        n += 1
+    return n
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

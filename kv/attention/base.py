@@ -38,6 +38,9 @@ class AttentionMetadata:
 
 class AttentionBackend:
     name = "base"
+    # True when `forward` reads only device tensors and the host values fixed at capture (``num_seqs``,
+    # ``max_query_len``, ``max_seq_len``), so a decode step can be captured in a CUDA graph.
+    graph_safe = False
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor

@@ -1,7 +1,8 @@
 """Reference paged attention in plain torch: correct everywhere, fast enough for the CPU.
 
-Decode sequences (one query each) are batched into one padded SDPA call over K/V gathered through
-their block tables; prefill chunks run one sequence at a time with an offset causal mask.
+Sequences with the same short query length (decodes: one query; speculative verification: 1 + k) are
+batched into one padded SDPA call over K/V gathered through their block tables; longer prefill chunks
+run one sequence at a time with an offset causal mask.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from kv.attention.base import AttentionBackend, AttentionMetadata
+
+# Query lengths up to this are batched across sequences (padding costs little at these lengths).
+MAX_BATCHED_QUERY_LEN = 17
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,17 +33,16 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
-        decode_rows = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
-        if len(decode_rows) > 1:
-            self._decode_batch(query, kv_cache, meta, scale, decode_rows, out)
-            done = set(decode_rows)
-        else:
-            done = set()
+        by_len: dict[int, list[int]] = {}
         for i in range(meta.num_seqs):
-            if i in done:
+            by_len.setdefault(qsl[i + 1] - qsl[i], []).append(i)
+        for q_len, rows in by_len.items():
+            if len(rows) > 1 and q_len <= MAX_BATCHED_QUERY_LEN:
+                self._same_len_batch(query, kv_cache, meta, scale, rows, q_len, out)
                 continue
-            s, e = qsl[i], qsl[i + 1]
-            out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale)
+            for i in rows:
+                s, e = qsl[i], qsl[i + 1]
+                out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale)
         return out
 
     @staticmethod
@@ -57,7 +60,8 @@ class TorchAttentionBackend(AttentionBackend):
         return o.transpose(0, 1)
 
     @staticmethod
-    def _decode_batch(query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], out) -> None:
+    def _same_len_batch(query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], q_len: int, out) -> None:
+        """Sequences with ``q_len`` queries each, in one padded SDPA call."""
         block_size = kv_cache.shape[2]
         lens = [meta.seq_lens_host[i] for i in rows]
         max_len = max(lens)
@@ -70,8 +74,11 @@ class TorchAttentionBackend(AttentionBackend):
         k = kv[0].transpose(1, 2).to(query.dtype)  # [B, H, L, D]
         v = kv[1].transpose(1, 2).to(query.dtype)
         seq_lens = torch.tensor(lens, device=query.device)
-        mask = (torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None])[:, None, None, :]
-        rows_q = meta.query_start_loc[idx].long()
-        q = query[rows_q].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows_q] = o.squeeze(2)
+        # query j of a row sits at position seq_len - q_len + j and sees keys up to there
+        j = torch.arange(q_len, device=query.device)
+        last_visible = seq_lens[:, None] - q_len + j[None, :]  # [B, q_len]
+        mask = torch.arange(max_len, device=query.device)[None, None, :] <= last_visible[:, :, None]
+        rows_q = meta.query_start_loc[idx].long()[:, None] + j[None, :]  # [B, q_len]
+        q = query[rows_q].transpose(1, 2)  # [B, Hq, q_len, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        out[rows_q] = o.transpose(1, 2)

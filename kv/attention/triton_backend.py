@@ -21,6 +21,7 @@ from kv.attention.base import AttentionBackend, AttentionMetadata
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    graph_safe = True
 
     def __init__(
         self,

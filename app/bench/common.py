@@ -1,0 +1,143 @@
+"""What every `sluice bench ...` command shares: dataset flags, request sampling, result printing."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.bench.datasets import BenchRequest, load_requests, sample_random, sample_sharegpt, save_requests, summarize
+
+
+def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int = 1000) -> None:
+    p.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=default_num_prompts)
+    p.add_argument("--input-len", type=int, default=None, help="random: prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=None, help="random: forced output tokens (sharegpt: override)")
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument(
+        "--requests-file", default=None, help="replay requests saved with --save-requests (no dataset needed)"
+    )
+    p.add_argument("--save-requests", default=None, help="also write the sampled requests to this JSON file")
+
+
+def load_bench_requests(ns: argparse.Namespace, tokenizer, vocab_size: int) -> tuple[list[BenchRequest], dict]:
+    """The requests of a run and a description of them for the result file."""
+    if ns.requests_file:
+        reqs, meta = load_requests(ns.requests_file)
+        if ns.num_prompts and ns.num_prompts < len(reqs):
+            reqs = reqs[: ns.num_prompts]
+        if ns.num_prompts and ns.num_prompts > len(reqs):
+            raise ValueError(f"num_prompts: {ns.requests_file} holds only {len(reqs)} requests")
+        desc = {**meta, "requests_file": ns.requests_file}
+    elif ns.dataset == "sharegpt":
+        reqs = sample_sharegpt(tokenizer, ns.num_prompts, seed=ns.dataset_seed, fixed_output_len=ns.output_len)
+        desc = {"name": "sharegpt", "seed": ns.dataset_seed, "fixed_output_len": ns.output_len}
+    else:
+        if ns.input_len is None or ns.output_len is None:
+            raise ValueError("--dataset random needs --input-len and --output-len")
+        reqs = sample_random(ns.num_prompts, ns.input_len, ns.output_len, vocab_size, seed=ns.dataset_seed)
+        desc = {"name": "random", "seed": ns.dataset_seed, "input_len": ns.input_len, "output_len": ns.output_len}
+    if ns.save_requests:
+        save_requests(ns.save_requests, reqs, desc)
+    return reqs, {**desc, **summarize(reqs)}
+
+
+def percentiles(values: Sequence[float], prefix: str, scale: float = 1000.0) -> dict[str, float]:
+    """mean / median / p99 of ``values`` (seconds), in milliseconds by default, keyed ``{prefix}_mean_ms`` ..."""
+    if not values:
+        return {
+            f"{prefix}_mean_ms": float("nan"),
+            f"{prefix}_median_ms": float("nan"),
+            f"{prefix}_p99_ms": float("nan"),
+        }
+    xs = sorted(values)
+    p99 = xs[min(len(xs) - 1, max(0, int(round(0.99 * (len(xs) - 1)))))]
+    return {
+        f"{prefix}_mean_ms": statistics.fmean(xs) * scale,
+        f"{prefix}_median_ms": statistics.median(xs) * scale,
+        f"{prefix}_p99_ms": p99 * scale,
+    }
+
+
+def print_figures(title: str, figures: dict[str, Any]) -> None:
+    """One figure per line, aligned, floats with 2 decimals."""
+    print(f"== {title}")
+    width = max(len(k) for k in figures) if figures else 0
+    for k, v in figures.items():
+        if isinstance(v, float):
+            v = f"{v:,.2f}"
+        elif isinstance(v, dict):
+            continue
+        print(f"  {k.ljust(width)}  {v}")
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+@dataclass(slots=True)
+class EngineRun:
+    """One batch of requests through the engine: per request, in input order (seconds from the start)."""
+
+    elapsed_s: float
+    output_lens: list[int]
+    first_token_s: list[float]
+    finish_s: list[float]
+
+
+async def drive_engine(engine, requests: Sequence[BenchRequest], tag: str = "bench") -> EngineRun:
+    """Submit every request at once (greedy, EOS ignored, forced output lengths) and wait for all."""
+    import anyio
+
+    from core import SamplingParams
+
+    n = len(requests)
+    lens = [0] * n
+    first = [float("nan")] * n
+    finish = [float("nan")] * n
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        r = requests[i]
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        async for out in engine.generate(r.prompt_token_ids, params, request_id=f"{tag}-{i}"):
+            now = time.perf_counter() - t0
+            if out.delta_token_ids and first[i] != first[i]:
+                first[i] = now
+            if out.finished:
+                lens[i] = len(out.token_ids)
+                finish[i] = now
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    return EngineRun(time.perf_counter() - t0, lens, first, finish)
+
+
+def engine_args_for(ns: argparse.Namespace, num_requests: int, longest: int):
+    """EngineArgs from the command's engine flags, with room to queue every request at once and a
+    context long enough for the longest one."""
+    from dataclasses import replace
+
+    from app.cli import engine_args_from
+
+    args = engine_args_from(ns)
+    args = replace(args, max_waiting_requests=max(args.max_waiting_requests, num_requests))
+    if args.max_model_len is not None and args.max_model_len < longest + 1:
+        raise ValueError(f"max_model_len: {args.max_model_len} is shorter than the longest request ({longest})")
+    return args
+
+
+def release_device_memory() -> None:
+    """Give cached GPU memory back after an engine is gone, before a peer loads its own model."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -1,0 +1,130 @@
+"""Speculative decoding against our own engine without it, on the same requests, in one run.
+
+    python -m app.bench.spec --head default --concurrency 1 --num-prompts 8 --max-new-tokens 256
+
+Prompts are held-out ShareGPT chat prompts (never used to train the shipped head), decoded greedily
+with their natural stop (EOS or ``--max-new-tokens``): greedy speculation emits exactly the plain
+engine's tokens, so both sides produce the same text and the same token counts. Each engine first
+serves two warm-up requests (kernel compilation, allocator), then the measured requests, at most
+``--concurrency`` at a time. Output tokens per second are total output tokens / wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import anyio
+
+from app.bench.results import command_line, machine_info, print_table, versions, write_result
+
+
+async def _serve(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, list[list[int]]]:
+    outs: list[list[int]] = [[] for _ in prompts]
+    limiter = anyio.CapacityLimiter(concurrency)
+
+    async def one(i: int) -> None:
+        async with limiter:
+            async for o in engine.generate(prompts[i], params, request_id=f"b{i}-{time.monotonic_ns()}"):
+                if o.finished:
+                    outs[i] = o.token_ids
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return time.perf_counter() - t, outs
+
+
+def run_side(engine_args, prompts, warmup, params, concurrency: int) -> dict:
+    from core import AsyncEngine
+
+    async def main():
+        async with AsyncEngine(engine_args) as engine:
+            await _serve(engine, warmup, params, concurrency)
+            before = engine.stats()
+            seconds, outs = await _serve(engine, prompts, params, concurrency)
+            st = engine.stats()
+        drafts = st.spec_num_drafts - before.spec_num_drafts
+        accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        tokens = sum(len(o) for o in outs)
+        return {
+            "seconds": round(seconds, 3),
+            "output_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 2),
+            "steps": st.num_steps - before.num_steps,
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "outputs": outs,
+        }
+
+    return anyio.run(main)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from core import EngineArgs, SamplingParams
+    from core.models.loader import resolve_model
+    from core.models.registry import DEFAULT_MODEL
+    from core.tokenizer import load_tokenizer
+    from spec.train_cli import chat_pairs, load_conversations
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--head", default="default", help="draft head directory, or 'default'")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-len", type=int, default=512)
+    ap.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON file of conversations")
+    ap.add_argument("--split", default="heldout")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--speculative-disable-batch-size", type=int, default=None, help="default: the engine's")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="also write the result as JSON here")
+    args = ap.parse_args(argv)
+
+    source = resolve_model(args.model)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
+    convs = load_conversations(args.data, args.split)
+    pairs = chat_pairs(tokenizer, convs, args.num_prompts + 2, args.max_prompt_len, args.seed)
+    prompts = [p for p, _ in pairs]
+    warmup, prompts = prompts[:2], prompts[2:]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    common = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_prompt_len + args.max_new_tokens + 8,
+        max_num_seqs=max(args.concurrency, 8),
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+    # Both engines' pools fit at once, whenever the first one's memory is returned.
+    common["num_kv_blocks"] = -(-common["max_model_len"] // 16) * max(args.concurrency, 8) + 64
+    spec_kw = dict(speculative_model=args.head, num_speculative_tokens=args.num_speculative_tokens)
+    if args.speculative_disable_batch_size is not None:
+        spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
+    plain = run_side(EngineArgs(**common), prompts, warmup, params, args.concurrency)
+    spec = run_side(EngineArgs(**common, **spec_kw), prompts, warmup, params, args.concurrency)
+    same = sum(a == b for a, b in zip(plain.pop("outputs"), spec.pop("outputs")))
+    speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
+    rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec (k={args.num_speculative_tokens})", **spec}]
+    m, v = machine_info(), versions()
+    print(
+        f"spec bench: {args.model}, head {args.head}, {len(prompts)} held-out prompts, concurrency "
+        f"{args.concurrency}, greedy, max {args.max_new_tokens} new tokens; {m['gpu'] or m['cpu']} "
+        f"({m['cores']} cores), torch {v['torch']}, {time.strftime('%Y-%m-%d')}"
+    )
+    print_table(rows)
+    print(f"speedup {speedup:.2f}x; identical outputs {same}/{len(prompts)}")
+    figures = {"plain": plain, "spec": spec, "speedup": round(speedup, 3), "identical_outputs": same}
+    if args.out:
+        dataset = {"name": args.data, "split": args.split, "num_prompts": len(prompts), "seed": args.seed}
+        write_result(args.out, command_line(), args.model, dataset, {**figures, "concurrency": args.concurrency})
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""CUDA graphs for pure-decode steps, one per batch size of a ladder, over static input buffers.
+
+A decode step of an 8B model launches ~350 kernels (fused) to ~1300 (unfused); launched one by one from
+Python that is several milliseconds of host time, more than the GPU needs. A captured graph replays them
+with one call. What makes a step replayable:
+
+* every input lives at a fixed address: the runner writes each step's ids, positions, slot mapping,
+  sequence lengths and block tables into the first rows of the `StepBuffers` the graph was captured
+  over, padded to the graph's batch size (padding rows write no KV: slot -1; read no KV: length 0);
+* the attention backend plans its grid from host values fixed at capture (the batch size and the
+  longest context, ``max_model_len``): see `kv/attention/triton_backend.py`; so only the Triton backend
+  is graph-safe (the torch reference loops over host lists);
+* the graph ends with the LM head, so its output is the logits of every row; sampling runs eagerly
+  after it (per-request generators and penalties do not fit a fixed graph).
+
+Graphs share one memory pool, captured largest first so the smaller ones reuse its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kv.attention.base import AttentionMetadata
+
+logger = logging.getLogger("sluice")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 32 beyond: padding a batch to the next
+    size wastes at most ~12% of a step, and capture stays a few seconds."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
+    out = [s for s in sizes if s < max_num_seqs]
+    return out + [max_num_seqs]
+
+
+class StepBuffers:
+    """Preallocated step inputs: pinned host staging (filled with numpy through views) and device tensors.
+
+    Host -> device copies are asynchronous from pinned memory; they are safe to refill on the next step
+    because each step ends with the one host sync that returns the sampled tokens. On the CPU the
+    "device" tensors are the host tensors themselves."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
+        self.on_host = device.type == "cpu"
+        self.device = device
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+
+        def pair(shape, dtype):
+            host = torch.zeros(shape, dtype=dtype, pin_memory=not self.on_host)
+            dev = host if self.on_host else torch.zeros(shape, dtype=dtype, device=device)
+            return host, host.numpy(), dev
+
+        self.h_input_ids, self.input_ids_np, self.input_ids = pair(max_tokens, torch.int64)
+        self.h_positions, self.positions_np, self.positions = pair(max_tokens, torch.int64)
+        self.h_slot_mapping, self.slot_mapping_np, self.slot_mapping = pair(max_tokens, torch.int64)
+        self.h_query_start_loc, self.query_start_loc_np, self.query_start_loc = pair(max_seqs + 1, torch.int32)
+        self.h_seq_lens, self.seq_lens_np, self.seq_lens = pair(max_seqs, torch.int32)
+        self.h_block_tables, self.block_tables_np, self.block_tables = pair((max_seqs, max_blocks), torch.int32)
+        self.h_logit_rows, self.logit_rows_np, self.logit_rows = pair(max_seqs, torch.int64)
+        # sampling parameters, one row each: temperature, top_p, min_p, presence, frequency, repetition
+        self.h_sampling_f, self.sampling_f_np, self.sampling_f = pair((6, max_seqs), torch.float32)
+        self.h_top_k, self.top_k_np, self.top_k = pair(max_seqs, torch.int64)
+
+    def upload(self, num_tokens: int, num_seqs: int, table_width: int, num_logit_rows: int) -> None:
+        """Copy the filled prefixes to the device (asynchronously). Block tables go as whole rows when
+        ``table_width`` is ``max_blocks`` (graphs read them with the full row stride)."""
+        if self.on_host:
+            return
+        nb = True
+        self.input_ids[:num_tokens].copy_(self.h_input_ids[:num_tokens], non_blocking=nb)
+        self.positions[:num_tokens].copy_(self.h_positions[:num_tokens], non_blocking=nb)
+        self.slot_mapping[:num_tokens].copy_(self.h_slot_mapping[:num_tokens], non_blocking=nb)
+        self.query_start_loc[: num_seqs + 1].copy_(self.h_query_start_loc[: num_seqs + 1], non_blocking=nb)
+        self.seq_lens[:num_seqs].copy_(self.h_seq_lens[:num_seqs], non_blocking=nb)
+        self.block_tables[:num_seqs].copy_(self.h_block_tables[:num_seqs], non_blocking=nb)
+        if num_logit_rows:
+            self.logit_rows[:num_logit_rows].copy_(self.h_logit_rows[:num_logit_rows], non_blocking=nb)
+
+    def upload_sampling(self, num_rows: int, with_penalties: bool) -> None:
+        if self.on_host:
+            return
+        nf = 6 if with_penalties else 3
+        self.sampling_f[:nf, :num_rows].copy_(self.h_sampling_f[:nf, :num_rows], non_blocking=True)
+        self.top_k[:num_rows].copy_(self.h_top_k[:num_rows], non_blocking=True)
+
+
+class DecodeGraphs:
+    """Captured decode steps for a ladder of batch sizes; `run(n)` replays the smallest that fits ``n``.
+
+    ``forward(input_ids, positions, meta) -> logits`` is the model step (embed ... LM head) to capture.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        buffers: StepBuffers,
+        batch_sizes: Sequence[int],
+        max_seq_len: int,
+    ) -> None:
+        self.forward = forward
+        self.buffers = buffers
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_seq_len = max_seq_len
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
+
+    def metadata(self, bs: int) -> AttentionMetadata:
+        b = self.buffers
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping[:bs],
+            query_start_loc=b.query_start_loc[: bs + 1],
+            seq_lens=b.seq_lens[:bs],
+            block_tables=b.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,  # plans the split count for the longest context served
+            query_start_loc_host=list(range(bs + 1)),
+            seq_lens_host=[1] * bs,  # not read by graph-safe backends
+        )
+
+    def capture(self) -> None:
+        b = self.buffers
+        largest = self.batch_sizes[-1]
+        # Idle inputs for warm-up and capture: no KV writes, empty contexts.
+        b.input_ids[:largest].zero_()
+        b.positions[:largest].zero_()
+        b.slot_mapping[:largest].fill_(-1)
+        b.seq_lens[:largest].zero_()
+        b.query_start_loc[: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
+        b.block_tables[:largest].zero_()
+        t0 = time.perf_counter()
+        pool = None
+        stream = torch.cuda.Stream(device=b.device)
+        stream.wait_stream(torch.cuda.current_stream(b.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):
+                meta = self.metadata(bs)
+                for _ in range(2):  # compile Triton variants and let cuBLAS pick its kernels first
+                    self.forward(b.input_ids[:bs], b.positions[:bs], meta)
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self.forward(b.input_ids[:bs], b.positions[:bs], meta)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[bs] = (graph, logits)
+        torch.cuda.current_stream(b.device).wait_stream(stream)
+        torch.cuda.synchronize(b.device)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s..%s) in %.1fs",
+            len(self.graphs),
+            self.batch_sizes[0],
+            largest,
+            time.perf_counter() - t0,
+        )
+
+    def padded_size(self, n: int) -> int | None:
+        for bs in self.batch_sizes:
+            if bs >= n:
+                return bs
+        return None
+
+    def replay(self, bs: int) -> torch.Tensor:
+        """Replay the graph of batch size ``bs`` (inputs already in the buffers); its logits ``[bs, V]``."""
+        graph, logits = self.graphs[bs]
+        graph.replay()
+        self.num_replays += 1
+        return logits

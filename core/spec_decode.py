@@ -1,0 +1,264 @@
+"""The model runner's speculative steps: verify last step's drafts inside the normal mixed batch, then
+let the EAGLE proposer draft the next ones.
+
+One target forward covers every scheduled request. A request verifying ``d`` drafts computes ``1 + d``
+tokens (its last token, then the drafts); its last ``d + 1`` rows are projected through the LM head and
+turned into the target's distributions ``p_1..p_{d+1}`` by the sampler's own ``process_logits``, each
+row with the request's temperature / top-k / top-p and with penalties and ``min_tokens`` bans as they
+stand after the drafts before it. `spec.rejection.rejection_sample` then accepts or rejects (greedy
+requests: exact argmax matching) and adds the resampled or bonus token. Requests without drafts (a
+prefill's last chunk, logprobs requests) are sampled exactly as in the plain step.
+
+The draft's distribution ``q`` of the pending drafts stays here, on the device, keyed by request (only
+for sampled requests; greedy verification needs none), until the next step verifies them.
+
+Of the plain runner it uses the model, the KV tensors, the attention backend and the per-request
+generators; step inputs and sampling rows are built here, so the plain step's own buffers and CUDA
+graphs can change without touching this path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from core.models.layers import ForwardContext
+from core.models.loader import ModelSource
+from core.outputs import TokenLogprob
+from core.sampler import SamplerOutput, SamplingBatch, process_logits, sample
+from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
+from kv.attention.base import kv_bytes_per_block
+from spec.eagle import load_draft_head, resolve_draft_head
+from spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata
+from spec.rejection import RejectionOutput, greedy_verify, rejection_sample
+
+
+class SpecDecodeRunner:
+    def __init__(self, runner, source: ModelSource) -> None:
+        args = runner.args
+        self.runner = runner
+        self.k = args.num_speculative_tokens
+        path = resolve_draft_head(args.speculative_model, source.name)
+        # Speculative pairs run up to k - 1 positions past the verified ones.
+        self.head = load_draft_head(
+            path, source.config, source.name, runner.max_model_len + 2 * self.k + 1, runner.device, runner.dtype
+        )
+        self.proposer: EagleProposer | None = None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.head.cfg
+        return kv_bytes_per_block(1, self.runner.block_size, cfg.num_key_value_heads, cfg.head_dim, self.runner.dtype)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        r = self.runner
+        self.proposer = EagleProposer(
+            self.head, r.model, num_blocks, r.block_size, self.k, r.backend, r.device, r.dtype
+        )
+
+    # -- one step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        r = self.runner
+        for rid in so.finished_request_ids:
+            self.draft_probs.pop(rid, None)
+        if not so.requests:
+            return ModelOutput(so.step_id, {})
+        if so.block_copies:
+            src = torch.tensor([s for s, _ in so.block_copies], device=r.device)
+            dst = torch.tensor([d for _, d in so.block_copies], device=r.device)
+            for kv in r.kv_caches:
+                kv[:, dst] = kv[:, src]
+            self.proposer.copy_blocks(src, dst)
+        reqs = so.requests
+        positions, meta = paged_metadata(
+            [sr.start_pos for sr in reqs],
+            [len(sr.token_ids) for sr in reqs],
+            [sr.block_table for sr in reqs],
+            r.block_size,
+            r.device,
+        )
+        input_ids = torch.tensor([t for sr in reqs for t in sr.token_ids], dtype=torch.long, device=r.device)
+        hidden = r.model(input_ids, positions, ForwardContext(meta, r.kv_caches, r.backend))
+        qsl = meta.query_start_loc_host
+        plain = [i for i, sr in enumerate(reqs) if sr.sample and not sr.num_draft_tokens]
+        verify = [i for i, sr in enumerate(reqs) if sr.num_draft_tokens]
+        rows = [qsl[i + 1] - 1 for i in plain]
+        for i in verify:
+            d = reqs[i].num_draft_tokens
+            rows.extend(range(qsl[i + 1] - 1 - d, qsl[i + 1]))
+        parts: list[torch.Tensor] = []
+        out_plain = None
+        if rows:
+            logits = r.model.compute_logits(hidden[torch.tensor(rows, device=r.device)])
+            if plain:
+                out_plain = sample(logits[: len(plain)], self._sampling_batch([reqs[i] for i in plain]))
+                parts.append(out_plain.token_ids)
+            if verify:
+                res = self._verify(logits[len(plain) :], [reqs[i] for i in verify])
+                parts += [res.output_token_ids.flatten(), res.num_accepted]
+        host = torch.cat(parts).tolist() if parts else []  # the target's one host sync
+
+        sampled = {reqs[i].request_id: t for i, t in zip(plain, host)}
+        spec_tokens: dict[str, list[int]] = {}
+        if verify:
+            width = max(reqs[i].num_draft_tokens for i in verify) + 1
+            base = len(plain)
+            accepted = host[base + width * len(verify) :]
+            for b, i in enumerate(verify):
+                row = host[base + b * width : base + (b + 1) * width]
+                spec_tokens[reqs[i].request_id] = row[: accepted[b] + 1]
+        logprobs = None
+        if out_plain is not None:
+            logprobs = _logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
+        drafts = self._propose(reqs, hidden, qsl, sampled, spec_tokens)
+        return ModelOutput(so.step_id, sampled, logprobs, spec_token_ids=spec_tokens or None, draft_token_ids=drafts)
+
+    def _verify(self, logits: torch.Tensor, vreqs: list[ScheduledRequest]) -> RejectionOutput:
+        """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``."""
+        r = self.runner
+        dev = logits.device
+        rows: list[ScheduledRequest] = []
+        for sr in vreqs:
+            d = sr.num_draft_tokens
+            drafts = sr.token_ids[-d:]
+            for j in range(d + 1):
+                # row j sees the drafts before it as output tokens (penalties, min_tokens)
+                outs = None if sr.output_token_ids is None else sr.output_token_ids + drafts[:j]
+                rows.append(replace(sr, num_output_tokens=sr.num_output_tokens + j, output_token_ids=outs))
+        processed = process_logits(logits.float(), self._sampling_batch(rows))
+        b, kmax = len(vreqs), max(sr.num_draft_tokens for sr in vreqs)
+        flat = torch.tensor(
+            [i * (kmax + 1) + j for i, sr in enumerate(vreqs) for j in range(sr.num_draft_tokens + 1)], device=dev
+        )
+        draft_ids = torch.tensor(
+            [sr.token_ids[-sr.num_draft_tokens :] + [0] * (kmax - sr.num_draft_tokens) for sr in vreqs], device=dev
+        )
+        num_draft = torch.tensor([sr.num_draft_tokens for sr in vreqs], device=dev)
+        greedy = [sr.sampling_params.temperature == 0 for sr in vreqs]
+        if all(greedy):
+            argmax = torch.zeros(b * (kmax + 1), dtype=torch.long, device=dev)
+            argmax[flat] = processed.argmax(-1)
+            return greedy_verify(draft_ids, argmax.view(b, kmax + 1), num_draft)
+        p = processed.softmax(-1)
+        vocab = p.shape[-1]
+        target = p.new_zeros(b, kmax + 1, vocab)
+        target.view(-1, vocab)[flat] = p
+        q = None
+        if not all(greedy):
+            q = p.new_zeros(b, kmax, vocab)
+            for i, sr in enumerate(vreqs):
+                if not greedy[i]:
+                    q[i, : sr.num_draft_tokens] = self.draft_probs[sr.request_id][: sr.num_draft_tokens]
+        gens = [r._generator(sr) for sr in vreqs]
+        return rejection_sample(draft_ids, q, target, torch.tensor(greedy, device=dev), gens, num_draft)
+
+    def _propose(
+        self,
+        reqs: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        qsl: list[int],
+        sampled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+    ) -> dict[str, list[int]] | None:
+        """Draft KV catch-up over every verified position, then k drafts for the requests that sampled."""
+        inp = DraftInput([], [], [], [], [], [])
+        proposing: list[ScheduledRequest] = []
+        for i, sr in enumerate(reqs):
+            if not sr.spec:
+                continue
+            rid = sr.request_id
+            if sr.num_draft_tokens:
+                # x_{N-1}, d_1..d_a stand; the pairs' next tokens are the emitted tokens themselves
+                nxt = spec_tokens[rid]
+            elif sr.sample:
+                nxt = sr.token_ids[1:] + [sampled[rid]]
+            else:
+                nxt = sr.token_ids[1:] + [sr.next_token_id]
+            inp.starts.append(sr.start_pos)
+            inp.lens.append(len(nxt))
+            inp.block_tables.append(sr.block_table)
+            inp.propose.append(sr.sample)
+            inp.feature_rows.extend(range(qsl[i], qsl[i] + len(nxt)))
+            inp.next_tokens.extend(nxt)
+            if sr.sample:
+                proposing.append(sr)
+        if not inp.starts:
+            return None
+        r = self.runner
+        greedy = [sr.sampling_params.temperature == 0 for sr in proposing]
+        ng = [sr for sr, g in zip(proposing, greedy) if not g]
+        sampling = DraftSampling(greedy, [r._generator(sr) for sr in proposing], self._probs_fn(ng) if ng else None)
+        out = self.proposer.propose(hidden, inp, sampling)
+        if out is None:
+            return None
+        drafts = out.token_ids.tolist()  # the draft's one host sync
+        for sr in proposing:
+            self.draft_probs.pop(sr.request_id, None)
+        for j, row in enumerate(out.probs_rows):
+            self.draft_probs[proposing[row].request_id] = out.probs[j]
+        return {sr.request_id: d for sr, d in zip(proposing, drafts)}
+
+    def _sampling_batch(self, reqs: list[ScheduledRequest]) -> SamplingBatch:
+        """The sampler's per-row parameters (penalties and min_tokens bans as each row stands)."""
+        dev = self.runner.device
+        sps = [r.sampling_params for r in reqs]
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)
+        any_pen = any(r.output_token_ids is not None for r in reqs)
+        banned = [
+            list(r.eos_token_ids) * (not p.ignore_eos) + list(p.stop_token_ids)
+            if r.num_output_tokens < p.min_tokens
+            else []
+            for r, p in zip(reqs, sps)
+        ]
+        nlp = [p.logprobs for p in sps if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=f([p.temperature for p in sps]),
+            top_k=torch.tensor([max(p.top_k, 0) for p in sps], dtype=torch.long, device=dev),
+            top_p=f([p.top_p for p in sps]),
+            min_p=f([p.min_p for p in sps]),
+            generators=[self.runner._generator(r) for r in reqs],
+            presence_penalty=f([p.presence_penalty for p in sps]) if any_pen else None,
+            frequency_penalty=f([p.frequency_penalty for p in sps]) if any_pen else None,
+            repetition_penalty=f([p.repetition_penalty for p in sps]) if any_pen else None,
+            output_token_ids=[r.output_token_ids or [] for r in reqs] if any_pen else None,
+            prompt_token_ids=[r.prompt_token_ids or [] for r in reqs] if any_pen else None,
+            banned_token_ids=banned if any(banned) else None,
+            num_logprobs=max(nlp) if nlp else -1,
+            all_greedy=all(p.temperature == 0 for p in sps),
+            any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sps),
+            any_min_p=any(p.min_p > 0 for p in sps),
+        )
+
+    def _probs_fn(self, reqs: list[ScheduledRequest]):
+        """q for sampled drafts: the request's temperature and truncation over the draft's vocabulary.
+        Penalties are left out: q may be any distribution, as long as the drafts are drawn from it."""
+        dev = self.runner.device
+        sps = [sr.sampling_params for sr in reqs]
+        f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)
+        batch = SamplingBatch(
+            temperature=f([p.temperature for p in sps]),
+            top_k=torch.tensor([max(p.top_k, 0) for p in sps], dtype=torch.long, device=dev),
+            top_p=f([p.top_p for p in sps]),
+            min_p=f([p.min_p for p in sps]),
+            generators=[None] * len(sps),
+            any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sps),
+            any_min_p=any(p.min_p > 0 for p in sps),
+        )
+        return lambda logits: process_logits(logits, batch).softmax(-1)
+
+
+def _logprobs(reqs: list[ScheduledRequest], tokens: list[int], out: SamplerOutput) -> dict[str, TokenLogprob] | None:
+    if out.logprobs is None:
+        return None
+    lp = out.logprobs.tolist()
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    res = {}
+    for i, r in enumerate(reqs):
+        n = r.sampling_params.logprobs
+        if n is not None:
+            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
+            res[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+    return res

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Train, evaluate and benchmark the shipped draft head of the default model on one GPU (the H200 runs
+# recorded in spec/heads/smollm2-135m-instruct/README.md).
+#
+#   bash scripts/spec_gpu_run.sh GGUF DATA_DIR OUT_DIR
+#
+# GGUF: SmolLM2-135M-Instruct's file, named smollm2-135m-instruct.gguf so the model is served under that
+# name. DATA_DIR: train.json and heldout.json, written by `python scripts/spec_export_data.py DATA_DIR`
+# (ShareGPT's first user turns of the training split and of the unseen held-out split).
+# Optional: DATA_PT=file (regenerated sequences of an earlier run: skip regeneration), INIT_FROM=head dir
+# (continue training it), and the time/size knobs below. OUT_DIR receives at most 7 files: run.log,
+# config.json, model.safetensors, data.pt, eval.json, bench_c1.json, bench_c64.json.
+set -euo pipefail
+GGUF=$1 DATA=$2 OUT=$3
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
+HEAD=${HEAD_DIR:-$HOME/spec-head} PY=${PYTHON:-python3} LOG=$OUT/run.log
+mkdir -p "$HEAD"
+if [ -n "${DATA_PT:-}" ]; then cp "$DATA_PT" "$HEAD/data.pt"; fi
+INIT=()
+if [ -n "${INIT_FROM:-}" ]; then INIT=(--init-from "$INIT_FROM"); fi
+
+phase() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
+
+phase train
+"$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${INIT[@]}" \
+  --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
+  --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
+  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 2>&1 | tee -a "$LOG"
+cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
+
+phase eval
+"$PY" -m app.cli eval-draft --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --split heldout \
+  --num-prompts "${EVAL_PROMPTS:-200}" --max-new-tokens "${MAX_NEW:-256}" --num-speculative-tokens 4 \
+  --json "$OUT/eval.json" 2>&1 | tee -a "$LOG"
+
+if [ "${BENCH:-1}" = 1 ]; then
+  phase bench
+  "$PY" -m app.bench.spec --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --concurrency 1 \
+    --num-prompts "${BENCH1_PROMPTS:-8}" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/bench_c1.json" 2>&1 | tee -a "$LOG"
+  "$PY" -m app.bench.spec --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --concurrency 64 \
+    --num-prompts "${BENCH64_PROMPTS:-64}" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/bench_c64.json" 2>&1 | tee -a "$LOG"
+fi
+phase done

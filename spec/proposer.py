@@ -1,0 +1,181 @@
+"""Drafts a chain of k tokens per request with an EAGLE head, from the target's hidden states.
+
+The head reads pairs ``(f_t, x_{t+1})``: the target's feature at position ``t`` and the token after it.
+Its KV for the pair is stored at position ``t`` in one extra layer of paged KV (``kv_caches``), indexed
+by the request's own block table: it needs no allocator of its own, is freed with the request's blocks
+and copied with them on copy-on-write.
+
+Each step, after the target has run and the verifier has decided which tokens stand:
+
+1. *Catch-up*: the head runs over the pairs of every position the target verified this step (a
+   prefill chunk, or the last token plus the accepted drafts), writing their draft KV. Invariant: a
+   request's draft KV is valid below its ``num_computed_tokens``, like the target's.
+2. *Proposal* (requests that just sampled): from the last pair's output ``g`` (its guess of the next
+   feature) the head drafts ``d_1 = LM(g)``, then feeds ``(g, d_1)`` back in at the next position, and
+   so on for k tokens. These pairs are speculative: their draft KV sits at positions
+   ``>= num_computed_tokens`` and the next catch-up overwrites it, so it is never read as context once
+   the target has spoken.
+
+Greedy requests draft the argmax; the others sample from ``q`` (the caller's ``probs_fn``, i.e. the
+request's temperature / top-k / top-p over the draft's vocabulary), which is returned in full-vocabulary
+form for the rejection sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.models.layers import ForwardContext
+from kv.attention import AttentionMetadata, allocate_kv_cache
+from kv.attention.base import AttentionBackend
+from spec.eagle import EagleDraftHead, target_lm_weight
+from spec.rejection import sample_from_probs
+
+
+@dataclass(slots=True)
+class DraftInput:
+    """The draft's share of one step (host side), one entry per request whose draft is in sync."""
+
+    starts: list[int]  # first position verified this step
+    lens: list[int]  # positions verified this step
+    block_tables: list[list[int]]  # the whole table, lookahead blocks included
+    propose: list[bool]  # draft k tokens after catching up
+    feature_rows: list[int]  # rows of the target's hidden states, sum(lens) in request order
+    next_tokens: list[int]  # the token after each of those positions
+
+
+@dataclass(slots=True)
+class DraftSampling:
+    """How the proposing requests (in order) draw their drafts."""
+
+    greedy: list[bool]
+    generators: list[torch.Generator | None]
+    # draft-vocabulary logits of the non-greedy rows (in order) -> the probabilities they sample from
+    probs_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class DraftOutput:
+    token_ids: torch.Tensor  # [R, k] int64, R = proposing requests
+    probs: torch.Tensor | None  # [len(probs_rows), k, vocab]: q of the non-greedy rows
+    probs_rows: list[int]
+
+
+def paged_metadata(
+    starts: list[int], q_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and attention metadata for sequences computing ``q_lens[i]`` tokens from ``starts[i]``."""
+    st = np.asarray(starts, dtype=np.int64)
+    ql = np.asarray(q_lens, dtype=np.int64)
+    qsl = np.zeros(len(starts) + 1, dtype=np.int64)
+    np.cumsum(ql, out=qsl[1:])
+    seq_lens = st + ql
+    positions = np.repeat(st, ql) + (np.arange(qsl[-1]) - np.repeat(qsl[:-1], ql))
+    width = max(-(-int(s) // block_size) for s in seq_lens)
+    tables = np.zeros((len(starts), width), dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        n = min(len(t), width)
+        tables[i, :n] = t[:n]
+    req_idx = np.repeat(np.arange(len(starts)), ql)
+    slots = tables[req_idx, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device, non_blocking=True),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device, non_blocking=True),
+        block_tables=torch.from_numpy(tables.astype(np.int32)).to(device, non_blocking=True),
+        max_query_len=int(ql.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_host=qsl.tolist(),
+        seq_lens_host=seq_lens.tolist(),
+    )
+    return torch.from_numpy(positions).to(device, non_blocking=True), meta
+
+
+class EagleProposer:
+    def __init__(
+        self,
+        head: EagleDraftHead,
+        target,
+        num_blocks: int,
+        block_size: int,
+        num_speculative_tokens: int,
+        backend: AttentionBackend,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.head = head
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.backend = backend
+        self.device = device
+        self.embed = target.model.embed_tokens
+        self.lm_weight = head.lm_weight(target_lm_weight(target))  # [draft vocab, hidden]
+        self.vocab_size = head.cfg.vocab_size
+        cfg = head.cfg
+        self.kv_caches = allocate_kv_cache(
+            1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write for the draft layer: the same block copies the target's KV gets."""
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+
+    def _run(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        return self.head(self.embed(tokens), features, positions, ctx)
+
+    def propose(self, hidden: torch.Tensor, inp: DraftInput, sampling: DraftSampling) -> DraftOutput | None:
+        """Catch up on this step's verified pairs, then draft k tokens for the proposing requests."""
+        if not inp.starts:
+            return None
+        dev = self.device
+        positions, meta = paged_metadata(inp.starts, inp.lens, inp.block_tables, self.block_size, dev)
+        rows = torch.tensor(inp.feature_rows, dtype=torch.long, device=dev)
+        nxt = torch.tensor(inp.next_tokens, dtype=torch.long, device=dev)
+        g = self._run(nxt, hidden[rows], positions, meta)
+        prop = [i for i, p in enumerate(inp.propose) if p]
+        if not prop:
+            return None
+        qsl = meta.query_start_loc_host
+        g = g[torch.tensor([qsl[i + 1] - 1 for i in prop], device=dev)]
+        # Positions of the speculative pairs: the first sits right after the last verified one.
+        pos0 = [inp.starts[i] + inp.lens[i] for i in prop]
+        tables = [inp.block_tables[i] for i in prop]
+        ng = [j for j, greedy in enumerate(sampling.greedy) if not greedy]
+        ng_gens = [sampling.generators[j] for j in ng]
+        tokens, probs = [], []
+        for step in range(self.k):
+            logits = (g @ self.lm_weight.t()).float()
+            tok, q = self._draw(logits, sampling, ng, ng_gens)
+            tokens.append(tok)
+            if q is not None:
+                probs.append(q)
+            if step == self.k - 1:
+                break
+            positions, meta = paged_metadata([p + step for p in pos0], [1] * len(prop), tables, self.block_size, dev)
+            g = self._run(tok, g, positions, meta)
+        return DraftOutput(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, ng)
+
+    def _draw(self, logits: torch.Tensor, sampling: DraftSampling, ng: list[int], ng_gens):
+        """Draft tokens (full-vocabulary ids) for one step, and q of the non-greedy rows."""
+        vocab_ids = self.head.draft_vocab
+        tok = logits.argmax(-1)
+        q_full = None
+        if ng:
+            assert sampling.probs_fn is not None
+            idx = torch.tensor(ng, device=logits.device)
+            q = sampling.probs_fn(logits[idx])
+            tok[idx] = sample_from_probs(q, ng_gens)
+            if vocab_ids is None:
+                q_full = q
+            else:
+                q_full = q.new_zeros(len(ng), self.vocab_size)
+                q_full[:, vocab_ids] = q
+        if vocab_ids is not None:
+            tok = vocab_ids[tok]
+        return tok, q_full

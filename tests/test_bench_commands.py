@@ -1,0 +1,187 @@
+"""`sluice bench throughput | latency | serve` end to end at tiny scale (dummy:tiny on the CPU; `serve`
+against a small fake OpenAI-style SSE server, since it only needs the HTTP API)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from app.cli import main as sluice
+
+
+def _run(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "result.json"
+    assert sluice([*argv, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_throughput_random_with_peer(tmp_path, capsys):
+    r = _run(
+        tmp_path,
+        "bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--dataset", "random",
+        "--num-prompts", "6", "--input-len", "12", "--output-len", "5", "--peer", "hf",
+        "--num-kv-blocks", "64", "--max-num-seqs", "4",
+    )  # fmt: skip
+    assert r["num_finished"] == 6 and r["exact_output_lens"] == 6 and r["output_tokens"] == 30
+    assert r["prompt_tokens"] == 72
+    assert r["requests_per_s"] == pytest.approx(6 / r["elapsed_s"])
+    assert r["output_tokens_per_s"] == pytest.approx(30 / r["elapsed_s"])
+    assert r["total_tokens_per_s"] == pytest.approx(102 / r["elapsed_s"])
+    assert r["peer"]["num_finished"] == 6 and r["peer"]["output_tokens"] == 30
+    assert r["ratio_vs_peer"] == pytest.approx(r["output_tokens_per_s"] / r["peer_output_tokens_per_s"])
+    assert r["engine"]["max_num_seqs"] == 4 and r["kv_blocks"] == 64
+    assert r["num_steps"] >= 5 * 2  # 6 requests, at most 4 at a time, 5 tokens each
+    for key in ("command", "machine", "versions", "date", "model", "dataset"):
+        assert key in r
+    assert r["dataset"]["name"] == "random" and r["dataset"]["num_requests"] == 6
+    printed = capsys.readouterr().out
+    assert "output_tokens_per_s" in printed and "ratio (output tok/s, sluice / peer)" in printed
+
+
+def test_throughput_sharegpt_and_replayed_requests_file(tmp_path):
+    saved = tmp_path / "reqs.json"
+    common = ["bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "256"]
+    first = _run(
+        tmp_path, *common, "--dataset", "sharegpt", "--num-prompts", "3", "--output-len", "4",
+        "--save-requests", str(saved),
+    )  # fmt: skip
+    assert first["dataset"]["name"] == "sharegpt" and first["exact_output_lens"] == 3
+    assert first["prompt_tokens"] == first["dataset"]["prompt_tokens"] > 3 * 4
+    again = _run(tmp_path, *common, "--requests-file", str(saved), "--num-prompts", "3")
+    assert again["dataset"]["requests_file"] == str(saved)
+    assert again["prompt_tokens"] == first["prompt_tokens"] and again["output_tokens"] == 12
+    with pytest.raises(ValueError, match="holds only 3"):
+        sluice([*common, "--requests-file", str(saved), "--num-prompts", "5"])
+
+
+def test_latency_reports_steps_and_prefill_share(tmp_path):
+    r = _run(
+        tmp_path,
+        "bench", "latency", "--model", "dummy:tiny", "--device", "cpu", "--batch-size", "2",
+        "--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1",
+        "--num-kv-blocks", "64", "--roof-tflops", "1",
+    )  # fmt: skip
+    assert r["exact_output_lens"] and r["num_iters"] == 2
+    assert 0 < r["prefill_median_ms"] < r["latency_median_ms"]
+    step = (r["latency_median_ms"] - r["prefill_median_ms"]) / 3
+    assert r["decode_step_median_ms"] == pytest.approx(step, rel=0.5)
+    assert r["prefill_pct_of_roof"] == pytest.approx(100 * r["prefill_tflops"])
+    assert r["output_tokens_per_s"] == pytest.approx(8 / (r["latency_median_ms"] / 1000))
+
+
+def test_prefill_flops_of_llama3_8b():
+    from app.bench.latency import prefill_flops
+    from core.models.loader import resolve_model
+
+    cfg = resolve_model("dummy:llama3-8b").config
+    one = prefill_flops(cfg, 1, 1)
+    # ~2 x 7B linear weights per token plus one LM-head row; 8 x 2048 tokens ~ 237 TFLOP
+    assert 14.9e9 < one < 15.1e9
+    assert prefill_flops(cfg, 8, 2048) == pytest.approx(2.37e14, rel=0.01)
+
+
+# ------------------------------------------------------------------------------------------------ serve
+
+
+def _fake_server(delay_first: float, gap: float):
+    """An OpenAI-style /v1/completions SSE endpoint streaming one word per "token" after fixed delays."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    seen: list[dict] = []
+
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(body)
+        n = body["max_tokens"]
+
+        async def events():
+            await asyncio.sleep(delay_first)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(gap)
+                chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def models(_request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+    return app, seen
+
+
+@pytest.fixture
+def fake_server():
+    uvicorn = pytest.importorskip("uvicorn")
+    app, seen = _fake_server(delay_first=0.05, gap=0.01)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    yield f"http://127.0.0.1:{port}", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
+    url, seen = fake_server
+    r = _run(
+        tmp_path, "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts", "6",
+        "--input-len", "10", "--output-len", "5", "--request-rate", "50",
+    )  # fmt: skip
+    assert r["model"] == "fake-model" and r["completed"] == 6 and r["failed"] == 0
+    assert r["output_tokens"] == 30
+    assert 45 <= r["ttft_median_ms"] < 500  # the server waits 50 ms before the first token
+    assert 8 <= r["itl_median_ms"] < 200 and 8 <= r["tpot_median_ms"] < 200  # then 10 ms per token
+    assert r["e2e_median_ms"] >= r["ttft_median_ms"] + 4 * 8
+    assert len(seen) == 6 and all(b["stream"] and b["max_tokens"] == 5 and b["ignore_eos"] for b in seen)
+    assert r["request_throughput"] == pytest.approx(6 / r["duration_s"])
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    from app.bench.serve import arrival_times
+
+    times = arrival_times(2000, 20.0, seed=1)
+    assert times[0] == 0 and times == sorted(times)
+    assert times[-1] / 1999 == pytest.approx(1 / 20.0, rel=0.1)
+    assert arrival_times(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0, 0)
+
+
+def test_serve_against_the_real_server(tmp_path):
+    pytest.importorskip("sse_starlette")
+    from app.server import build_app
+    from core import AsyncEngine, EngineArgs
+    from tests.server_helpers import ServerThread
+
+    engine = AsyncEngine(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=512))
+    srv = ServerThread(build_app(engine)).start()
+    try:
+        r = _run(
+            tmp_path, "bench", "serve", "--base-url", srv.url, "--dataset", "random", "--num-prompts", "5",
+            "--input-len", "12", "--output-len", "6", "--request-rate", "100",
+        )  # fmt: skip
+    finally:
+        srv.stop()
+    assert r["model"] == "dummy:tiny" and r["completed"] == 5 and r["failed"] == 0
+    assert r["output_tokens"] == 30  # forced lengths (ignore_eos), counted from the usage chunks
+    assert 0 < r["ttft_median_ms"] <= r["e2e_median_ms"] and r["tpot_median_ms"] > 0

@@ -1,0 +1,108 @@
+"""The fused Triton kernels (RMSNorm+residual, SiLU-and-mul, RoPE) against the torch layers they replace.
+
+Without a GPU they run under the Triton interpreter (conftest.py sets TRITON_INTERPRET before triton is
+imported). fp32 results agree to rounding (reductions run in another order); bf16 results within one bf16
+steps, since an fp32 intermediate that differs in its last bit can round the other way (and the interpreter
+truncates fp32 -> bf16 casts where the GPU rounds to nearest).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from core.models import fused  # noqa: E402
+from core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, enable_fused_kernels  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+pytestmark = pytest.mark.skipif(
+    not ON_GPU and not isinstance(fused._rope_kernel, InterpretedFunction),
+    reason="triton was imported without TRITON_INTERPRET=1 and there is no GPU",
+)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    else:  # a bf16 step is up to 2^-7 relative; two chained roundings (sum, then product) may each differ
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-5, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [96, 64])
+def test_add_rmsnorm_matches_layer(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-5).to(DEVICE, dtype)
+    norm.weight.data = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dtype)
+    x = torch.randn(7, hidden, generator=g).to(DEVICE, dtype)
+    res = (3 * torch.randn(7, hidden, generator=g)).to(DEVICE, dtype)
+    ref_out, ref_res = norm(x, res)
+    out, new_res = fused.add_rmsnorm(x, res, norm.weight, norm.eps)
+    _close(out, ref_out)
+    _close(new_res, ref_res)
+    assert x.shape == out.shape and not torch.equal(new_res, res)  # a new residual stream, inputs untouched
+    only, none = fused.add_rmsnorm(x, None, norm.weight, norm.eps)
+    assert none is None
+    _close(only, norm(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_layer(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (4 * torch.randn(5, 2 * 80, generator=g)).to(DEVICE, dtype)  # 80: not a power of two
+    _close(fused.silu_and_mul(x), SiluAndMul()(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_layer(dtype):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16, rope_theta=500.0)
+    rot = RotaryEmbedding(cfg, 16, 300).to(DEVICE)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, (6 + 2 * 2) * 16, generator=g).to(DEVICE, dtype)
+    q = qkv[:, : 6 * 16].view(9, 6, 16)  # strided views into the projection's output, as in the model
+    k = qkv[:, 6 * 16 : 8 * 16].view(9, 2, 16)
+    v_before = qkv[:, 8 * 16 :].clone()
+    pos = torch.tensor([0, 1, 7, 299, 50, 50, 3, 128, 2], device=DEVICE)
+    ref_q, ref_k = rot(pos, q, k)
+    ref_q, ref_k = ref_q.clone(), ref_k.clone()
+    fused.rope_(pos, q, k, rot.cos, rot.sin)
+    _close(q, ref_q)
+    _close(k, ref_k)
+    assert torch.equal(qkv[:, 8 * 16 :], v_before)  # V is not touched
+    assert not torch.equal(q[1], qkv.new_zeros(6, 16))
+
+
+def test_model_with_fused_kernels_gives_the_same_logits():
+    from core.models.layers import ForwardContext
+    from core.models.loader import load_model, resolve_model
+    from kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
+
+    source = resolve_model("dummy:tiny")
+    model = load_model(source, torch.float32, DEVICE, max_position=64)
+    ids = torch.tensor([3, 14, 15, 92, 65, 35], device=DEVICE)
+    pos = torch.arange(6, device=DEVICE)
+
+    def logits() -> torch.Tensor:
+        kv = allocate_kv_cache(2, 2, 16, model.num_kv_heads, model.head_dim, torch.float32, DEVICE)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(6, device=DEVICE),
+            query_start_loc=torch.tensor([0, 6], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([6], dtype=torch.int32, device=DEVICE),
+            block_tables=torch.tensor([[0]], dtype=torch.int32, device=DEVICE),
+            max_query_len=6,
+            max_seq_len=6,
+            query_start_loc_host=[0, 6],
+            seq_lens_host=[6],
+        )
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, pos, ForwardContext(meta, kv, get_attention_backend("torch"))))
+
+    ref = logits()
+    assert enable_fused_kernels(model) == 2 * 2 + 1 + 2 + 1  # 2 norms per layer + final, 2 MLPs, rotary
+    torch.testing.assert_close(logits(), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,136 @@
+"""Draft-head training: the unrolled training forward is the serving draft chain, training learns,
+a resumed run equals an uninterrupted one, and the CLI's tiny smoke config trains a head that serves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.cli import main as cli_main
+from core import LLM, SamplingParams
+from core.models.layers import ForwardContext
+from core.models.loader import load_model, resolve_model
+from kv.attention import allocate_kv_cache, get_attention_backend
+from spec.eagle import load_draft_head, new_draft_head
+from spec.proposer import paged_metadata
+from spec.train import Example, TrainConfig, train_draft_head, unrolled_forward
+from spec.train_cli import chat_pairs, load_conversations
+from tests.spec_helpers import tiny_config
+
+
+def test_unrolled_steps_are_the_serving_draft_chain():
+    torch.manual_seed(0)
+    config = tiny_config(vocab=16)
+    head = new_draft_head("t", config, 64, seed=2).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    embed = torch.nn.Embedding(16, config.hidden_size)
+    length, steps = 12, 3
+    x = torch.randint(0, 16, (length,))
+    f = torch.randn(length, config.hidden_size)
+    nxt = torch.roll(x, -1)
+    with torch.no_grad():
+        train_outs = unrolled_forward(head, embed(nxt)[None], f[None], steps)
+    backend = get_attention_backend("torch")
+    dev = torch.device("cpu")
+    for u in range(0, length - steps):
+        caches = allocate_kv_cache(1, 4, 16, 1, 16, torch.float32, "cpu")
+        # catch-up over the true pairs 0..u, then the chain with its own guesses and the true tokens
+        pos, meta = paged_metadata([0], [u + 1], [[0]], 16, dev)
+        with torch.no_grad():
+            g = head(embed(nxt[: u + 1]), f[: u + 1], pos, ForwardContext(meta, caches, backend))[-1:]
+            torch.testing.assert_close(g[0], train_outs[0][0, u], atol=1e-5, rtol=1e-5)
+            for s in range(2, steps + 1):
+                t = u + s - 1
+                pos, meta = paged_metadata([t], [1], [[0]], 16, dev)
+                g = head(embed(nxt[t : t + 1]), g, pos, ForwardContext(meta, caches, backend))
+                torch.testing.assert_close(g[0], train_outs[s - 1][0, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    source = resolve_model("dummy:tiny")
+    model = load_model(source, torch.float32, torch.device("cpu"), max_position=256, seed=0)
+    return source, model
+
+
+def _examples(n: int = 24) -> list[Example]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(5, 300, (6 + i % 5,), generator=g).tolist()
+        motif = torch.randint(5, 300, (3,), generator=g).tolist()
+        out.append(Example(prompt + motif * 8, len(prompt)))  # a repeated motif: learnable
+    return out
+
+
+CFG = dict(epochs=4, batch_tokens=256, lr=1e-2, warmup_steps=2, draft_vocab=512, checkpoint_every=3)
+
+
+def test_training_learns_the_targets_next_token(tmp_path, tiny_target):
+    source, model = tiny_target
+    cfg = TrainConfig(**{**CFG, "epochs": 30, "batch_tokens": 4096})  # one batch of 4 sequences, 30 steps
+    res = train_draft_head(model, "dummy:tiny", source.config, _examples(4), tmp_path, cfg, progress=False)
+    first, last = res.history[0], res.history[-1]
+    assert last["loss"] < first["loss"] - 0.5  # the soft cross-entropy has the target's entropy as its floor
+    assert first["acc"][0] < 0.3 and last["acc"][0] > 0.6  # top-1 agreement with the target, first draft
+
+
+def test_training_resumes_exactly(tmp_path, tiny_target):
+    source, model = tiny_target
+    cfg = TrainConfig(**CFG)
+    full = train_draft_head(model, "dummy:tiny", source.config, _examples(), tmp_path / "a", cfg, progress=False)
+    assert full.steps >= 8
+    # interrupted half-way, then resumed from the checkpoint: the same head
+    part = train_draft_head(
+        model, "dummy:tiny", source.config, _examples(), tmp_path / "b", cfg, progress=False, max_steps=full.steps // 2
+    )
+    assert part.steps == full.steps // 2 and not (tmp_path / "b" / "model.safetensors").exists()
+    resumed = train_draft_head(model, "dummy:tiny", source.config, _examples(), tmp_path / "b", cfg, progress=False)
+    assert resumed.steps == full.steps
+    for (name, a), b in zip(full.head.state_dict().items(), resumed.head.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+    # a checkpoint of another run is refused
+    with pytest.raises(ValueError, match="another run"):
+        train_draft_head(model, "dummy:tiny", source.config, _examples(20), tmp_path / "b", cfg, progress=False)
+    head = load_draft_head(tmp_path / "a", source.config, "dummy:tiny", 128)
+    assert head.cfg.draft_vocab_size == 512 and head.cfg.training["steps"] == full.steps
+    # --init-from: a new run starts from that head's weights and vocabulary
+    cont = train_draft_head(
+        model,
+        "dummy:tiny",
+        source.config,
+        _examples(),
+        tmp_path / "c",
+        cfg,
+        progress=False,
+        max_steps=0,
+        init_from=tmp_path / "a",
+    )
+    assert torch.equal(cont.head.draft_vocab, head.draft_vocab)
+    for (name, a), b in zip(head.state_dict().items(), cont.head.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_cli_smoke_trains_a_head_that_serves(tmp_path):
+    out = tmp_path / "head"
+    assert cli_main(["train-draft", "--smoke", "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["target"] == "dummy:tiny" and cfg["training"]["responses"] == "regenerate"
+    llm = LLM("dummy:tiny", device="cpu", num_kv_blocks=64, speculative_model=str(out), num_speculative_tokens=2)
+    try:
+        (o,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        assert len(o.token_ids) == 8 and llm.engine.stats().spec_num_drafts > 0
+    finally:
+        llm.close()
+
+
+def test_training_and_evaluation_prompts_are_disjoint(default_tokenizer):
+    train = load_conversations("sharegpt", "train")
+    held = load_conversations("sharegpt", "heldout")
+    a = {tuple(p) for p, _ in chat_pairs(default_tokenizer, train, 300, 512, 0)}
+    b = {tuple(p) for p, _ in chat_pairs(default_tokenizer, held, 300, 512, 0)}
+    assert len(a) > 290 and len(b) == 300 and not a & b
