@@ -127,10 +127,6 @@ class AsyncEngine:
         from core.request import AbortRequest
 
         await self._inbox_send.send(AbortRequest(request_id))
-        for i in range(64):
-            if f"{request_id}#{i}" not in self._scheduler_actor.streams:
-                break
-            await self._inbox_send.send(AbortRequest(f"{request_id}#{i}"))
 
     def stats(self) -> EngineStats:
         return self._scheduler_actor.stats

@@ -201,6 +201,17 @@ class ModelRunner:
         return blocks
 
     # -- one step ----------------------------------------------------------------------------------
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Carry out copy-on-write orders in every layer before the step's attention; returns the
+        (src, dst) block ids so other KV owners (the draft head's) can follow."""
+        if not block_copies:
+            return None
+        src = torch.tensor([s for s, _ in block_copies], device=self.device)
+        dst = torch.tensor([d for _, d in block_copies], device=self.device)
+        for kv in self.kv_caches:
+            kv[:, dst] = kv[:, src]
+        return src, dst
+
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for rid in so.finished_request_ids:
@@ -210,11 +221,7 @@ class ModelRunner:
         reqs = so.requests
         if not reqs:
             return ModelOutput(so.step_id, {})
-        if so.block_copies:
-            src = torch.tensor([s for s, _ in so.block_copies], device=self.device)
-            dst = torch.tensor([d for _, d in so.block_copies], device=self.device)
-            for kv in self.kv_caches:
-                kv[:, dst] = kv[:, src]
+        self.copy_blocks(so.block_copies)
         n = len(reqs)
         sampling_idx = [i for i, r in enumerate(reqs) if r.sample]
         graph_bs = None

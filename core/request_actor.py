@@ -132,8 +132,6 @@ async def run_request(
                         seq.text = seq.text[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
                         finish, stop_reason = "stop", stop
                         await _send_abort(inbox, ev.request_id)  # the scheduler may not know yet
-                if finish is not None and stop_reason is not None and isinstance(stop_reason, int):
-                    pass  # EOS / stop token: the token stays in token_ids, its text is not shown
                 seq.finish_reason, seq.stop_reason = finish, stop_reason
                 if finish is not None:
                     unfinished.discard(ev.request_id)

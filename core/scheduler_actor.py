@@ -160,8 +160,11 @@ class SchedulerActor:
         return True
 
     def _abort(self, request_id: str) -> None:
-        if self.scheduler.abort(request_id) is not None:
-            self._deliver(TokenEvent(request_id, [], finish_reason="abort"))
+        """Abort a request; a caller's id also reaches its n > 1 sequences (``id#i``)."""
+        family = [rid for rid in self.streams if rid.startswith(request_id + "#")]
+        for rid in (request_id, *family):
+            if self.scheduler.abort(rid) is not None:
+                self._deliver(TokenEvent(rid, [], finish_reason="abort"))
 
     def _deliver(self, ev: TokenEvent) -> None:
         stream = self.streams.get(ev.request_id)

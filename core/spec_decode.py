@@ -65,12 +65,9 @@ class SpecDecodeRunner:
             self.draft_probs.pop(rid, None)
         if not so.requests:
             return ModelOutput(so.step_id, {})
-        if so.block_copies:
-            src = torch.tensor([s for s, _ in so.block_copies], device=r.device)
-            dst = torch.tensor([d for _, d in so.block_copies], device=r.device)
-            for kv in r.kv_caches:
-                kv[:, dst] = kv[:, src]
-            self.proposer.copy_blocks(src, dst)
+        copied = r.copy_blocks(so.block_copies)
+        if copied is not None:
+            self.proposer.copy_blocks(*copied)
         reqs = so.requests
         positions, meta = paged_metadata(
             [sr.start_pos for sr in reqs],
