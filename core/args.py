@@ -36,6 +36,10 @@ class EngineArgs:
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     fused_kernels: str = "auto"  # "auto" (on for cuda) | "on" | "off": Triton RMSNorm+residual, SiLU-and-mul, RoPE
+    # "auto" = the model dtype; "fp8" = e4m3 with static per-head scales (kv/attention/fp8.py): twice the tokens
+    kv_cache_dtype: str = "auto"
+    # None = the model dtype; "int8" | "int4" = weight-only quantized linear layers (core/models/quant.py)
+    quantization: str | None = None
     seed: int = 0
     served_model_name: str | None = None
     # Speculative decoding: an EAGLE draft head (a directory, or "default" for the head shipped for the
@@ -62,6 +66,10 @@ class EngineArgs:
             raise bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise bad("kv_cache_dtype", f"must be auto or fp8, got {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise bad("quantization", f"must be None, int8 or int4, got {self.quantization!r}")
         if self.fused_kernels not in ("auto", "on", "off"):
             raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -21,11 +21,13 @@ from core.args import EngineArgs
 from core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
 from core.models.layers import ForwardContext, enable_fused_kernels
 from core.models.loader import ModelSource, load_model
+from core.models.quant import weight_bytes
 from core.outputs import TokenLogprob
 from core.sampler import SamplingBatch, sample
 from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
-from kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
+from kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from kv.attention.base import kv_bytes_per_block
+from kv.attention.fp8 import kv_cache_torch_dtype
 
 logger = logging.getLogger("sluice")
 
@@ -48,11 +50,24 @@ class ModelRunner:
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
         self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed)
+        if args.quantization is not None:
+            from core.models.quant import quantize_model  # imports the gguf reader
+
+            counts = quantize_model(
+                self.model, args.quantization, source.gguf_file, include_lm_head=args.speculative_model is None
+            )
+            logger.info("quantization %s: %s linear layers", args.quantization, counts)
         cfg = source.config
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = get_attention_backend(backend)
+        self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
+        if fp8.is_fp8(self.kv_dtype):
+            from core.models.quant import calibrate_kv_scales
+
+            scales = calibrate_kv_scales(self.model, self.backend, self.dtype, self.device, seed=args.seed)
+            logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
         fused = args.fused_kernels
         if fused == "auto":
             fused = "on" if self.device.type == "cuda" else "off"
@@ -82,19 +97,21 @@ class ModelRunner:
             self.block_size,
             self.model.num_kv_heads,
             self.model.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         if self.spec is not None:
             self.spec.allocate_kv(self.num_kv_blocks)
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens, %.2f GiB (%s, %s)",
+            "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
+            weight_bytes(self.model) / GiB,
+            self.dtype,
+            args.quantization or "unquantized",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.block_size,
             self.num_kv_blocks * self._bytes_per_block() / GiB,
-            self.device,
-            self.dtype,
+            self.kv_dtype,
         )
         if self.device.type == "cuda" and not args.enforce_eager:
             if getattr(self.backend, "graph_safe", False):
@@ -117,7 +134,7 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
         return draft + kv_bytes_per_block(
-            self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
+            self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
         )
 
     def _blocks_from_memory(self) -> int:
@@ -141,7 +158,7 @@ class ModelRunner:
         lens = [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
         n_blocks = sum(-(-n // self.block_size) for n in lens)
         tmp_cache = allocate_kv_cache(
-            self.num_layers, n_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype, dev
+            self.num_layers, n_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, dev
         )
         tmp_bytes = sum(t.numel() * t.element_size() for t in tmp_cache)
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -209,6 +226,8 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in block_copies], device=self.device)
         dst = torch.tensor([d for _, d in block_copies], device=self.device)
         for kv in self.kv_caches:
+            if fp8.is_fp8(kv):
+                kv = kv.view(torch.uint8)  # index_put has no fp8 kernel on every device
             kv[:, dst] = kv[:, src]
         return src, dst
 

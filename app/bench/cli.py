@@ -6,7 +6,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("app.bench.throughput", "app.bench.latency", "app.bench.serve", "app.bench.prefix")
+BENCHMARKS = (
+    "app.bench.throughput",
+    "app.bench.latency",
+    "app.bench.serve",
+    "app.bench.prefix",
+    "app.bench.perplexity",
+)
 
 
 def register(subparsers) -> None:

@@ -48,6 +48,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=False)
         # shard sizes along dim 0 of qkv_proj, in _STACKED order
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        # fp8 KV cache: per-head scales [2, num_kv_heads], set once before the first write
+        self.kv_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
         qkv = self.qkv_proj(x)
@@ -58,8 +60,8 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         kv_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping)
-        o = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale)
+        ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping, self.kv_scale)
+        o = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale, self.kv_scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -138,8 +140,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        if self.lm_head is None:
+            return hidden @ self.model.embed_tokens.weight.t()
+        return self.lm_head(hidden)  # a module call: the head may be a quantized linear
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the merged parameters; fail on anything missing or unexpected."""

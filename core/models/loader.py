@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ class ModelSource:
     weights_dir: str | None  # folder with *.safetensors; None for random weights
     tokenizer_dir: str
     eos_token_ids: list[int]
+    gguf_file: str | None = None  # the GGUF the weights were converted from (its quantized tensors)
 
 
 def cache_dir() -> Path:
@@ -52,14 +53,15 @@ def _packaged_file(dist: str, suffix: str) -> str:
 
 def resolve_model(model: str) -> ModelSource:
     if model in ALIASES:
-        return _from_hf_dir(gguf_to_hf_dir(_packaged_file(*ALIASES[model])), name=model)
+        gguf = _packaged_file(*ALIASES[model])
+        return replace(_from_hf_dir(gguf_to_hf_dir(gguf), name=model), gguf_file=gguf)
     if model.startswith("dummy:"):
         return _dummy(model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {model}")
-        return _from_hf_dir(gguf_to_hf_dir(str(path)), name=path.stem)
+        return replace(_from_hf_dir(gguf_to_hf_dir(str(path)), name=path.stem), gguf_file=str(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {model} has no config.json")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kv.attention import fp8
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -43,22 +45,40 @@ class AttentionBackend:
     graph_safe = False
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
-        """Store this step's K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots (``-1``: skipped)."""
+        """Store this step's K/V ``[num_tokens, num_kv_heads, head_dim]`` at their slots (``-1``: skipped).
+        An fp8 cache needs the layer's ``kv_scale [2, num_kv_heads]`` (`kv/attention/fp8.py`)."""
         keep = slot_mapping >= 0
         # A host sync, paid only by the torch reference; the Triton kernel skips -1 slots on the device.
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         num_slots = kv_cache.shape[1] * kv_cache.shape[2]
         flat = kv_cache.view(2, num_slots, kv_cache.shape[3], kv_cache.shape[4])
-        flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-        flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+        if fp8.is_fp8(kv_cache):
+            scale = fp8.require_scale(kv_scale)
+            # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+            flat = flat.view(torch.uint8)
+            key = fp8.quantize(key, scale[0]).view(torch.uint8)
+            value = fp8.quantize(value, scale[1]).view(torch.uint8)
+        flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged context."""
+        """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged context (``kv_scale``: as in
+        `write_kv`)."""
         raise NotImplementedError
 
 

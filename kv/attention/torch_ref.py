@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kv.attention import fp8
 from kv.attention.base import AttentionBackend, AttentionMetadata
 
 # Query lengths up to this are batched across sequences (padding costs little at these lengths).
@@ -29,8 +30,15 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if fp8.is_fp8(kv_cache):
+            fp8.require_scale(kv_scale)
         out = torch.empty_like(query)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         by_len: dict[int, list[int]] = {}
@@ -38,18 +46,20 @@ class TorchAttentionBackend(AttentionBackend):
             by_len.setdefault(qsl[i + 1] - qsl[i], []).append(i)
         for q_len, rows in by_len.items():
             if len(rows) > 1 and q_len <= MAX_BATCHED_QUERY_LEN:
-                self._same_len_batch(query, kv_cache, meta, scale, rows, q_len, out)
+                self._same_len_batch(query, kv_cache, meta, scale, rows, q_len, out, kv_scale)
                 continue
             for i in rows:
                 s, e = qsl[i], qsl[i + 1]
-                out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale)
+                out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale, kv_scale)
         return out
 
     @staticmethod
-    def _one_seq(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float):
-        k, v = gather_kv(kv_cache, block_table, seq_len)
+    def _one_seq(
+        q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, kv_scale
+    ):
+        k, v = _upcast(*gather_kv(kv_cache, block_table, seq_len), kv_scale, q.dtype)
         nq = q.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if nq == seq_len:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -60,7 +70,9 @@ class TorchAttentionBackend(AttentionBackend):
         return o.transpose(0, 1)
 
     @staticmethod
-    def _same_len_batch(query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], q_len: int, out) -> None:
+    def _same_len_batch(
+        query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], q_len: int, out, kv_scale
+    ) -> None:
         """Sequences with ``q_len`` queries each, in one padded SDPA call."""
         block_size = kv_cache.shape[2]
         lens = [meta.seq_lens_host[i] for i in rows]
@@ -71,8 +83,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv = kv_cache[:, tables]  # [2, B, nb, bs, H, D]
         b = len(rows)
         kv = kv.reshape(2, b, nb * block_size, kv.shape[-2], kv.shape[-1])[:, :, :max_len]
-        k = kv[0].transpose(1, 2).to(query.dtype)  # [B, H, L, D]
-        v = kv[1].transpose(1, 2).to(query.dtype)
+        k, v = _upcast(kv[0], kv[1], kv_scale, query.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D]
         seq_lens = torch.tensor(lens, device=query.device)
         # query j of a row sits at position seq_len - q_len + j and sees keys up to there
         j = torch.arange(q_len, device=query.device)
@@ -82,3 +94,10 @@ class TorchAttentionBackend(AttentionBackend):
         q = query[rows_q].transpose(1, 2)  # [B, Hq, q_len, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
         out[rows_q] = o.transpose(1, 2)
+
+
+def _upcast(k: torch.Tensor, v: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype):
+    """Gathered K/V ``[..., num_kv_heads, head_dim]`` in the compute dtype (fp8: times the head's scale)."""
+    if fp8.is_fp8(k):
+        return fp8.dequantize(k, kv_scale[0], dtype), fp8.dequantize(v, kv_scale[1], dtype)
+    return k.to(dtype), v.to(dtype)

@@ -55,12 +55,22 @@ class TritonAttentionBackend(AttentionBackend):
         return 1 << (splits.bit_length() - 1)  # round down to a power of two: few kernel variants
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
     ) -> None:
-        tk.write_kv(key, value, kv_cache, slot_mapping)
+        tk.write_kv(key, value, kv_cache, slot_mapping, kv_scale)
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_seqs = meta.num_seqs
@@ -70,11 +80,11 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.decode_splits(meta.max_seq_len, num_seqs, kv_cache.shape[3], query.device)
             tk.paged_decode(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, splits,
+                num_seqs, splits, kv_scale=kv_scale,
             )  # fmt: skip
         else:
             tk.paged_prefill(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, meta.max_query_len,
+                num_seqs, meta.max_query_len, kv_scale=kv_scale,
             )  # fmt: skip
         return out

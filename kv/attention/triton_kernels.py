@@ -17,6 +17,11 @@ token by token through the block table (``block_tables[seq, pos // block_size]``
   the GQA group) pairs, so K/V tiles are loaded once per group. Keys every query of the tile can see are
   processed without a mask, the causal tail with one.
 
+fp8 caches (``KV_FP8``, e4m3 with a static scale per KV head, `kv/attention/fp8.py`): the write kernel divides
+by the head's scale, saturates and rounds to nearest even explicitly (so it agrees bit for bit with torch's
+cast, and with itself under the interpreter, whose own fp8 cast rounds differently); the attention
+kernels load e4m3, multiply by the scale in fp32 and compute in the query's dtype.
+
 Softmax runs online in fp32 with ``exp2`` (the scale is pre-multiplied by log2(e)); inputs may be fp32,
 fp16 or bf16. ``DOT_F32`` upcasts the ``tl.dot`` operands to fp32: the Triton interpreter (CPU) multiplies
 bf16 tensors as raw integers, so the wrappers set it for bf16 on the CPU only.
@@ -27,6 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kv.attention import fp8
 
 LOG2E = 1.4426950408889634
 
@@ -40,11 +47,32 @@ def _dot(a, b, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _round_e4m3(x):
+    """fp32 ``x`` (already within +-448) rounded to the nearest e4m3 value, ties to even."""
+    bits = x.to(tl.int32, bitcast=True)
+    # normal range: keep 3 of the 23 mantissa bits
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # subnormals (|x| < 2^-6) are multiples of 2^-9: adding 1.5 * 2^23 rounds to an integer, ties to even
+    ax = tl.abs(x)
+    sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sub = tl.where(bits < 0, -sub, sub)  # the sign bit, so -0.0 stays -0.0 as in torch's cast
+    return tl.where(ax < 0.015625, sub, normal)
+
+
+@triton.jit
+def _upcast(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+    if KV_FP8:
+        return (x.to(tl.float32) * scale).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _kv_write_kernel(
     key_ptr,
     value_ptr,
     cache_ptr,
     slot_ptr,
+    kv_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -58,6 +86,7 @@ def _kv_write_kernel(
     block_size,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -71,6 +100,12 @@ def _kv_write_kernel(
     k = tl.load(key_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     dst = cache_ptr + blk * stride_c_blk + off * stride_c_tok + offs_h[:, None] * stride_c_head + offs_d[None, :]
+    if KV_FP8:
+        hmask = offs_h < num_kv_heads
+        k_scale = tl.load(kv_scale_ptr + offs_h, mask=hmask, other=1.0)
+        v_scale = tl.load(kv_scale_ptr + num_kv_heads + offs_h, mask=hmask, other=1.0)
+        k = _round_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0))
+        v = _round_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0))
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -102,6 +137,7 @@ def _load_kv_tile(
 def _decode_kernel(
     q_ptr,
     cache_ptr,
+    kv_scale_ptr,
     bt_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -129,10 +165,16 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(kv_scale_ptr + kvh)
+        v_scale = tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
 
@@ -164,13 +206,13 @@ def _decode_kernel(
         k, v = _load_kv_tile(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
-        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        qk = _dot(q, tl.trans(_upcast(k, k_scale, q.dtype, KV_FP8)), DOT_F32, PRECISION) * scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v.to(q.dtype)
+        v = _upcast(v, v_scale, q.dtype, KV_FP8)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
         m_i = m_new
 
@@ -246,6 +288,8 @@ def _attend_range(
     offs_d,
     dmask,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_c_kv,
     stride_c_blk,
     stride_c_tok,
@@ -254,6 +298,7 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax pass over keys ``[lo, hi)``; ``CAUSAL`` masks key > query position and key >= hi."""
     for t0 in range(lo, hi, BLOCK_N):
@@ -265,14 +310,14 @@ def _attend_range(
         k, v = _load_kv_tile(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
-        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        qk = _dot(q, tl.trans(_upcast(k, k_scale, q.dtype, KV_FP8)), DOT_F32, PRECISION) * scale_log2
         if CAUSAL:
             qk = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v.to(q.dtype)
+        v = _upcast(v, v_scale, q.dtype, KV_FP8)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -282,6 +327,7 @@ def _attend_range(
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
+    kv_scale_ptr,
     bt_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -305,6 +351,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     qtile = tl.program_id(1)
@@ -332,6 +379,11 @@ def _prefill_kernel(
         other=0.0,
     )
 
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(kv_scale_ptr + kvh)
+        v_scale = tl.load(kv_scale_ptr + tl.num_programs(2) + kvh)
     first_pos = ctx + qtile * BLOCK_Q  # smallest query position of the tile
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1  # largest
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys [0, full_end) are seen by every row
@@ -342,12 +394,13 @@ def _prefill_kernel(
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2,
-        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
+        acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2, k_scale, v_scale,
+        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION, KV_FP8,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_pos, head_base, bt, full_end, last_pos + 1, offs_n, offs_d, dmask, scale_log2,
-        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+        k_scale, v_scale, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+        KV_FP8,
     )  # fmt: skip
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -375,20 +428,37 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip)."""
+def _fp8_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    """The scale pointer (any tensor when unused) and the ``KV_FP8`` flag of a launch."""
+    if not fp8.is_fp8(kv_cache):
+        return kv_cache, False
+    kv_scale = fp8.require_scale(kv_scale)
+    assert kv_scale.is_contiguous() and kv_scale.dtype == torch.float32
+    return kv_scale, True
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``slot_mapping`` (-1 = skip); an fp8
+    cache divides by ``kv_scale [2, num_kv_heads]``."""
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     assert kv_cache.stride(-1) == 1
+    scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     _kv_write_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping,
+        key, value, kv_cache, slot_mapping, scale_arg,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads, head_dim, block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=kv_fp8,
     )  # fmt: skip
 
 
@@ -405,6 +475,7 @@ def paged_decode(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence at row ``query_start_loc[i]``; grid ``(num_seqs, num_kv_heads, num_splits)``."""
     query = _last_dim_contiguous(query)
@@ -420,14 +491,15 @@ def paged_decode(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
+    scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
+        query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
         scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), num_heads, head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -454,6 +526,7 @@ def paged_prefill(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged context (any query lengths)."""
     query = _last_dim_contiguous(query)
@@ -465,14 +538,15 @@ def paged_prefill(
     dot_f32, precision = _dot_args(query.dtype, query.device)
     assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     _prefill_kernel[grid](
-        query, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=_block_d(head_dim),
-        BLOCK_N=block_n, DOT_F32=dot_f32, PRECISION=precision,
+        BLOCK_N=block_n, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

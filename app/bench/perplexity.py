@@ -1,0 +1,191 @@
+"""`sluice bench perplexity`: the accuracy cost of each quantization option, side by side in one run.
+
+Every variant scores the very same token windows of held-out ShareGPT text (the conversations of the
+``heldout`` split, turns joined by blank lines, cut into windows of ``--seq-len`` tokens): each window is
+one prefill through the engine's own `ModelRunner` (the same model loading, quantization, KV
+calibration, KV pool and attention backend that serving uses; with an fp8 KV cache every query reads
+the keys and values back from the fp8 pool), and every position after the first is scored. Perplexity =
+exp(mean negative log-likelihood over all scored tokens); each variant is reported against the first
+(``base``, unquantized) with its bound.
+
+Variants: ``base``; ``fp8-kv`` (``kv_cache_dtype="fp8"``); ``int8``; ``int4`` (``quantization``; on a GGUF
+model with Q4_1 projections these are the file's own blocks); ``int4-requant`` (int4 quantized at load
+time from the dense weights, as for a model without a GGUF: groups of 128, or 64 where the input size
+needs it). The default model is itself a Q4_1 file, so ``int4-requant`` moves weights that already sit on
+a 16-level grid per 32-weight block onto a coarser grid per 64/128 weights: it measures that double
+rounding on a 135M model, not int4 from 16-bit weights, and has no bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import replace
+
+# The issue's bounds on the perplexity increase; int4-requant is shown for information (see the module doc).
+BOUNDS_PCT = {"fp8-kv": 1.0, "int8": 1.0, "int4": 5.0}
+VARIANTS = {
+    "base": {},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "int4-requant": {"quantization": "int4"},
+}
+
+
+def register(sub) -> None:
+    from app.cli import add_engine_args
+
+    p = sub.add_parser("perplexity", help="perplexity on held-out ShareGPT text: each quantization option vs none")
+    p.add_argument("--variants", default="base,fp8-kv,int8,int4,int4-requant", help=f"from {', '.join(VARIANTS)}")
+    p.add_argument("--num-tokens", type=int, default=16384, help="text tokens to score (whole windows)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    add_engine_args(p)
+    p.set_defaults(func=main)
+
+
+def heldout_windows(tokenizer, num_tokens: int, seq_len: int, min_len: int = 64) -> list[list[int]]:
+    """Windows of up to ``seq_len`` tokens (at least ``min_len``) from the held-out ShareGPT conversations, in
+    file order, until ``num_tokens`` tokens are taken."""
+    from app.bench.datasets import sharegpt_conversations
+
+    windows: list[list[int]] = []
+    total = 0
+    for turns in sharegpt_conversations(split="heldout"):
+        ids = tokenizer("\n\n".join(turns)).input_ids
+        for s in range(0, len(ids), seq_len):
+            w = ids[s : s + seq_len]
+            if len(w) < min_len:
+                break
+            windows.append(w)
+            total += len(w)
+            if total >= num_tokens:
+                return windows
+    if not windows:
+        raise ValueError("the held-out ShareGPT split holds no text")
+    return windows
+
+
+def window_logits(runner, ids: list[int]):
+    """Logits ``[len(ids), vocab]`` (fp32) of every position of ``ids``, prefilled as one sequence from block 0
+    of ``runner``'s KV pool (which must hold ``len(ids)`` tokens)."""
+    import torch
+
+    from core.models.layers import ForwardContext
+    from kv.attention import AttentionMetadata
+    from kv.manager import cdiv
+
+    dev = runner.device
+    n = len(ids)
+    nb = cdiv(n, runner.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+        max_query_len=n,
+        max_seq_len=n,
+        query_start_loc_host=[0, n],
+        seq_lens_host=[n],
+    )
+    with torch.inference_mode():
+        x = torch.tensor(ids, device=dev)
+        hidden = runner.model(x, torch.arange(n, device=dev), ForwardContext(meta, runner.kv_caches, runner.backend))
+        return runner.model.compute_logits(hidden).float()
+
+
+def score(runner, windows: list[list[int]]) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of every token after the first of each window, and their count."""
+    import torch
+    import torch.nn.functional as F
+
+    nll, count = 0.0, 0
+    for ids in windows:
+        logits = window_logits(runner, ids)[:-1]
+        nll += float(F.cross_entropy(logits, torch.tensor(ids[1:], device=logits.device), reduction="sum"))
+        count += len(ids) - 1
+    return nll, count
+
+
+def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[int]]) -> dict:
+    import gc
+
+    from app.cli import engine_args_from
+    from core.model_runner import ModelRunner
+    from core.models.quant import weight_bytes
+    from kv.manager import cdiv
+
+    args = replace(engine_args_from(ns), **VARIANTS[name], num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
+    src = replace(source, gguf_file=None) if name == "int4-requant" else source
+    t0 = time.perf_counter()
+    runner = ModelRunner(args, src, ns.seq_len)
+    t1 = time.perf_counter()
+    nll, count = score(runner, windows)
+    fig = {
+        "variant": name,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
+        "weights_gib": weight_bytes(runner.model) / 1024**3,
+        "kv_bytes_per_token": runner._bytes_per_block() // runner.block_size,
+        "nll_per_token": nll / count,
+        "perplexity": math.exp(nll / count),
+        "scored_tokens": count,
+        "load_s": t1 - t0,
+        "score_s": time.perf_counter() - t1,
+    }
+    del runner
+    gc.collect()
+    return fig
+
+
+def main(ns: argparse.Namespace) -> int:
+    from app.bench.common import print_figures
+    from app.bench.results import command_line, machine_info, print_table, versions, write_result
+    from core.models.loader import resolve_model
+    from core.tokenizer import load_tokenizer
+
+    names = [v.strip() for v in ns.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    if "base" in names:
+        names.remove("base")
+    names.insert(0, "base")
+    source = resolve_model(ns.model)
+    tokenizer = load_tokenizer(source.tokenizer_dir)
+    windows = heldout_windows(tokenizer, ns.num_tokens, ns.seq_len)
+    dataset = {
+        "name": "sharegpt",
+        "split": "heldout",
+        "num_windows": len(windows),
+        "seq_len": ns.seq_len,
+        "tokens": sum(len(w) for w in windows),
+    }
+    print(f"perplexity: {dataset['tokens']} tokens in {len(windows)} windows of <= {ns.seq_len}; model {ns.model}")
+    rows = []
+    for name in names:
+        fig = run_variant(name, ns, source, windows)
+        rows.append(fig)
+        print_figures(name, fig)
+    base = rows[0]["perplexity"]
+    ok = True
+    for r in rows:
+        r["delta_pct"] = 100 * (r["perplexity"] / base - 1)
+        bound = BOUNDS_PCT.get(r["variant"])
+        r["bound_pct"] = bound
+        r["within_bound"] = None if bound is None else r["delta_pct"] <= bound
+        ok &= r["within_bound"] is not False
+    print_table(
+        rows,
+        ["variant", "perplexity", "delta_pct", "bound_pct", "within_bound", "weights_gib", "kv_bytes_per_token"],
+    )
+    m, v = machine_info(), versions()
+    print(
+        f"machine: {m['gpu'] or m['cpu']}; torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}"
+    )
+    if ns.out:
+        write_result(ns.out, command_line(), ns.model, dataset, {"variants": rows, "all_within_bounds": ok})
+        print(f"wrote {ns.out}")
+    return 0 if ok else 1

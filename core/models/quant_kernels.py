@@ -1,0 +1,403 @@
+"""Weight-only quantized matmuls ``y = x @ W^T (+ bias)``: Triton kernels for the GPU, a torch reference.
+
+Formats (``W`` is ``[N, K]``, output features by input features):
+
+* int8: ``qweight`` int8 ``[N, K]``, ``scales`` float32 ``[N]``; ``W[n, k] = q[n, k] * scales[n]``.
+* int4: ``qweight`` uint8 ``[N, K // 2]``, ``scales`` and ``mins`` float16 ``[N, K // G]`` (group ``G`` along
+  K); ``W[n, k] = q[n, k] * scales[n, g] + mins[n, g]`` with ``q`` in 0..15. Inside group ``g`` byte ``i``
+  holds ``k = g*G + i`` in its low nibble and ``k = g*G + G/2 + i`` in its high nibble: the byte order of
+  GGUF's Q4_1 blocks (G = 32), so those load as they are, and the order that lets a kernel multiply the
+  low and the high nibbles of a tile by two contiguous slices of ``x``.
+
+Kernels:
+
+* ``_int4_gemv_kernel`` / ``_int8_gemv_kernel`` (one row of ``x``, the decode step at batch 1): a program
+  owns ``BLOCK_N`` output features and one of ``SPLIT_K`` ranges of K; it streams its weight tile,
+  dequantizes in registers and accumulates ``w * x`` elementwise in fp32 (no tensor cores: at one row
+  the work is reading the weights). Nibbles become floats with the exponent trick
+  (``bits(q | 0x4B000000) - 2^23`` is ``q``), which is a bitwise op and a subtraction instead of a
+  conversion instruction (those run at a quarter of the rate). With ``SPLIT_K > 1`` each program writes
+  its partial sums to a workspace and bumps a per-tile counter; the program that arrives last adds the
+  partials, writes the output and resets the counter, so one launch does the whole product (no memset,
+  no second kernel: it stays one node of a CUDA graph).
+* ``_int4_gemm_kernel`` / ``_int8_gemm_kernel`` (several rows: decode batches, prefill): tiles of
+  ``BLOCK_M x BLOCK_N``; each K step dequantizes a weight tile to the activation dtype and multiplies it
+  on the tensor cores (``tl.dot``).
+
+The GEMV tile shape that reads fastest depends on the matrix shape and the GPU; `GemvTuner` times a few
+candidates once per shape (outside CUDA-graph capture) and remembers the winner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+MAGIC = 8388608.0  # 2^23: the float whose bits are 0x4B000000
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _gemv_epilogue(
+    part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr
+):
+    """Write ``part [BLOCK_N]`` (one K range's sums) or, split, combine the ranges (see the module doc)."""
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, part.to(out_ptr.dtype.element_ty), mask=rmask)
+    else:
+        tl.store(ws_ptr + pid_k * N + rows, part, mask=rmask)
+        tl.debug_barrier()  # every thread's partials are written before the counter moves
+        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if count == SPLIT_K - 1:
+            offs_s = tl.arange(0, SPLIT_K)
+            parts = tl.load(
+                ws_ptr + offs_s[:, None] * N + rows[None, :], mask=rmask[None, :], other=0.0, cache_modifier=".cg"
+            )
+            total = tl.sum(parts, axis=0)
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rmask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (or graph replay)
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    HALF: tl.constexpr = G // 2
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    num_groups = K // G
+    per_split = tl.cdiv(tl.cdiv(num_groups, SPLIT_K), BLOCK_G) * BLOCK_G
+    g_lo = pid_k * per_split
+    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_i = tl.arange(0, HALF)
+    acc = tl.zeros([BLOCK_N, BLOCK_G, HALF], dtype=tl.float32)
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        g = g0 + offs_g
+        gmask = g < g_hi
+        m2 = rmask[:, None] & gmask[None, :]
+        b = tl.load(
+            w_ptr + rows64[:, None, None] * stride_wn + g[None, :, None] * HALF + offs_i[None, None, :],
+            mask=m2[:, :, None],
+            other=0,
+        ).to(tl.int32)
+        s = tl.load(s_ptr + rows64[:, None] * stride_sn + g[None, :], mask=m2, other=0.0).to(tl.float32)[:, :, None]
+        z = tl.load(z_ptr + rows64[:, None] * stride_sn + g[None, :], mask=m2, other=0.0).to(tl.float32)[:, :, None]
+        xk = g[:, None] * G + offs_i[None, :]
+        x_lo = tl.load(x_ptr + xk, mask=gmask[:, None], other=0.0).to(tl.float32)[None, :, :]
+        x_hi = tl.load(x_ptr + xk + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)[None, :, :]
+        lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        acc += (lo * s + z) * x_lo + (hi * s + z) * x_hi
+    part = tl.sum(tl.sum(acc, axis=2), axis=1)
+    _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = pid_k * per_split
+    k_hi = tl.minimum(k_lo + per_split, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + offs_k
+        kmask = k < k_hi
+        q = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0)
+        # (q & 0xFF) ^ 0x80 is q + 128 in 0..255; with the exponent bits: 2^23 + 128 + q
+        w = ((q.to(tl.int32) & 0xFF) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    part = tl.sum(acc, axis=1) * tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    if DOT_F32:  # the interpreter multiplies bf16 tensors as raw integers
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_wn,
+    stride_sn,
+    G: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    HALF: tl.constexpr = G // 2
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    offs_i = tl.arange(0, HALF)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, K // G):
+        b = tl.load(w_ptr + rn64[:, None] * stride_wn + g * HALF + offs_i[None, :], mask=nmask[:, None], other=0)
+        b = b.to(tl.int32)
+        s = tl.load(s_ptr + rn64 * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + rn64 * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        x_lo = tl.load(x_ptr + rm64[:, None] * stride_xm + g * G + offs_i[None, :], mask=mmask[:, None], other=0.0)
+        x_hi = tl.load(
+            x_ptr + rm64[:, None] * stride_xm + g * G + HALF + offs_i[None, :], mask=mmask[:, None], other=0.0
+        )
+        lo = (((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * s + z
+        hi = (((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * s + z
+        acc += _dot(x_lo, tl.trans(lo.to(x_lo.dtype)), DOT_F32)
+        acc += _dot(x_hi, tl.trans(hi.to(x_hi.dtype)), DOT_F32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    rm64 = rm.to(tl.int64)
+    rn64 = rn.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        kmask = k < K
+        q = tl.load(w_ptr + rn64[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+        x = tl.load(x_ptr + rm64[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        acc += _dot(x, tl.trans(q.to(x.dtype)), DOT_F32)  # |q| <= 127 is exact in bf16
+    acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm64[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+# ------------------------------------------------------------------------------------------- launchers
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int
+    row_bytes: int  # weight bytes per row and K step
+    split_k: int
+    num_warps: int
+
+
+# Candidates for the tuner; the first is the default where nothing was tuned (the CPU, or during capture).
+GEMV_CONFIGS = (
+    GemvConfig(16, 256, 1, 4),
+    GemvConfig(8, 512, 1, 4),
+    GemvConfig(32, 128, 1, 4),
+    GemvConfig(16, 512, 1, 8),
+    GemvConfig(32, 256, 1, 8),
+    GemvConfig(16, 256, 2, 4),
+    GemvConfig(8, 512, 2, 4),
+    GemvConfig(8, 256, 4, 2),
+    GemvConfig(16, 256, 4, 4),
+    GemvConfig(4, 512, 4, 2),
+)
+
+
+@dataclass(slots=True)
+class GemvTuner:
+    """Per-shape choice of `GemvConfig`, timed on first use on a GPU; shared by a model's linear layers."""
+
+    configs: tuple[GemvConfig, ...] = GEMV_CONFIGS
+    choice: dict[tuple, GemvConfig] = field(default_factory=dict)
+
+    def pick(self, key: tuple, run, device: torch.device) -> GemvConfig:
+        """The config for ``key``; ``run(config)`` launches the kernel once (it is timed on a GPU)."""
+        cfg = self.choice.get(key)
+        if cfg is not None:
+            return cfg
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return self.configs[0]
+        from triton.testing import do_bench
+
+        times = {}
+        for c in self.configs:
+            try:
+                times[c] = do_bench(lambda c=c: run(c), warmup=5, rep=25)
+            except Exception:  # a config that does not compile for this shape is not a candidate
+                continue
+        cfg = min(times, key=times.get) if times else self.configs[0]
+        self.choice[key] = cfg
+        return cfg
+
+
+def _dot_f32(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
+
+
+def _gemm_blocks(m: int) -> tuple[int, int]:
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return block_m, 64
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    tuner: GemvTuner | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W^T`` for an int4 ``W`` (module doc); ``counters`` (int32 zeros, one per output tile) are
+    needed for split-K GEMV configs."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert qweight.shape[1] * 2 == k and k % group_size == 0 and x.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else scales
+    if m == 1:
+        half = group_size // 2
+
+        def run(c: GemvConfig) -> None:
+            split = c.split_k if counters is not None and counters.numel() >= triton.cdiv(n, c.block_n) else 1
+            ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+            _int4_gemv_kernel[(triton.cdiv(n, c.block_n), split)](
+                x, qweight, scales, mins, bias_arg, out, ws, counters if counters is not None else out,
+                n, k, qweight.stride(0), scales.stride(0),
+                G=group_size, BLOCK_N=c.block_n, BLOCK_G=max(1, c.row_bytes // half), SPLIT_K=split,
+                HAS_BIAS=bias is not None, num_warps=c.num_warps,
+            )  # fmt: skip
+
+        cfg = tuner.pick(("int4", n, k, group_size), run, x.device) if tuner is not None else GEMV_CONFIGS[0]
+        run(cfg)
+        return out
+    block_m, block_n = _gemm_blocks(m)
+    _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, qweight, scales, mins, bias_arg, out, m, n, k,
+        x.stride(0), out.stride(0), qweight.stride(0), scales.stride(0),
+        G=group_size, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None, DOT_F32=_dot_f32(x),
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+def int8_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+    tuner: GemvTuner | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ W^T`` for an int8 ``W`` with per-output-channel ``scales``."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    assert qweight.shape[1] == k and x.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    bias_arg = bias if bias is not None else scales
+    if m == 1:
+
+        def run(c: GemvConfig) -> None:
+            split = c.split_k if counters is not None and counters.numel() >= triton.cdiv(n, c.block_n) else 1
+            ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
+            _int8_gemv_kernel[(triton.cdiv(n, c.block_n), split)](
+                x, qweight, scales, bias_arg, out, ws, counters if counters is not None else out,
+                n, k, qweight.stride(0),
+                BLOCK_N=c.block_n, BLOCK_K=c.row_bytes, SPLIT_K=split, HAS_BIAS=bias is not None,
+                num_warps=c.num_warps,
+            )  # fmt: skip
+
+        cfg = tuner.pick(("int8", n, k), run, x.device) if tuner is not None else GEMV_CONFIGS[0]
+        run(cfg)
+        return out
+    block_m, block_n = _gemm_blocks(m)
+    _int8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x, qweight, scales, bias_arg, out, m, n, k, x.stride(0), out.stride(0), qweight.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, HAS_BIAS=bias is not None, DOT_F32=_dot_f32(x),
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
