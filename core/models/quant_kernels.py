@@ -252,7 +252,8 @@ def _int8_gemm_kernel(
         kmask = k < K
         q = tl.load(w_ptr + rn64[:, None] * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
         x = tl.load(x_ptr + rm64[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc += _dot(x, tl.trans(q.to(x.dtype)), DOT_F32)  # |q| <= 127 is exact in bf16
+        # |q| <= 127 is exact in bf16 (through fp32: the interpreter's int8 -> bf16 cast is broken)
+        acc += _dot(x, tl.trans(q.to(tl.float32).to(x.dtype)), DOT_F32)
     acc = acc * tl.load(s_ptr + rn, mask=nmask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]

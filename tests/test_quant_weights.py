@@ -1,0 +1,220 @@
+"""Weight-only int8 / int4 quantization: the quantizers and their formats, the Triton GEMV/GEMM kernels
+(interpreter on the CPU) against the torch reference, model quantization, and GGUF Q4_1 loaded as is."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from torch import nn
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from core.models.quant import (  # noqa: E402
+    MIN_GEMV_BLOCK_N,
+    QuantizedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    int4_group_size,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    weight_bytes,
+)
+
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def _kernels():
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    from core.models import quant_kernels as qk
+
+    if not ON_GPU and not isinstance(qk._int4_gemv_kernel, InterpretedFunction):
+        importlib.reload(qk)
+    return qk
+
+
+# ------------------------------------------------------------------------------------------ quantizers
+
+
+def test_int4_packing_order_is_gguf_q4_1s():
+    """Byte i of a group holds weight i (low nibble) and weight i + G/2 (high nibble)."""
+    g = 32
+    levels = torch.arange(32) % 16  # weight k of the group gets level k % 16, min 0, scale 1
+    w = levels.float()[None, :].repeat(2, 1)
+    w[1] *= 2  # second row: scale 2
+    packed, scales, mins = quantize_int4(w, g)
+    assert scales.tolist() == [[1.0], [2.0]] and mins.tolist() == [[0.0], [0.0]]
+    assert packed[0].tolist() == [(k % 16) | (((k + 16) % 16) << 4) for k in range(16)]
+    assert torch.equal(dequantize_int4(packed, scales, mins, torch.float32), w)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_to_nearest_within_half_a_step(group):
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(group)) * 0.05 + 0.01
+    packed, scales, mins = quantize_int4(w, group)
+    assert packed.dtype == torch.uint8 and packed.shape == (24, 128) and scales.shape == (24, 256 // group)
+    err = (dequantize_int4(packed, scales, mins, torch.float32) - w).abs().reshape(24, -1, group)
+    step = scales.float()[:, :, None]
+    assert (err <= step / 2 + 1e-3 * step).all()
+    # each group's extremes are (nearly) representable: the grid spans [min, max]
+    assert (err.amax(-1) > 0).any()
+
+
+def test_int8_round_to_nearest_per_channel():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 0, 16)[:, None]
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (16,) and q.abs().max() == 127
+    err = (dequantize_int8(q, s, torch.float32) - w).abs()
+    assert (err <= s[:, None] / 2 * (1 + 1e-5)).all()  # per row: small rows get small steps
+
+
+def test_int4_group_size_prefers_128():
+    assert [int4_group_size(k) for k in (4096, 576, 1536, 96)] == [128, 64, 128, 32]
+    with pytest.raises(ValueError, match="int4"):
+        int4_group_size(100)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+def _ref(x, w, bias):
+    y = x.float() @ w.float().t()
+    return y + bias.float() if bias is not None else y
+
+
+@pytest.mark.parametrize("n,k,group", [(40, 256, 128), (24, 96, 32), (33, 192, 64)])
+def test_int4_gemv_every_config_matches_the_reference(n, k, group):
+    qk = _kernels()
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g) * 0.05
+    packed, scales, mins = (t.to(DEV) for t in quantize_int4(w, group))
+    wd = dequantize_int4(packed, scales, mins, torch.float32)
+    x = torch.randn(1, k, generator=g).to(DEV)
+    bias = torch.randn(n, generator=g).to(DEV)
+    ref = _ref(x, wd, bias)
+    for cfg in qk.GEMV_CONFIGS:
+        counters = torch.zeros(-(-n // MIN_GEMV_BLOCK_N), dtype=torch.int32, device=DEV)
+        y = qk.int4_matmul(x, packed, scales, mins, group, bias, counters, qk.GemvTuner(configs=(cfg,)))
+        assert (y - ref).abs().max() < 1e-4, cfg
+        assert not counters.any(), f"{cfg}: split-K counters must be reset for the next launch"
+    # the same counters serve the next call (what a CUDA graph replay relies on)
+    y2 = qk.int4_matmul(x * 2, packed, scales, mins, group, None, counters, qk.GemvTuner(configs=qk.GEMV_CONFIGS[-2:]))
+    assert (y2 - _ref(x * 2, wd, None)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("m", [2, 17, 40])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_gemm_matches_the_reference(m, group):
+    qk = _kernels()
+    g = torch.Generator().manual_seed(m)
+    n, k = 72, 256
+    packed, scales, mins = (t.to(DEV) for t in quantize_int4(torch.randn(n, k, generator=g) * 0.05, group))
+    wd = dequantize_int4(packed, scales, mins, torch.float32)
+    x = torch.randn(m, k, generator=g).to(DEV)
+    bias = torch.randn(n, generator=g).to(DEV)
+    assert (qk.int4_matmul(x, packed, scales, mins, group, bias) - _ref(x, wd, bias)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_int8_kernels_match_the_reference(m):
+    qk = _kernels()
+    g = torch.Generator().manual_seed(m)
+    n, k = 40, 192
+    q, s = (t.to(DEV) for t in quantize_int8(torch.randn(n, k, generator=g) * 0.05))
+    wd = dequantize_int8(q, s, torch.float32)
+    x = torch.randn(m, k, generator=g).to(DEV)
+    ref = _ref(x, wd, None)
+    configs = qk.GEMV_CONFIGS if m == 1 else qk.GEMV_CONFIGS[:1]
+    for cfg in configs:
+        counters = torch.zeros(-(-n // MIN_GEMV_BLOCK_N), dtype=torch.int32, device=DEV)
+        y = qk.int8_matmul(x, q, s, None, counters, qk.GemvTuner(configs=(cfg,)))
+        assert (y - ref).abs().max() < 1e-4, cfg
+        assert not counters.any()
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_kernels_take_bf16_activations(m):
+    qk = _kernels()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 256, generator=g) * 0.05
+    x = torch.randn(m, 256, generator=g).bfloat16().to(DEV)
+    packed, scales, mins = (t.to(DEV) for t in quantize_int4(w, 128))
+    ref = _ref(x, dequantize_int4(packed, scales, mins, torch.float32), None)
+    y = qk.int4_matmul(x, packed, scales, mins, 128)
+    assert y.dtype == torch.bfloat16
+    # the dequantized weight (GEMM) or the output (both) is rounded to bf16
+    assert (y.float() - ref).abs().max() < 0.02 * ref.abs().max()
+    q8, s8 = (t.to(DEV) for t in quantize_int8(w))
+    ref8 = _ref(x, dequantize_int8(q8, s8, torch.float32), None)
+    assert (qk.int8_matmul(x, q8, s8).float() - ref8).abs().max() < 0.02 * ref8.abs().max()
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+def _tiny_model(tie: bool = True):
+    from core.models.loader import load_model, resolve_model
+    from core.models.registry import DUMMY_SHAPES
+
+    src = resolve_model("dummy:tiny")
+    if not tie:
+        src.config.tie_word_embeddings = False
+    assert DUMMY_SHAPES["tiny"]["hidden_size"] % 32 == 0
+    return load_model(src, torch.float32, torch.device("cpu"), 128, seed=1)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantize_model_replaces_every_linear_and_stays_close(method):
+    dense = _tiny_model(tie=False)
+    model = _tiny_model(tie=False)
+    before = weight_bytes(model)
+    counts = quantize_model(model, method)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    quant = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert not linears and len(quant) == counts["quantized"] == 4 * 2 + 1  # 4 per layer + the untied head
+    assert weight_bytes(model) < before
+    x = torch.randn(5, model.config.hidden_size)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            ref = dense.get_submodule(name)(x if m.in_features == x.shape[1] else torch.randn(5, m.in_features))
+            assert m(x if m.in_features == x.shape[1] else torch.randn(5, m.in_features)).shape == ref.shape
+            w = dense.get_submodule(name).weight
+            rel = (m.dequantize(torch.float32) - w).norm() / w.norm()
+            assert rel < (0.01 if method == "int8" else 0.12), (name, float(rel))
+    # the forward of a QuantizedLinear is F.linear with its dequantized weight (the reference path)
+    q = quant[0]
+    xi = torch.randn(3, q.in_features)
+    assert torch.equal(q(xi), nn.functional.linear(xi, q.dequantize(torch.float32), q.bias))
+
+
+def test_quantize_model_can_keep_the_head_dense():
+    model = _tiny_model(tie=False)
+    quantize_model(model, "int4", include_lm_head=False)
+    assert isinstance(model.lm_head, nn.Linear)
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_model(_tiny_model(), "int2")
+
+
+@pytest.mark.slow
+def test_gguf_q4_1_blocks_load_as_is_and_equal_the_dense_weights(default_source):
+    """The default model's Q4_1 projections become int4 without passing through 16 bits: dequantized, they
+    are bit for bit the weights transformers' GGUF reader produced (q/k row order included)."""
+    from core.models.loader import load_model
+
+    model = load_model(default_source, torch.float32, torch.device("cpu"), 64)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    counts = quantize_model(model, "int4", default_source.gguf_file)
+    assert counts == {"gguf_q4_1": len(dense), "quantized": 0}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear):
+            assert m.group_size == 32 and m.scales.dtype == torch.float16
+            assert torch.equal(m.dequantize(torch.float32), dense[name]), name
