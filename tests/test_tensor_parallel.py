@@ -136,6 +136,39 @@ def prompts(default_tokenizer):
     return [prompt_of_length(default_tokenizer, n, f"Note {n}:") for n in PROMPT_LENS]
 
 
+def test_each_rank_loads_only_its_shard(tiny_dirs):
+    """Rank models built in this process (loading needs no collective): their shards put back together
+    are the checkpoint, padding slots are zero, and each rank's KV heads are the ones its plan names."""
+    import torch
+
+    from core.models.loader import iter_safetensors, load_model, resolve_model
+    from core.models.parallel import TensorParallel
+
+    source = resolve_model(tiny_dirs["qwen2-9q3kv"])
+    cfg = source.config
+    full = dict(iter_safetensors(source.weights_dir))
+    ranks = [load_model(source, torch.float32, torch.device("cpu"), 64, tp=TensorParallel(r, 2)) for r in range(2)]
+    d = cfg.head_dim
+    embeds = [m.model.embed_tokens.weight for m in ranks]
+    assert sum(e.shape[0] for e in embeds) == cfg.vocab_size and embeds[0].shape[0] != embeds[1].shape[0]
+    assert torch.equal(torch.cat(embeds), full["model.embed_tokens.weight"])
+    downs = [m.model.layers[1].mlp.down_proj.weight for m in ranks]
+    assert torch.equal(torch.cat(downs, dim=1), full["model.layers.1.mlp.down_proj.weight"])
+    q_full = full["model.layers.1.self_attn.q_proj.weight"].view(cfg.num_attention_heads, d, -1)
+    k_full = full["model.layers.1.self_attn.k_proj.weight"].view(cfg.num_key_value_heads, d, -1)
+    o_full = full["model.layers.1.self_attn.o_proj.weight"].view(cfg.hidden_size, cfg.num_attention_heads, d)
+    for m in ranks:
+        attn = m.model.layers[1].self_attn
+        plan = attn.heads
+        assert m.num_kv_heads == len(plan.kv_heads) == 2  # the KV pool holds this rank's heads
+        q, k, _ = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        q, o = q.view(len(plan.q_heads), d, -1), attn.o_proj.weight.view(cfg.hidden_size, -1, d)
+        for slot, h in enumerate(plan.q_heads):
+            assert torch.equal(q[slot], q_full[h] if h >= 0 else torch.zeros_like(q[slot]))
+            assert torch.equal(o[:, slot], o_full[:, h] if h >= 0 else torch.zeros_like(o[:, slot]))
+        assert torch.equal(k.view(-1, d, k.shape[-1]), k_full[list(plan.kv_heads)])
+
+
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
     solo = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts[:1]]
     return solo + [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
