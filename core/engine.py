@@ -60,8 +60,6 @@ class AsyncEngine:
         return result
 
     def _load(self) -> None:
-        from core.model_runner import ModelRunner  # torch-heavy; keep `import core` light
-
         source: ModelSource = resolve_model(self.args.model)
         self.source = source
         self.model_name = self.args.served_model_name or source.name
@@ -73,8 +71,8 @@ class AsyncEngine:
                 f"max_model_len: {self.args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
             )
         self.max_model_len = self.args.max_model_len or min(limit, 8192)
-        runner = ModelRunner(self.args, source, self.max_model_len)
-        self._executor = ExecutorActor(runner)
+        self._executor = ExecutorActor.start(self.args, source, self.max_model_len)
+        runner = self._executor.runner
         kv = KVCacheManager(runner.num_kv_blocks, self.args.block_size, self.args.enable_prefix_caching)
         self._scheduler_actor = SchedulerActor(
             Scheduler(
@@ -138,7 +136,7 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._tg is not None and self._scheduler_actor.dead is None
+        return self._tg is not None and self._scheduler_actor.dead is None and self._executor.failure is None
 
 
 class LLM:

@@ -40,14 +40,18 @@ GPU_SWITCH_INTERVAL_S = 0.0005
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int) -> None:
+    """With ``tp`` (tensor parallel, one runner per rank in its own process, `core/tp_worker.py`): this
+    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples."""
+
+    def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
         self.args = args
+        self.tp = tp
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
-        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed)
+        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed, tp=tp)
         cfg = source.config
         backend = args.attention_backend
         if backend == "auto":
@@ -76,6 +80,8 @@ class ModelRunner:
 
             self.spec = SpecDecodeRunner(self, source)
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
+        if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
             self.num_kv_blocks,
@@ -96,7 +102,7 @@ class ModelRunner:
             self.device,
             self.dtype,
         )
-        if self.device.type == "cuda" and not args.enforce_eager:
+        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
             if getattr(self.backend, "graph_safe", False):
                 graphs = DecodeGraphs(
                     self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), max_model_len
@@ -249,7 +255,7 @@ class ModelRunner:
             if not sampling_idx:
                 return ModelOutput(so.step_id, {})
             logits = self.model.compute_logits(hidden[b.logit_rows[: len(sampling_idx)]])
-        if not sampling_idx:
+        if not sampling_idx or (self.tp is not None and self.tp.rank != 0):
             return ModelOutput(so.step_id, {})
         sampling = [reqs[i] for i in sampling_idx]
         if any(r.forks for r in sampling):

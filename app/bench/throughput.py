@@ -5,6 +5,9 @@ Every request is submitted at once through `AsyncEngine` (greedy, EOS ignored, s
 its dataset output length); the clock runs from the first submission to the last finished request,
 after a short warm-up (kernel compilation stays out of the figures). The peer runs after the engine is
 closed and its memory released.
+
+``--compare-tp 1,2`` runs the engine once per tensor-parallel size on the same requests instead (one
+after another, each closed before the next starts) and reports the ratio of the last to the first.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def register(sub) -> None:
     p.add_argument("--peer-max-batch-tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--only-save-requests", action="store_true", help="write --save-requests and stop (no run)")
+    p.add_argument(
+        "--compare-tp",
+        default=None,
+        help="comma-separated tensor-parallel sizes (e.g. 1,2): run each on the same requests, report the ratio",
+    )
     add_engine_args(p)
     p.set_defaults(func=main)
 
@@ -85,6 +93,55 @@ def figures_of(run: EngineRun, requests: list[BenchRequest]) -> dict:
     }
 
 
+def engine_figures(args, requests: list[BenchRequest]) -> dict:
+    run, facts = engine_throughput(args, requests)
+    figures = figures_of(run, requests)
+    figures.update(facts)
+    figures["engine"] = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enforce_eager": args.enforce_eager,
+        "attention_backend": args.attention_backend,
+        "fused_kernels": args.fused_kernels,
+        "dtype": str(args.resolve_dtype(args.resolve_device())).removeprefix("torch."),
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    return figures
+
+
+def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], dataset: dict) -> int:
+    """The engine at each of ``--compare-tp``'s sizes on the same requests; the ratio of last to first."""
+    from dataclasses import replace
+
+    try:
+        sizes = [int(x) for x in ns.compare_tp.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"compare_tp: expected sizes like 1,2, got {ns.compare_tp!r}") from None
+    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"compare_tp: expected two or more distinct sizes >= 1, got {ns.compare_tp!r}")
+    if ns.peer:
+        raise ValueError("compare_tp: runs the engine only; drop --peer")
+    runs: dict[str, dict] = {}
+    for tp in sizes:
+        t = time.perf_counter()
+        runs[str(tp)] = engine_figures(replace(args, tensor_parallel_size=tp), requests)
+        print_figures(f"sluice TP={tp} ({time.perf_counter() - t:.1f}s with start-up)", runs[str(tp)])
+        release_device_memory()
+    first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
+    ratio = last["output_tokens_per_s"] / max(first["output_tokens_per_s"], 1e-9)
+    figures = {"tensor_parallel": runs, "ratio_tp": ratio}
+    print(f"ratio (output tok/s, TP={sizes[-1]} / TP={sizes[0]}): {figures['ratio_tp']:.2f}x")
+    m, v = machine_info(), versions()
+    print(
+        f"machine: {m['gpu_count']} x {m['gpu']}" if m["gpu"] else f"machine: {m['cpu']}",
+        f"({m['cores']} cores); torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}",
+    )
+    if ns.out:
+        write_result(ns.out, command_line(), ns.model, dataset, figures)
+        print(f"wrote {ns.out}")
+    return 0
+
+
 def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s: float, max_batch_tokens):
     from app.bench.hf_peer import load_hf_model, run_hf_continuous_batching
 
@@ -115,18 +172,10 @@ def main(ns: argparse.Namespace) -> int:
         f"{dataset['mean_prompt_len']:.1f}, mean output {dataset['mean_output_len']:.1f} tokens; model {ns.model} "
         f"on {device} ({str(dtype).removeprefix('torch.')})"
     )
+    if ns.compare_tp:
+        return compare_tp(ns, args, requests, dataset)
     t = time.perf_counter()
-    run, facts = engine_throughput(args, requests)
-    figures = figures_of(run, requests)
-    figures.update(facts)
-    figures["engine"] = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enforce_eager": args.enforce_eager,
-        "attention_backend": args.attention_backend,
-        "fused_kernels": args.fused_kernels,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    figures = engine_figures(args, requests)
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)
     release_device_memory()
     if ns.out and ns.peer:  # the engine's figures survive a peer that is killed at a time limit
