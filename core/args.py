@@ -44,6 +44,8 @@ class EngineArgs:
     num_speculative_tokens: int = 4
     # Above this many running + waiting requests a step does not speculate (it would cost throughput).
     speculative_disable_batch_size: int = 16
+    # Record per-step metadata and KV snapshots for the /inspect page (`core.inspector`); off costs nothing.
+    enable_inspector: bool = False
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
