@@ -75,7 +75,7 @@ async function follow() {
 }
 
 async function readEvents(resp) {
-  setStatus(S.mode === "trace" ? "trace" : "live", "ok");
+  setStatus("connected", "ok");
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
   let buf = "";
   for (;;) {
@@ -116,7 +116,7 @@ async function pollKv() {
         else if (resp.ok) {
           S.kv = await resp.json();
           S.mode = S.kv.mode;
-          $("mode").textContent = S.kv.mode;
+          $("mode").textContent = S.mode === "trace" ? "recorded trace" : "live engine";
           $("model").textContent = S.kv.model || "";
           drawKv();
           if (S.mode === "trace") return; // a trace's snapshot never changes
