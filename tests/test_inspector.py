@@ -399,3 +399,17 @@ def test_a_file_that_is_not_a_trace_is_refused(tmp_path):
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_trace(str(bad))
+
+
+def test_bench_throughput_measures_the_inspector_overhead(tmp_path, capsys):
+    out = tmp_path / "overhead.json"
+    argv = ["bench", "throughput", "--inspector", "--repeats", "1", "--dataset", "random", "--num-prompts", "4"]
+    argv += ["--input-len", "24", "--output-len", "4", "--model", "dummy:tiny", "--device", "cpu"]
+    argv += ["--num-kv-blocks", "64", "--max-model-len", "128", "--out", str(out)]
+    assert main(argv) == 0
+    assert "ratio on/off" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert len(res["runs_off"]) == len(res["runs_on"]) == 1 and res["num_finished"] == 4
+    assert res["ratio_on_off"] == pytest.approx(res["runs_on"][0] / res["runs_off"][0])
+    assert res["recorder_us_per_step"] > 0 and res["sse_encode_us_per_step"] > 0
+    assert res["num_steps_per_run"] >= 4 and res["machine"]["cores"] >= 1

@@ -35,6 +35,13 @@ def register(sub) -> None:
     p.add_argument("--peer-max-batch-tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--only-save-requests", action="store_true", help="write --save-requests and stop (no run)")
+    p.add_argument(
+        "--inspector",
+        action="store_true",
+        help="the inspector's overhead: the same requests with the inspector off and on, alternating, --repeats "
+        "times each; prints both throughputs and their ratio",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--inspector: runs per setting")
     add_engine_args(p)
     p.set_defaults(func=main)
 
@@ -53,6 +60,8 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
             graphs = engine._executor.runner.graphs
             replays = graphs.num_replays if graphs is not None else 0
             before = engine.stats()
+            recorder = engine.inspector
+            recorder_s = recorder.cost_s if recorder is not None else 0.0
             run = await drive_engine(engine, requests)
             after = engine.stats()
             facts = {
@@ -62,9 +71,69 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
                 "graph_steps": (graphs.num_replays - replays) if graphs is not None else 0,
                 "num_preemptions": after.num_preemptions - before.num_preemptions,
             }
+            if recorder is not None:  # what recording cost, measured inside the recorder
+                facts["recorder_s"] = recorder.cost_s - recorder_s
+                facts["sse_encode_s"] = _sse_encode_s(recorder)
         return run, facts
 
     return anyio.run(go)
+
+
+def _sse_encode_s(recorder) -> float:
+    """Seconds to encode the buffered records as /inspect/steps does: the cost of one page following."""
+    import json
+
+    from app.inspector.trace import step_dict
+
+    t = time.perf_counter()
+    for rec in recorder.steps:
+        json.dumps(step_dict(rec), separators=(",", ":"))
+    return (time.perf_counter() - t) / max(len(recorder.steps), 1)
+
+
+def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest], dataset: dict) -> int:
+    """Off and on alternate (off-on, on-off, ...) so that drifting machine load hits both alike; each run is
+    a fresh engine with its own warm-up. The ratio is of the medians."""
+    import statistics
+    from dataclasses import replace
+
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for i in range(ns.repeats):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            run, facts = engine_throughput(replace(args, enable_inspector=mode == "on"), requests)
+            f = {**figures_of(run, requests), **facts}
+            runs[mode].append(f)
+            extra = f", recorder {1e3 * f['recorder_s']:.1f} ms" if mode == "on" else ""
+            tps, el = f["output_tokens_per_s"], f["elapsed_s"]
+            print(f"  run {i + 1} inspector {mode}: {tps:,.1f} output tok/s in {el:.1f}s{extra}")
+    med = {m: statistics.median(f["output_tokens_per_s"] for f in fs) for m, fs in runs.items()}
+    on = runs["on"]
+    steps = sum(f["num_steps"] for f in on)
+    figures = {
+        "output_tokens_per_s_off": med["off"],
+        "output_tokens_per_s_on": med["on"],
+        "ratio_on_off": med["on"] / med["off"],
+        "runs_off": [f["output_tokens_per_s"] for f in runs["off"]],
+        "runs_on": [f["output_tokens_per_s"] for f in on],
+        "recorder_us_per_step": 1e6 * sum(f["recorder_s"] for f in on) / max(steps, 1),
+        "recorder_share_of_elapsed": sum(f["recorder_s"] for f in on) / sum(f["elapsed_s"] for f in on),
+        "sse_encode_us_per_step": 1e6 * statistics.median(f["sse_encode_s"] for f in on),
+        "num_steps_per_run": on[0]["num_steps"],
+        "num_finished": min(f["num_finished"] for fs in runs.values() for f in fs),
+    }
+    print_figures("inspector overhead (medians)", figures)
+    ratio = figures["ratio_on_off"]
+    print(
+        f"output tok/s: inspector off {med['off']:,.1f}, on {med['on']:,.1f}: ratio on/off {ratio:.4f} "
+        f"({100 * (1 - ratio):+.2f}% drop); recording costs {figures['recorder_us_per_step']:.1f} us "
+        f"per step ({100 * figures['recorder_share_of_elapsed']:.3f}% of the run)"
+    )
+    m, v = machine_info(), versions()
+    print(f"machine: {m['gpu'] or m['cpu']} ({m['cores']} cores); torch {v['torch']}, transformers {v['transformers']}")
+    if ns.out:
+        write_result(ns.out, command_line(), ns.model, dataset, figures)
+        print(f"wrote {ns.out}")
+    return 0
 
 
 def figures_of(run: EngineRun, requests: list[BenchRequest]) -> dict:
@@ -115,6 +184,8 @@ def main(ns: argparse.Namespace) -> int:
         f"{dataset['mean_prompt_len']:.1f}, mean output {dataset['mean_output_len']:.1f} tokens; model {ns.model} "
         f"on {device} ({str(dtype).removeprefix('torch.')})"
     )
+    if ns.inspector:
+        return inspector_overhead(ns, args, requests, dataset)
     t = time.perf_counter()
     run, facts = engine_throughput(args, requests)
     figures = figures_of(run, requests)

@@ -8,18 +8,25 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
 
-from core.inspector import StepRecord
+from core.inspector import StepRecord, StepRequest
 
 TRACE_VERSION = 1
 
 
+_STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+_REQUEST_FIELDS = tuple(f.name for f in fields(StepRequest))
+
+
 def step_dict(rec: StepRecord) -> dict:
-    return asdict(rec)
+    """``asdict(rec)``, several times faster (a page following the steps encodes every record)."""
+    out = {name: getattr(rec, name) for name in _STEP_FIELDS}
+    out["requests"] = [{name: getattr(r, name) for name in _REQUEST_FIELDS} for r in rec.requests]
+    return out
 
 
 class TraceWriter:
