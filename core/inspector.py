@@ -104,22 +104,24 @@ class StepRecorder:
         now = self.clock()
         emitted = {ev.request_id: ev for ev in events}
         spec = out.spec_token_ids or {}
+        running = mark.running
         reqs = []
+        # Positional arguments, in field order: this loop runs for every request of every step.
         for sr in so.requests:
-            n = len(sr.token_ids) - sr.num_draft_tokens
-            rid = sr.request_id
+            rid, nd = sr.request_id, sr.num_draft_tokens
+            n = len(sr.token_ids) - nd
             ev = emitted.get(rid)
             reqs.append(
                 StepRequest(
-                    request_id=rid,
-                    kind="decode" if sr.sample and n == 1 and sr.num_output_tokens > 0 else "prefill",
-                    num_tokens=n,
-                    num_draft_tokens=sr.num_draft_tokens,
-                    num_accepted_tokens=len(spec[rid]) - 1 if sr.num_draft_tokens and rid in spec else 0,
-                    start_pos=sr.start_pos,
-                    num_cached_tokens=sr.start_pos if rid not in mark.running else 0,
-                    num_output_tokens=len(ev.token_ids) if ev is not None else 0,
-                    forks=[f.request_id for f in sr.forks],
+                    rid,
+                    "decode" if n == 1 and sr.sample and sr.num_output_tokens > 0 else "prefill",
+                    n,
+                    nd,
+                    len(spec[rid]) - 1 if nd and rid in spec else 0,
+                    sr.start_pos,
+                    0 if rid in running else sr.start_pos,
+                    len(ev.token_ids) if ev is not None else 0,
+                    [f.request_id for f in sr.forks] if sr.forks else [],
                 )
             )
         ttft, itl = [], []

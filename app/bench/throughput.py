@@ -62,7 +62,9 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
             before = engine.stats()
             recorder = engine.inspector
             recorder_s = recorder.cost_s if recorder is not None else 0.0
+            cpu = time.process_time()
             run = await drive_engine(engine, requests)
+            cpu = time.process_time() - cpu
             after = engine.stats()
             facts = {
                 "kv_blocks": after.kv_blocks_total,
@@ -71,6 +73,9 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
                 "graph_steps": (graphs.num_replays - replays) if graphs is not None else 0,
                 "num_preemptions": after.num_preemptions - before.num_preemptions,
             }
+            # CPU seconds of the whole process (every thread): the work done, less blurred than the wall
+            # clock by other processes competing for the cores
+            facts["cpu_s"] = cpu
             if recorder is not None:  # what recording cost, measured inside the recorder
                 facts["recorder_s"] = recorder.cost_s - recorder_s
                 facts["sse_encode_s"] = _sse_encode_s(recorder)
@@ -93,7 +98,8 @@ def _sse_encode_s(recorder) -> float:
 
 def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest], dataset: dict) -> int:
     """Off and on alternate (off-on, on-off, ...) so that drifting machine load hits both alike; each run is
-    a fresh engine with its own warm-up. The ratio is of the medians."""
+    a fresh engine with its own warm-up. The ratios are of the medians: output tokens per wall second, and
+    per CPU second of the process (on a shared machine the wall clock also measures the neighbours)."""
     import statistics
     from dataclasses import replace
 
@@ -102,11 +108,14 @@ def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
             run, facts = engine_throughput(replace(args, enable_inspector=mode == "on"), requests)
             f = {**figures_of(run, requests), **facts}
+            f["output_tokens_per_cpu_s"] = f["output_tokens"] / max(f["cpu_s"], 1e-9)
             runs[mode].append(f)
             extra = f", recorder {1e3 * f['recorder_s']:.1f} ms" if mode == "on" else ""
             tps, el = f["output_tokens_per_s"], f["elapsed_s"]
-            print(f"  run {i + 1} inspector {mode}: {tps:,.1f} output tok/s in {el:.1f}s{extra}")
+            cps = f["output_tokens_per_cpu_s"]
+            print(f"  run {i + 1} inspector {mode}: {tps:,.1f} output tok/s in {el:.1f}s, {cps:,.1f} tok/cpu-s{extra}")
     med = {m: statistics.median(f["output_tokens_per_s"] for f in fs) for m, fs in runs.items()}
+    cpu_med = {m: statistics.median(f["output_tokens_per_cpu_s"] for f in fs) for m, fs in runs.items()}
     on = runs["on"]
     steps = sum(f["num_steps"] for f in on)
     figures = {
@@ -115,6 +124,11 @@ def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest
         "ratio_on_off": med["on"] / med["off"],
         "runs_off": [f["output_tokens_per_s"] for f in runs["off"]],
         "runs_on": [f["output_tokens_per_s"] for f in on],
+        "output_tokens_per_cpu_s_off": cpu_med["off"],
+        "output_tokens_per_cpu_s_on": cpu_med["on"],
+        "cpu_ratio_on_off": cpu_med["on"] / cpu_med["off"],
+        "cpu_runs_off": [f["output_tokens_per_cpu_s"] for f in runs["off"]],
+        "cpu_runs_on": [f["output_tokens_per_cpu_s"] for f in on],
         "recorder_us_per_step": 1e6 * sum(f["recorder_s"] for f in on) / max(steps, 1),
         "recorder_share_of_elapsed": sum(f["recorder_s"] for f in on) / sum(f["elapsed_s"] for f in on),
         "sse_encode_us_per_step": 1e6 * statistics.median(f["sse_encode_s"] for f in on),
@@ -125,7 +139,8 @@ def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest
     ratio = figures["ratio_on_off"]
     print(
         f"output tok/s: inspector off {med['off']:,.1f}, on {med['on']:,.1f}: ratio on/off {ratio:.4f} "
-        f"({100 * (1 - ratio):+.2f}% drop); recording costs {figures['recorder_us_per_step']:.1f} us "
+        f"({100 * (1 - ratio):+.2f}% drop); per CPU second off {cpu_med['off']:,.1f}, on {cpu_med['on']:,.1f}: "
+        f"ratio {figures['cpu_ratio_on_off']:.4f}; recording costs {figures['recorder_us_per_step']:.1f} us "
         f"per step ({100 * figures['recorder_share_of_elapsed']:.3f}% of the run)"
     )
     m, v = machine_info(), versions()
