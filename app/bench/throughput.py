@@ -139,7 +139,7 @@ def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest
     ratio = figures["ratio_on_off"]
     print(
         f"output tok/s: inspector off {med['off']:,.1f}, on {med['on']:,.1f}: ratio on/off {ratio:.4f} "
-        f"({100 * (1 - ratio):+.2f}% drop); per CPU second off {cpu_med['off']:,.1f}, on {cpu_med['on']:,.1f}: "
+        f"({100 * (ratio - 1):+.2f}%); per CPU second off {cpu_med['off']:,.1f}, on {cpu_med['on']:,.1f}: "
         f"ratio {figures['cpu_ratio_on_off']:.4f}; recording costs {figures['recorder_us_per_step']:.1f} us "
         f"per step ({100 * figures['recorder_share_of_elapsed']:.3f}% of the run)"
     )
