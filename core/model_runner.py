@@ -201,23 +201,28 @@ class ModelRunner:
         return blocks
 
     # -- one step ----------------------------------------------------------------------------------
-    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Carry out copy-on-write orders in every layer before the step's attention; returns the
-        (src, dst) block ids so other KV owners (the draft head's) can follow."""
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Carry out copy-on-write orders in every layer, the draft head's KV included, before the step's
+        attention."""
         if not block_copies:
-            return None
+            return
         src = torch.tensor([s for s, _ in block_copies], device=self.device)
         dst = torch.tensor([d for _, d in block_copies], device=self.device)
         for kv in self.kv_caches:
             kv[:, dst] = kv[:, src]
-        return src, dst
+        if self.spec is not None:
+            self.spec.proposer.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
         if self.spec is not None:
-            return self.spec.execute(so)
+            self.spec.forget(so.finished_request_ids)
+            # A step without drafts to verify or draft work (speculation off above
+            # speculative_disable_batch_size) is a plain step: CUDA graphs, no speculative overhead.
+            if any(r.spec or r.num_draft_tokens for r in so.requests):
+                return self.spec.execute(so)
         reqs = so.requests
         if not reqs:
             return ModelOutput(so.step_id, {})
