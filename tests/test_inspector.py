@@ -413,3 +413,8 @@ def test_bench_throughput_measures_the_inspector_overhead(tmp_path, capsys):
     assert res["ratio_on_off"] == pytest.approx(res["runs_on"][0] / res["runs_off"][0])
     assert res["recorder_us_per_step"] > 0 and res["sse_encode_us_per_step"] > 0
     assert res["num_steps_per_run"] >= 4 and res["machine"]["cores"] >= 1
+
+
+def test_inspect_command_refuses_a_missing_trace(tmp_path):
+    with pytest.raises(SystemExit, match="sluice inspect: .*nope.jsonl"):
+        main(["inspect", "--trace", str(tmp_path / "nope.jsonl")])

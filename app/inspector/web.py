@@ -13,7 +13,6 @@ holds no data and is open. Unknown or malformed query parameters get 400 in Open
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -186,26 +185,3 @@ def build_trace_app(path: str) -> Starlette:
     return Starlette(
         routes=inspector_routes(TraceSource(load_trace(path))), exception_handlers={HTTPException: http_error}
     )
-
-
-def cmd_inspect(ns: argparse.Namespace) -> int:
-    import uvicorn
-
-    try:
-        app = build_trace_app(ns.trace)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"sluice inspect: {e}") from None
-    print(f"inspector on {ns.trace}: http://{ns.host}:{ns.port}/inspect")
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
-    return 0
-
-
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "inspect", help="open the inspector page on a trace recorded by `serve --record-trace` or `cache-sim`"
-    )
-    p.add_argument("--trace", required=True, metavar="FILE", help="the trace (JSON lines)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    p.set_defaults(func=cmd_inspect)
