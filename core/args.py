@@ -49,6 +49,8 @@ class EngineArgs:
     # join from other hosts through MASTER_ADDR / MASTER_PORT (`core/tp_worker.py`). None = all here.
     tensor_parallel_size: int = 1
     tensor_parallel_local_size: int | None = None
+    # Record per-step metadata and KV snapshots for the /inspect page (`core.inspector`); off costs nothing.
+    enable_inspector: bool = False
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

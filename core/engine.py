@@ -18,6 +18,7 @@ import anyio
 from core.args import EngineArgs
 from core.errors import EngineDeadError, InvalidRequestError, SluiceError
 from core.executor import ExecutorActor
+from core.inspector import StepRecorder
 from core.models.loader import ModelSource, resolve_model
 from core.outputs import RequestOutput
 from core.request_actor import RequestLimits, make_requests, run_request
@@ -85,7 +86,8 @@ class AsyncEngine:
                     speculative_disable_batch_size=self.args.speculative_disable_batch_size,
                 ),
                 kv,
-            )
+            ),
+            inspector=self.args.enable_inspector,
         )
         self._limits = RequestLimits(self.max_model_len, cfg.vocab_size, runner.num_kv_blocks * self.args.block_size)
         self._eos = tuple(source.eos_token_ids)
@@ -128,6 +130,12 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._scheduler_actor.stats
+
+    @property
+    def inspector(self) -> StepRecorder | None:
+        """The step recorder behind the /inspect page; None unless ``enable_inspector`` (or not started)."""
+        actor = getattr(self, "_scheduler_actor", None)
+        return actor.recorder if actor is not None else None
 
     @property
     def is_running(self) -> bool:
