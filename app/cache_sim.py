@@ -67,8 +67,9 @@ class SimResult:
     wall_s: float
 
 
-def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
-    """Replay ``workload`` through a fresh `Scheduler` + `KVCacheManager` configured by ``cfg``."""
+def simulate(workload: Workload, cfg: SimConfig, trace: str | None = None, model: str = "") -> SimResult:
+    """Replay ``workload`` through a fresh `Scheduler` + `KVCacheManager` configured by ``cfg``; with ``trace``,
+    write the inspector's step records (on the virtual clock) and final KV snapshot there."""
     t0 = time.perf_counter()
     kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
     sched = Scheduler(
@@ -90,6 +91,13 @@ def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
     replies: dict[str, list[int]] = {}
     in_flight = finished = rejected = computed = 0
     clock = 0.0
+    recorder = writer = None
+    if trace is not None:
+        from app.inspector.trace import TraceWriter
+        from core.inspector import StepRecorder
+
+        writer = TraceWriter(trace, "cache-sim", model, cfg.block_size, cfg.num_kv_blocks)
+        recorder = StepRecorder(sched, max_steps=1, clock=lambda: clock)
 
     def settle(i: int, ok: bool) -> None:
         nonlocal finished, rejected
@@ -110,6 +118,9 @@ def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
                 settle(i, ok=False)
                 continue
             index_of[rid] = i
+            if recorder is not None:
+                req.arrival_time = clock
+                recorder.admitted([req])
             if cfg.recorded_replies and r.reply_token_ids:
                 replies[rid] = r.reply_token_ids
             sched.add_request(req)
@@ -119,6 +130,8 @@ def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
                 break
             clock = max(clock, ready[0][0])
             continue
+        if recorder is not None:
+            mark = recorder.begin()
         so = sched.schedule()
         if not so.requests:
             # As the engine does: the head request can never fit, even in an empty pool.
@@ -136,11 +149,17 @@ def simulate(workload: Workload, cfg: SimConfig) -> SimResult:
                     n = x.num_output_tokens
                     sampled[x.request_id] = reply[n] if reply is not None and n < len(reply) else FILLER_TOKEN
         clock += cfg.step_s + cfg.token_s * so.num_tokens
-        for ev in sched.update_from_output(so, ModelOutput(so.step_id, sampled)):
+        out = ModelOutput(so.step_id, sampled)
+        events = sched.update_from_output(so, out)
+        if recorder is not None:
+            writer.write(writer.step_lines([recorder.record(mark, so, out, events)]))
+        for ev in events:
             if ev.finish_reason is not None:
                 replies.pop(ev.request_id, None)
                 in_flight -= 1
                 settle(index_of.pop(ev.request_id), ok=True)
+    if writer is not None:
+        writer.close(recorder.kv_snapshot())
     q, h = kv.prefix_cache_queries, kv.prefix_cache_hits
     return SimResult(
         block_size=cfg.block_size,
@@ -238,7 +257,14 @@ def cmd_cache_sim(ns: argparse.Namespace) -> int:
         step_s=ns.step_ms / 1000,
         token_s=ns.token_us / 1e6,
     )
-    results = sweep(workload, ns.pool_blocks, ns.block_sizes, base)
+    if ns.record_trace:
+        if len(ns.pool_blocks or ()) != 1 or len(ns.block_sizes) != 1:
+            raise SystemExit("--record-trace replays one configuration: give one --pool-blocks and one --block-sizes")
+        base.num_kv_blocks, base.block_size = ns.pool_blocks[0], ns.block_sizes[0]
+        results = [simulate(workload, base, trace=ns.record_trace, model=ns.model)]
+        print(f"wrote {ns.record_trace} (open it with: sluice inspect --trace {ns.record_trace})")
+    else:
+        results = sweep(workload, ns.pool_blocks, ns.block_sizes, base)
     cols = [
         "block_size",
         "num_kv_blocks",
@@ -297,6 +323,12 @@ def register(subparsers) -> None:
     p.add_argument("--token-us", type=float, default=500.0, help="virtual time per token in a step")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw hit rate against pool size")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--record-trace",
+        default=None,
+        metavar="FILE",
+        help="write the replay's steps for `sluice inspect --trace FILE` (one --pool-blocks and --block-sizes)",
+    )
     p.set_defaults(func=cmd_cache_sim)
 
 

@@ -77,7 +77,7 @@ def _subcommand_modules():
     """Subcommands that live beside their subject (server, benchmarks, ...) register themselves."""
     import importlib
 
-    for name in ("app.server_cli", "app.bench.cli", "app.cache_sim", "spec.train_cli"):
+    for name in ("app.server_cli", "app.bench.cli", "app.cache_sim", "app.inspector.cli", "spec.train_cli"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:

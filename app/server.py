@@ -96,14 +96,21 @@ def build_app(
     ping_interval: float = 15.0,
     shutdown_grace_seconds: float = 10.0,
     retry_after_seconds: int = 1,
+    record_trace: str | None = None,
 ) -> Starlette:
     """The OpenAI-compatible API over ``engine`` (an `AsyncEngine`, started or not).
 
     Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version,
     GET /metrics, GET /openapi.json. With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY``.
+    With the engine's ``enable_inspector``: GET /inspect (a page), /inspect/steps, /inspect/kv
+    (`app.inspector.web`; the data endpoints take the key too); ``record_trace`` writes the steps to a trace
+    file while the app's lifespan runs (`app.inspector.trace`).
     """
     if max_body_bytes < 1:
         raise InvalidRequestError(f"max_body_bytes: must be >= 1, got {max_body_bytes}", param="max_body_bytes")
+    inspector = bool(getattr(getattr(engine, "args", None), "enable_inspector", False))
+    if record_trace is not None and not inspector:
+        raise InvalidRequestError("record_trace: needs the engine's enable_inspector", param="record_trace")
     config = ServerConfig(
         api_key, max_body_bytes, send_timeout, ping_interval, shutdown_grace_seconds, retry_after_seconds
     )
@@ -111,10 +118,13 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        if getattr(engine, "is_running", True):
-            yield  # the embedding app started it
-            return
-        async with engine:
+        async with contextlib.AsyncExitStack() as stack:
+            if not getattr(engine, "is_running", True):  # else the embedding app started it
+                await stack.enter_async_context(engine)
+            if record_trace is not None:
+                from app.inspector.trace import recording
+
+                await stack.enter_async_context(recording(engine, record_trace))
             yield
 
     async def http_error(_request: Request, exc: Exception) -> Response:
@@ -125,8 +135,13 @@ def build_app(
     async def server_error(_request: Request, _exc: Exception) -> Response:
         return _internal_error().response()
 
+    routes = api.routes()
+    if inspector:
+        from app.inspector.web import LiveSource, inspector_routes
+
+        routes += inspector_routes(LiveSource(engine), api._authorize, api._sse)
     app = Starlette(
-        routes=api.routes(),
+        routes=routes,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error, 500: server_error},
     )

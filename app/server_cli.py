@@ -13,8 +13,6 @@ import math
 import os
 from collections.abc import Iterator
 
-import uvicorn
-
 
 def register(subparsers) -> None:
     from app.cli import add_engine_args
@@ -34,16 +32,27 @@ def register(subparsers) -> None:
     )
     p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with 503 when overloaded")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--record-trace",
+        default=None,
+        metavar="FILE",
+        help="write every engine step to FILE (JSON lines) for `sluice inspect --trace FILE`; turns the inspector on",
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
     from app.cli import engine_args_from
     from app.server import build_app
     from core.engine import AsyncEngine
 
-    engine = AsyncEngine(engine_args_from(ns))
+    args = engine_args_from(ns)
+    if ns.record_trace:
+        args.enable_inspector = True
+    engine = AsyncEngine(args)
     app = build_app(
         engine,
         api_key=ns.api_key,
@@ -51,6 +60,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         send_timeout=ns.send_timeout,
         shutdown_grace_seconds=ns.shutdown_timeout,
         retry_after_seconds=ns.retry_after,
+        record_trace=ns.record_trace,
     )
     config = uvicorn.Config(
         app,
@@ -62,17 +72,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # non-streamed requests settle before uvicorn cancels what is left.
         timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout) + 2,
     )
-    server = _Server(config)
+    server = _server(config)
     server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
     return 0
 
 
-class _Server(uvicorn.Server):
-    """uvicorn re-raises a caught SIGINT/SIGTERM after its graceful shutdown, so the process would die of
-    the signal (exit 130/143). A shutdown we completed on request is a clean exit: status 0."""
+def _server(config):
+    """A uvicorn server whose completed graceful shutdown exits 0. uvicorn re-raises a caught SIGINT/SIGTERM
+    after its graceful shutdown, so the process would die of the signal (exit 130/143); a shutdown we
+    completed on request is a clean exit. uvicorn is imported here so other subcommands run without it."""
+    import uvicorn
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        with super().capture_signals():
-            yield
-            self._captured_signals.clear()
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return Server(config)

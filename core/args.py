@@ -48,6 +48,13 @@ class EngineArgs:
     num_speculative_tokens: int = 4
     # Above this many running + waiting requests a step does not speculate (it would cost throughput).
     speculative_disable_batch_size: int = 16
+    # Tensor parallelism: one worker process per rank (torch.distributed: NCCL on GPUs, gloo on the CPU);
+    # 1 = the model runs in the engine's own process. Ranks 0..local_size-1 run on this host; the others
+    # join from other hosts through MASTER_ADDR / MASTER_PORT (`core/tp_worker.py`). None = all here.
+    tensor_parallel_size: int = 1
+    tensor_parallel_local_size: int | None = None
+    # Record per-step metadata and KV snapshots for the /inspect page (`core.inspector`); off costs nothing.
+    enable_inspector: bool = False
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
@@ -78,6 +85,13 @@ class EngineArgs:
             raise bad("speculative_disable_batch_size", f"must be >= 1, got {self.speculative_disable_batch_size}")
         if self.speculative_model is not None and not self.speculative_model:
             raise bad("speculative_model", "must be a directory, 'default', or None")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        local, tp = self.tensor_parallel_local_size, self.tensor_parallel_size
+        if local is not None and not 1 <= local <= tp:
+            raise bad("tensor_parallel_local_size", f"must be in [1, tensor_parallel_size={tp}], got {local}")
+        if self.tensor_parallel_size > 1 and self.speculative_model is not None:
+            raise bad("speculative_model", "speculative decoding is not supported with tensor_parallel_size > 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -18,6 +18,7 @@ import anyio
 from core.args import EngineArgs
 from core.errors import EngineDeadError, InvalidRequestError, SluiceError
 from core.executor import ExecutorActor
+from core.inspector import StepRecorder
 from core.models.loader import ModelSource, resolve_model
 from core.outputs import RequestOutput
 from core.request_actor import RequestLimits, make_requests, run_request
@@ -60,8 +61,6 @@ class AsyncEngine:
         return result
 
     def _load(self) -> None:
-        from core.model_runner import ModelRunner  # torch-heavy; keep `import core` light
-
         source: ModelSource = resolve_model(self.args.model)
         self.source = source
         self.model_name = self.args.served_model_name or source.name
@@ -73,8 +72,8 @@ class AsyncEngine:
                 f"max_model_len: {self.args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
             )
         self.max_model_len = self.args.max_model_len or min(limit, 8192)
-        runner = ModelRunner(self.args, source, self.max_model_len)
-        self._executor = ExecutorActor(runner)
+        self._executor = ExecutorActor.start(self.args, source, self.max_model_len)
+        runner = self._executor.runner
         kv = KVCacheManager(runner.num_kv_blocks, self.args.block_size, self.args.enable_prefix_caching)
         self._scheduler_actor = SchedulerActor(
             Scheduler(
@@ -87,7 +86,8 @@ class AsyncEngine:
                     speculative_disable_batch_size=self.args.speculative_disable_batch_size,
                 ),
                 kv,
-            )
+            ),
+            inspector=self.args.enable_inspector,
         )
         self._limits = RequestLimits(self.max_model_len, cfg.vocab_size, runner.num_kv_blocks * self.args.block_size)
         self._eos = tuple(source.eos_token_ids)
@@ -132,13 +132,19 @@ class AsyncEngine:
         return self._scheduler_actor.stats
 
     @property
+    def inspector(self) -> StepRecorder | None:
+        """The step recorder behind the /inspect page; None unless ``enable_inspector`` (or not started)."""
+        actor = getattr(self, "_scheduler_actor", None)
+        return actor.recorder if actor is not None else None
+
+    @property
     def is_running(self) -> bool:
         """Inside ``async with`` (started, not yet stopped)."""
         return self._tg is not None
 
     @property
     def is_healthy(self) -> bool:
-        return self._tg is not None and self._scheduler_actor.dead is None
+        return self._tg is not None and self._scheduler_actor.dead is None and self._executor.failure is None
 
 
 class LLM:

@@ -29,3 +29,7 @@ class EngineDeadError(SluiceError):
 
 class RequestFailedError(SluiceError):
     """A step that held this request failed; the engine keeps serving others."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A tensor-parallel worker process exited: the model is incomplete, every request fails."""

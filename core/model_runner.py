@@ -42,19 +42,26 @@ GPU_SWITCH_INTERVAL_S = 0.0005
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int) -> None:
+    """With ``tp`` (tensor parallel, one runner per rank in its own process, `core/tp_worker.py`): this
+    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples."""
+
+    def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
         self.args = args
+        self.tp = tp
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
-        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed)
+        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed, tp=tp)
         if args.quantization is not None:
             from core.models.quant import quantize_model  # imports the gguf reader
 
             counts = quantize_model(
-                self.model, args.quantization, source.gguf_file, include_lm_head=args.speculative_model is None
+                self.model,
+                args.quantization,
+                source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
+                include_lm_head=args.speculative_model is None,
             )
             logger.info("quantization %s: %s linear layers", args.quantization, counts)
         cfg = source.config
@@ -91,6 +98,8 @@ class ModelRunner:
 
             self.spec = SpecDecodeRunner(self, source)
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
+        if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
             self.num_kv_blocks,
@@ -113,7 +122,7 @@ class ModelRunner:
             self.num_kv_blocks * self._bytes_per_block() / GiB,
             self.kv_dtype,
         )
-        if self.device.type == "cuda" and not args.enforce_eager:
+        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
             if getattr(self.backend, "graph_safe", False):
                 graphs = DecodeGraphs(
                     self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), max_model_len
@@ -218,25 +227,30 @@ class ModelRunner:
         return blocks
 
     # -- one step ----------------------------------------------------------------------------------
-    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Carry out copy-on-write orders in every layer before the step's attention; returns the
-        (src, dst) block ids so other KV owners (the draft head's) can follow."""
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Carry out copy-on-write orders in every layer, the draft head's KV included, before the step's
+        attention."""
         if not block_copies:
-            return None
+            return
         src = torch.tensor([s for s, _ in block_copies], device=self.device)
         dst = torch.tensor([d for _, d in block_copies], device=self.device)
         for kv in self.kv_caches:
             if fp8.is_fp8(kv):
                 kv = kv.view(torch.uint8)  # index_put has no fp8 kernel on every device
             kv[:, dst] = kv[:, src]
-        return src, dst
+        if self.spec is not None:
+            self.spec.proposer.copy_blocks(src, dst)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
         if self.spec is not None:
-            return self.spec.execute(so)
+            self.spec.forget(so.finished_request_ids)
+            # A step without drafts to verify or draft work (speculation off above
+            # speculative_disable_batch_size) is a plain step: CUDA graphs, no speculative overhead.
+            if any(r.spec or r.num_draft_tokens for r in so.requests):
+                return self.spec.execute(so)
         reqs = so.requests
         if not reqs:
             return ModelOutput(so.step_id, {})
@@ -263,7 +277,7 @@ class ModelRunner:
             if not sampling_idx:
                 return ModelOutput(so.step_id, {})
             logits = self.model.compute_logits(hidden[b.logit_rows[: len(sampling_idx)]])
-        if not sampling_idx:
+        if not sampling_idx or (self.tp is not None and self.tp.rank != 0):
             return ModelOutput(so.step_id, {})
         sampling = [reqs[i] for i in sampling_idx]
         if any(r.forks for r in sampling):

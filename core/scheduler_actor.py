@@ -14,6 +14,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from core.errors import EngineDeadError, EngineOverloaded
+from core.inspector import StepRecorder
 from core.request import AbortRequest, AddRequest, Request, TokenEvent
 from core.scheduler import ModelOutput, Scheduler, SchedulerOutput
 
@@ -54,8 +55,10 @@ class EngineStats:
 
 
 class SchedulerActor:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, inspector: bool = False) -> None:
         self.scheduler = scheduler
+        # Step records for the inspector page; None (off) costs the step loop one test per hook.
+        self.recorder: StepRecorder | None = StepRecorder(scheduler) if inspector else None
         self.streams: dict[str, ObjectSendStream[TokenEvent]] = {}
         self._wakeup = anyio.Event()
         self.dead: Exception | None = None
@@ -148,6 +151,8 @@ class SchedulerActor:
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
             self.prompt_tokens += req.num_prompt_tokens
+        if self.recorder is not None:
+            self.recorder.admitted(msg.requests)
         s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         self._wakeup.set()
 
@@ -184,6 +189,7 @@ class SchedulerActor:
         # request actor (detokenizing, building outputs), and the executor should start first, so that
         # work overlaps the GPU instead of delaying it.
         pending: list[TokenEvent] = []
+        rec = self.recorder
         async with steps, results:
             while True:
                 if not s.has_work() or self.dead is not None:
@@ -192,6 +198,8 @@ class SchedulerActor:
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
+                if rec is not None:
+                    mark = rec.begin()
                 so = s.schedule()
                 if not so.requests:
                     pending = self._deliver_all(pending)
@@ -201,6 +209,8 @@ class SchedulerActor:
                 pending = self._deliver_all(pending)
                 out = await results.receive()
                 pending = s.update_from_output(so, out)
+                if rec is not None:
+                    rec.record(mark, so, out, pending)
                 if out.fatal:
                     pending = self._deliver_all(pending)
                     self._die(out.error)

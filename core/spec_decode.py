@@ -57,17 +57,15 @@ class SpecDecodeRunner:
             self.head, r.model, num_blocks, r.block_size, self.k, r.backend, r.device, r.dtype
         )
 
+    def forget(self, request_ids) -> None:
+        for rid in request_ids:
+            self.draft_probs.pop(rid, None)
+
     # -- one step ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         r = self.runner
-        for rid in so.finished_request_ids:
-            self.draft_probs.pop(rid, None)
-        if not so.requests:
-            return ModelOutput(so.step_id, {})
-        copied = r.copy_blocks(so.block_copies)
-        if copied is not None:
-            self.proposer.copy_blocks(*copied)
+        r.copy_blocks(so.block_copies)
         reqs = so.requests
         positions, meta = paged_metadata(
             [sr.start_pos for sr in reqs],

@@ -355,7 +355,7 @@ def train_draft_head(
     embed = model.model.embed_tokens
     lengths = [len(ex.token_ids) for ex in examples]
     per_epoch = len(_batches(lengths, cfg.batch_tokens, 0))
-    total = per_epoch * cfg.epochs
+    total = planned = per_epoch * cfg.epochs
     stop = total if max_steps is None else min(total, max_steps)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
@@ -374,18 +374,22 @@ def train_draft_head(
 
     bar = tqdm(total=total, initial=start, desc="train draft", unit="step", disable=not progress)
     t0 = t5 = time.perf_counter()
+    s5 = start
     head.train()
     step = start
     order, order_epoch = [], -1
     while step < stop:
         if time_limit is not None and step == start + 5:
-            t5 = time.perf_counter()  # the first steps pay for kernel warm-up: time the next ten
-        if time_limit is not None and step == start + 15:
-            per_step = (time.perf_counter() - t5) / 10
-            fit = step + int((time_limit - (time.perf_counter() - t0)) / per_step)
-            if fit < stop:
-                logger.warning("--train-time-limit: %d of %d steps fit (%.3fs/step)", fit, total, per_step)
-                stop = total = max(fit, step + 1)
+            t5, s5 = time.perf_counter(), step  # the first steps pay for kernel warm-up: time from here
+        if time_limit is not None and step > start + 5 and (step - start) % 50 == 15:
+            # Re-planned every 50 steps: warm-up can last longer than the first timed steps, and a plan made
+            # on slow early steps would leave most of the time unused (the cosine schedule follows `total`).
+            per_step = (time.perf_counter() - t5) / (step - s5)
+            fit = min(planned, max(step + 1, step + int((time_limit - (time.perf_counter() - t0)) / per_step)))
+            if fit != total:
+                logger.info("--train-time-limit: %d of %d steps fit (%.3fs/step)", fit, planned, per_step)
+                total = fit
+                stop = fit if max_steps is None else min(fit, max_steps)
                 bar.total = total
         epoch, idx = divmod(step, per_epoch)
         if epoch != order_epoch:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import httpx
 import uvicorn
 
 
@@ -149,3 +150,39 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
         if line.startswith(key + " "):
             return float(line.split()[-1])
     raise KeyError(key)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    assert err["param"] == param, err
+    assert "Traceback" not in resp.text
+    return err
+
+
+def read_sse_events(resp: httpx.Response, n: int) -> list[dict[str, str]]:
+    """The first ``n`` events of a streamed response (``with client.stream(...) as resp``), each as its fields
+    (``event``, ``id``, ``data``); keep-alive comments are skipped. A stream that stalls raises the client's
+    read timeout."""
+    events: list[dict[str, str]] = []
+    buf = ""
+    for chunk in resp.iter_text():
+        buf += chunk
+        while "\n\n" in buf and len(events) < n:
+            block, buf = buf.split("\n\n", 1)
+            fields: dict[str, str] = {}
+            for line in block.split("\n"):
+                if line.startswith(":"):
+                    continue
+                name, _, value = line.partition(": ")
+                fields[name] = fields[name] + "\n" + value if name in fields else value
+            if fields:
+                events.append(fields)
+        if len(events) == n:
+            return events
+    raise AssertionError(f"the stream ended after {len(events)} of {n} events")

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
 

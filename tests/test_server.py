@@ -18,7 +18,7 @@ from starlette.routing import Mount, Route
 
 from app.server import build_app
 from core import AsyncEngine, EngineArgs
-from tests.server_helpers import ServerThread, check_chat_stream, metric_value, parse_sse
+from tests.server_helpers import ServerThread, assert_openai_error, check_chat_stream, metric_value, parse_sse
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -59,19 +59,6 @@ def wait_idle(engine: AsyncEngine, timeout: float = 20.0):
             return s
         assert time.monotonic() < deadline, f"engine not idle: {s}"
         time.sleep(0.02)
-
-
-def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert isinstance(err["message"], str) and err["message"]
-    assert isinstance(err["type"], str) and err["type"]
-    assert err["param"] == param, err
-    assert "Traceback" not in resp.text
-    return err
 
 
 BIG = "x" * (2 * 1024 * 1024)

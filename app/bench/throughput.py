@@ -5,6 +5,9 @@ Every request is submitted at once through `AsyncEngine` (greedy, EOS ignored, s
 its dataset output length); the clock runs from the first submission to the last finished request,
 after a short warm-up (kernel compilation stays out of the figures). The peer runs after the engine is
 closed and its memory released.
+
+``--compare-tp 1,2`` runs the engine once per tensor-parallel size on the same requests instead (one
+after another, each closed before the next starts) and reports the ratio of the last to the first.
 """
 
 from __future__ import annotations
@@ -35,6 +38,18 @@ def register(sub) -> None:
     p.add_argument("--peer-max-batch-tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--only-save-requests", action="store_true", help="write --save-requests and stop (no run)")
+    p.add_argument(
+        "--compare-tp",
+        default=None,
+        help="comma-separated tensor-parallel sizes (e.g. 1,2): run each on the same requests, report the ratio",
+    )
+    p.add_argument(
+        "--inspector",
+        action="store_true",
+        help="the inspector's overhead: the same requests with the inspector off and on, alternating, --repeats "
+        "times each; prints both throughputs and their ratio",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--inspector: runs per setting")
     add_engine_args(p)
     p.set_defaults(func=main)
 
@@ -53,7 +68,11 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
             graphs = engine._executor.runner.graphs
             replays = graphs.num_replays if graphs is not None else 0
             before = engine.stats()
+            recorder = engine.inspector
+            recorder_s = recorder.cost_s if recorder is not None else 0.0
+            cpu = time.process_time()
             run = await drive_engine(engine, requests)
+            cpu = time.process_time() - cpu
             after = engine.stats()
             facts = {
                 "kv_blocks": after.kv_blocks_total,
@@ -62,9 +81,82 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
                 "graph_steps": (graphs.num_replays - replays) if graphs is not None else 0,
                 "num_preemptions": after.num_preemptions - before.num_preemptions,
             }
+            # CPU seconds of the whole process (every thread): the work done, less blurred than the wall
+            # clock by other processes competing for the cores
+            facts["cpu_s"] = cpu
+            if recorder is not None:  # what recording cost, measured inside the recorder
+                facts["recorder_s"] = recorder.cost_s - recorder_s
+                facts["sse_encode_s"] = _sse_encode_s(recorder)
         return run, facts
 
     return anyio.run(go)
+
+
+def _sse_encode_s(recorder) -> float:
+    """Seconds to encode the buffered records as /inspect/steps does: the cost of one page following."""
+    import json
+
+    from app.inspector.trace import step_dict
+
+    t = time.perf_counter()
+    for rec in recorder.steps:
+        json.dumps(step_dict(rec), separators=(",", ":"))
+    return (time.perf_counter() - t) / max(len(recorder.steps), 1)
+
+
+def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest], dataset: dict) -> int:
+    """Off and on alternate (off-on, on-off, ...) so that drifting machine load hits both alike; each run is
+    a fresh engine with its own warm-up. The ratios are of the medians: output tokens per wall second, and
+    per CPU second of the process (on a shared machine the wall clock also measures the neighbours)."""
+    import statistics
+    from dataclasses import replace
+
+    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    for i in range(ns.repeats):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            run, facts = engine_throughput(replace(args, enable_inspector=mode == "on"), requests)
+            f = {**figures_of(run, requests), **facts}
+            f["output_tokens_per_cpu_s"] = f["output_tokens"] / max(f["cpu_s"], 1e-9)
+            runs[mode].append(f)
+            extra = f", recorder {1e3 * f['recorder_s']:.1f} ms" if mode == "on" else ""
+            tps, el = f["output_tokens_per_s"], f["elapsed_s"]
+            cps = f["output_tokens_per_cpu_s"]
+            print(f"  run {i + 1} inspector {mode}: {tps:,.1f} output tok/s in {el:.1f}s, {cps:,.1f} tok/cpu-s{extra}")
+    med = {m: statistics.median(f["output_tokens_per_s"] for f in fs) for m, fs in runs.items()}
+    cpu_med = {m: statistics.median(f["output_tokens_per_cpu_s"] for f in fs) for m, fs in runs.items()}
+    on = runs["on"]
+    steps = sum(f["num_steps"] for f in on)
+    figures = {
+        "output_tokens_per_s_off": med["off"],
+        "output_tokens_per_s_on": med["on"],
+        "ratio_on_off": med["on"] / med["off"],
+        "runs_off": [f["output_tokens_per_s"] for f in runs["off"]],
+        "runs_on": [f["output_tokens_per_s"] for f in on],
+        "output_tokens_per_cpu_s_off": cpu_med["off"],
+        "output_tokens_per_cpu_s_on": cpu_med["on"],
+        "cpu_ratio_on_off": cpu_med["on"] / cpu_med["off"],
+        "cpu_runs_off": [f["output_tokens_per_cpu_s"] for f in runs["off"]],
+        "cpu_runs_on": [f["output_tokens_per_cpu_s"] for f in on],
+        "recorder_us_per_step": 1e6 * sum(f["recorder_s"] for f in on) / max(steps, 1),
+        "recorder_share_of_elapsed": sum(f["recorder_s"] for f in on) / sum(f["elapsed_s"] for f in on),
+        "sse_encode_us_per_step": 1e6 * statistics.median(f["sse_encode_s"] for f in on),
+        "num_steps_per_run": on[0]["num_steps"],
+        "num_finished": min(f["num_finished"] for fs in runs.values() for f in fs),
+    }
+    print_figures("inspector overhead (medians)", figures)
+    ratio = figures["ratio_on_off"]
+    print(
+        f"output tok/s: inspector off {med['off']:,.1f}, on {med['on']:,.1f}: ratio on/off {ratio:.4f} "
+        f"({100 * (ratio - 1):+.2f}%); per CPU second off {cpu_med['off']:,.1f}, on {cpu_med['on']:,.1f}: "
+        f"ratio {figures['cpu_ratio_on_off']:.4f}; recording costs {figures['recorder_us_per_step']:.1f} us "
+        f"per step ({100 * figures['recorder_share_of_elapsed']:.3f}% of the run)"
+    )
+    m, v = machine_info(), versions()
+    print(f"machine: {m['gpu'] or m['cpu']} ({m['cores']} cores); torch {v['torch']}, transformers {v['transformers']}")
+    if ns.out:
+        write_result(ns.out, command_line(), ns.model, dataset, figures)
+        print(f"wrote {ns.out}")
+    return 0
 
 
 def figures_of(run: EngineRun, requests: list[BenchRequest]) -> dict:
@@ -83,6 +175,55 @@ def figures_of(run: EngineRun, requests: list[BenchRequest]) -> dict:
         "output_tokens_per_s": out_tokens / el,
         "total_tokens_per_s": (prompt_tokens + out_tokens) / el,
     }
+
+
+def engine_figures(args, requests: list[BenchRequest]) -> dict:
+    run, facts = engine_throughput(args, requests)
+    figures = figures_of(run, requests)
+    figures.update(facts)
+    figures["engine"] = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enforce_eager": args.enforce_eager,
+        "attention_backend": args.attention_backend,
+        "fused_kernels": args.fused_kernels,
+        "dtype": str(args.resolve_dtype(args.resolve_device())).removeprefix("torch."),
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    return figures
+
+
+def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], dataset: dict) -> int:
+    """The engine at each of ``--compare-tp``'s sizes on the same requests; the ratio of last to first."""
+    from dataclasses import replace
+
+    try:
+        sizes = [int(x) for x in ns.compare_tp.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"compare_tp: expected sizes like 1,2, got {ns.compare_tp!r}") from None
+    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"compare_tp: expected two or more distinct sizes >= 1, got {ns.compare_tp!r}")
+    if ns.peer:
+        raise ValueError("compare_tp: runs the engine only; drop --peer")
+    runs: dict[str, dict] = {}
+    for tp in sizes:
+        t = time.perf_counter()
+        runs[str(tp)] = engine_figures(replace(args, tensor_parallel_size=tp), requests)
+        print_figures(f"sluice TP={tp} ({time.perf_counter() - t:.1f}s with start-up)", runs[str(tp)])
+        release_device_memory()
+    first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
+    ratio = last["output_tokens_per_s"] / max(first["output_tokens_per_s"], 1e-9)
+    figures = {"tensor_parallel": runs, "ratio_tp": ratio}
+    print(f"ratio (output tok/s, TP={sizes[-1]} / TP={sizes[0]}): {figures['ratio_tp']:.2f}x")
+    m, v = machine_info(), versions()
+    print(
+        f"machine: {m['gpu_count']} x {m['gpu']}" if m["gpu"] else f"machine: {m['cpu']}",
+        f"({m['cores']} cores); torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}",
+    )
+    if ns.out:
+        write_result(ns.out, command_line(), ns.model, dataset, figures)
+        print(f"wrote {ns.out}")
+    return 0
 
 
 def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s: float, max_batch_tokens):
@@ -115,18 +256,12 @@ def main(ns: argparse.Namespace) -> int:
         f"{dataset['mean_prompt_len']:.1f}, mean output {dataset['mean_output_len']:.1f} tokens; model {ns.model} "
         f"on {device} ({str(dtype).removeprefix('torch.')})"
     )
+    if ns.compare_tp:
+        return compare_tp(ns, args, requests, dataset)
+    if ns.inspector:
+        return inspector_overhead(ns, args, requests, dataset)
     t = time.perf_counter()
-    run, facts = engine_throughput(args, requests)
-    figures = figures_of(run, requests)
-    figures.update(facts)
-    figures["engine"] = {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enforce_eager": args.enforce_eager,
-        "attention_backend": args.attention_backend,
-        "fused_kernels": args.fused_kernels,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
+    figures = engine_figures(args, requests)
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)
     release_device_memory()
     if ns.out and ns.peer:  # the engine's figures survive a peer that is killed at a time limit

@@ -13,6 +13,7 @@ from torch import nn
 
 from core.errors import ModelLoadError
 from core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, SiluAndMul
+from core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 
 # checkpoint suffix -> (our suffix, shard index)
 _STACKED = {
@@ -34,12 +35,17 @@ def _checkpoint_name(param: str, shard: int) -> str:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool) -> None:
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
         h = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
+        # tensor parallel: this rank's heads (`plan_heads`); every size below is then the local one
+        self.tp = tp
+        self.heads = plan_heads(self.num_heads, self.num_kv_heads, tp.rank, tp.world_size) if tp else None
+        if self.heads is not None:
+            self.num_heads, self.num_kv_heads = len(self.heads.q_heads), len(self.heads.kv_heads)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.layer_idx = layer_idx
@@ -62,27 +68,33 @@ class LlamaAttention(nn.Module):
         kv_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping, self.kv_scale)
         o = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale, self.kv_scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
         super().__init__()
         h, m = config.hidden_size, config.intermediate_size
+        self.tp = tp
+        if tp is not None:
+            start, end = shard_range(m, tp.rank, tp.world_size)
+            m = end - start
         self.gate_up_proj = nn.Linear(h, 2 * m, bias=False)
         self.down_proj = nn.Linear(m, h, bias=False)
         self.act = SiluAndMul()
         self.shard_sizes = (m, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool) -> None:
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,24 +110,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool) -> None:
+    def __init__(self, config, qkv_bias: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias) for i in range(config.num_hidden_layers))
+        if tp is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
 
-    def __init__(self, config, max_position: int) -> None:
+    def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)))
+        self.tp = tp
+        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        # tensor parallel: the vocabulary rows of each rank (embedding and LM head alike)
+        vocab = config.vocab_size
+        self.vocab_ranges = None
+        if tp is not None:
+            self.vocab_ranges = [shard_range(vocab, r, tp.world_size) for r in range(tp.world_size)]
+            vocab = self.vocab_ranges[tp.rank][1] - self.vocab_ranges[tp.rank][0]
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, vocab, bias=False)
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
 
@@ -141,8 +161,31 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return hidden @ self.model.embed_tokens.weight.t()
-        return self.lm_head(hidden)  # a module call: the head may be a quantized linear
+            logits = hidden @ self.model.embed_tokens.weight.t()
+        else:
+            logits = self.lm_head(hidden)  # a module call: the head may be a quantized linear
+        if self.tp is None:
+            return logits
+        return self.tp.gather_last_dim(logits, [e - s for s, e in self.vocab_ranges])
+
+    def _tp_shard(self, target: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor bound for parameter ``target`` (``shard`` of it when merged)."""
+        tp = self.tp
+        module = target.rpartition(".")[0]
+        name = module.rpartition(".")[2]
+        if name in ("embed_tokens", "lm_head"):
+            start, end = self.vocab_ranges[tp.rank]
+            return tensor.narrow(0, start, end - start)
+        if name in ("qkv_proj", "o_proj"):
+            attn = self.get_submodule(module.rpartition(".")[0])
+            if name == "o_proj":  # input columns of this rank's query heads
+                return take_heads(tensor, attn.heads.q_heads, attn.head_dim, 1)
+            return take_heads(tensor, attn.heads.q_heads if shard == 0 else attn.heads.kv_heads, attn.head_dim, 0)
+        if name in ("gate_up_proj", "down_proj"):  # gate/up: output rows; down: input columns
+            dim = 0 if name == "gate_up_proj" else 1
+            start, end = shard_range(tensor.shape[dim], tp.rank, tp.world_size)
+            return tensor.narrow(dim, start, end - start)
+        return tensor
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the merged parameters; fail on anything missing or unexpected."""
@@ -170,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 unexpected.append(ckpt_name)
                 continue
+            if self.tp is not None:
+                tensor = self._tp_shard(target, shard, tensor)
             with torch.no_grad():
                 if shard < 0:
                     if tuple(param.shape) != tuple(tensor.shape):

@@ -173,14 +173,19 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, sf.get_tensor(name)
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0):
-    """Build the model for ``source`` on ``device`` with real (or, for dummy shapes, random) weights."""
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0, tp=None
+):
+    """Build the model for ``source`` on ``device`` with real (or, for dummy shapes, random) weights.
+    With ``tp`` (a `core.models.parallel.TensorParallel`), only this rank's shard of every weight."""
     cls = model_class_for(source.config)
     with torch.device(device):
-        model = cls(source.config, max_position=max_position)
+        model = cls(source.config, max_position=max_position, **({"tp": tp} if tp is not None else {}))
     model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # keep the cos/sin table in fp32; cast per use
-    if source.weights_dir is None:
+    if source.weights_dir is None and tp is not None:
+        model.load_weights(_random_checkpoint(cls, source.config, max_position, dtype, device, seed))
+    elif source.weights_dir is None:
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for p in model.parameters():
@@ -194,3 +199,26 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device, ma
         except ModelLoadError as e:
             raise ModelLoadError(f"{source.weights_dir}: {e}") from None
     return model.eval()
+
+
+def _random_checkpoint(cls, config, max_position: int, dtype: torch.dtype, device: torch.device, seed: int):
+    """The random weights the unsharded model would get, as checkpoint tensors, one at a time (merged
+    projections split back into their checkpoint names), so every tensor-parallel rank takes its shard
+    of the very weights a single process would use."""
+    from core.models.llama import _checkpoint_name
+
+    with torch.device("meta"):
+        full = cls(config, max_position=max_position)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, p in full.named_parameters():
+        t = torch.empty(p.shape, dtype=dtype, device=device)
+        if p.dim() == 1:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=g)
+        if not name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
+            yield name, t
+            continue
+        sizes = full.get_submodule(name.rsplit(".", 2)[0]).shard_sizes
+        for i, part in enumerate(t.split(list(sizes), dim=0)):
+            yield _checkpoint_name(name, i), part

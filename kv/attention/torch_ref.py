@@ -17,13 +17,21 @@ from kv.attention.base import AttentionBackend, AttentionMetadata
 MAX_BATCHED_QUERY_LEN = 17
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[seq_len, num_kv_heads, head_dim]`` of one sequence, read through its block table."""
-    block_size = kv_cache.shape[2]
+def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[..., seq_len, num_kv_heads, head_dim]`` read through ``block_tables`` (``[nb]`` for one
+    sequence, ``[B, nb]`` for a batch padded to ``seq_len``).
+
+    One ``index_select`` per K and V over whole blocks (each block a contiguous run of memory): several
+    times faster on the CPU than advanced indexing of the ``[2, num_blocks, ...]`` tensor, which copies
+    element by element and is most of the reference path's time at long contexts."""
+    block_size, heads, dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
     nb = -(-seq_len // block_size)
-    kv = kv_cache[:, block_table[:nb].long()]  # [2, nb, bs, H, D]
-    kv = kv.reshape(2, nb * block_size, kv.shape[-2], kv.shape[-1])[:, :seq_len]
-    return kv[0], kv[1]
+    tables = block_tables[..., :nb]
+    idx = tables.reshape(-1).long()
+    shape = (*tables.shape[:-1], nb * block_size, heads, dim)
+    k = kv_cache[0].index_select(0, idx).view(shape)[..., :seq_len, :, :]
+    v = kv_cache[1].index_select(0, idx).view(shape)[..., :seq_len, :, :]
+    return k, v
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -74,17 +82,13 @@ class TorchAttentionBackend(AttentionBackend):
         query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], q_len: int, out, kv_scale
     ) -> None:
         """Sequences with ``q_len`` queries each, in one padded SDPA call."""
-        block_size = kv_cache.shape[2]
         lens = [meta.seq_lens_host[i] for i in rows]
         max_len = max(lens)
-        nb = -(-max_len // block_size)
         idx = torch.tensor(rows, device=query.device)
-        tables = meta.block_tables[idx, :nb].long()  # [B, nb]
-        kv = kv_cache[:, tables]  # [2, B, nb, bs, H, D]
-        b = len(rows)
-        kv = kv.reshape(2, b, nb * block_size, kv.shape[-2], kv.shape[-1])[:, :, :max_len]
-        k, v = _upcast(kv[0], kv[1], kv_scale, query.dtype)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, H, L, D]
+        k, v = gather_kv(kv_cache, meta.block_tables[idx], max_len)  # [B, L, H, D]
+        # Strided [B, H, L, D] views: SDPA reads them in place (a contiguous copy would cost more).
+        k, v = _upcast(k, v, kv_scale, query.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         seq_lens = torch.tensor(lens, device=query.device)
         # query j of a row sits at position seq_len - q_len + j and sees keys up to there
         j = torch.arange(q_len, device=query.device)
