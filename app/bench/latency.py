@@ -140,6 +140,8 @@ def main(ns: argparse.Namespace) -> int:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enforce_eager": args.enforce_eager,
         "fused_kernels": args.fused_kernels,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "dtype": str(dtype).removeprefix("torch."),
     }
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)

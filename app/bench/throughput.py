@@ -187,6 +187,8 @@ def engine_figures(args, requests: list[BenchRequest]) -> dict:
         "enforce_eager": args.enforce_eager,
         "attention_backend": args.attention_backend,
         "fused_kernels": args.fused_kernels,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "dtype": str(args.resolve_dtype(args.resolve_device())).removeprefix("torch."),
         "tensor_parallel_size": args.tensor_parallel_size,
     }

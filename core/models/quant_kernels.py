@@ -284,6 +284,8 @@ GEMV_CONFIGS = (
     GemvConfig(8, 256, 4, 2),
     GemvConfig(16, 256, 4, 4),
     GemvConfig(4, 512, 4, 2),
+    GemvConfig(8, 512, 8, 4),
+    GemvConfig(32, 512, 2, 8),
 )
 
 

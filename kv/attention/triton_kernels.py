@@ -60,10 +60,11 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _upcast(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr):
+def _unscale(x, scale, KV_FP8: tl.constexpr):
+    """A loaded K/V tile as values: e4m3 times its head's scale (in fp32); any other dtype as it is."""
     if KV_FP8:
-        return (x.to(tl.float32) * scale).to(dtype)
-    return x.to(dtype)
+        return x.to(tl.float32) * scale
+    return x
 
 
 @triton.jit
@@ -206,13 +207,13 @@ def _decode_kernel(
         k, v = _load_kv_tile(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
-        qk = _dot(q, tl.trans(_upcast(k, k_scale, q.dtype, KV_FP8)), DOT_F32, PRECISION) * scale_log2
+        qk = _dot(q, tl.trans(_unscale(k, k_scale, KV_FP8).to(q.dtype)), DOT_F32, PRECISION) * scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _upcast(v, v_scale, q.dtype, KV_FP8)
+        v = _unscale(v, v_scale, KV_FP8).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
         m_i = m_new
 
@@ -310,14 +311,14 @@ def _attend_range(
         k, v = _load_kv_tile(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
-        qk = _dot(q, tl.trans(_upcast(k, k_scale, q.dtype, KV_FP8)), DOT_F32, PRECISION) * scale_log2
+        qk = _dot(q, tl.trans(_unscale(k, k_scale, KV_FP8).to(q.dtype)), DOT_F32, PRECISION) * scale_log2
         if CAUSAL:
             qk = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _upcast(v, v_scale, q.dtype, KV_FP8)
+        v = _unscale(v, v_scale, KV_FP8).to(q.dtype)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
