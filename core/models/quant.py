@@ -210,11 +210,12 @@ def quantize_model(
     tuner = GemvTuner()
     counts = {"gguf_q4_1": 0, "quantized": 0}
     targets = [
-        (name, mod)
+        name
         for name, mod in model.named_modules()
         if isinstance(mod, nn.Linear) and (include_lm_head or not name.endswith("lm_head"))
     ]
-    for name, lin in targets:
+    for name in targets:  # one at a time: each dense weight is freed as its replacement goes in
+        lin = model.get_submodule(name)
         new = None
         if gguf is not None:
             new = _from_gguf(gguf, name, lin, tuner)
