@@ -48,6 +48,10 @@ def _bench(fn, on_gpu: bool) -> float | None:
     return float(do_bench(fn, warmup=5, rep=25))
 
 
+def _cfg(c) -> list:
+    return [c.block_n, c.row_bytes, c.split_k, c.num_warps, c.layout, c.num_stages]
+
+
 def _rel(y, ref) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
@@ -85,8 +89,8 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
             ref = x.float() @ wd.t()
             bf16_ms = _bench(lambda x=x, dense=dense: torch.nn.functional.linear(x, dense), on_gpu)
             configs = []
-            for cfg in qk.GEMV_CONFIGS:
-                row = {"config": [cfg.block_n, cfg.row_bytes, cfg.split_k, cfg.num_warps]}
+            for cfg in qk.GEMV_CONFIGS if bits == 4 else [c for c in qk.GEMV_CONFIGS if c.layout == "3d"]:
+                row = {"config": _cfg(cfg)}
                 try:
                     tuner = qk.GemvTuner(configs=(cfg,))
                     tuner.choice[key] = cfg
@@ -112,7 +116,7 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
                 "weight_mib": nbytes / 2**20,
                 "bf16_ms": bf16_ms,
                 "bf16_gb_s": n * k * 2 / bf16_ms / 1e6 if bf16_ms else None,
-                "tuned_config": [pick.block_n, pick.row_bytes, pick.split_k, pick.num_warps] if pick else None,
+                "tuned_config": _cfg(pick) if pick else None,
                 "best_ms": best["ms"] if best else None,
                 "best_gb_s": best["gb_s"] if best else None,
                 "speedup_vs_bf16": bf16_ms / best["ms"] if best and bf16_ms else None,
@@ -248,9 +252,9 @@ def main() -> int:
     record = {"command": " ".join(sys.argv), "machine": machine_info(), "versions": versions(), "date": utc_now_iso()}
     rows: list[dict] = []
     gens = [
-        lambda: linear_cases(TINY_SHAPES if ns.tiny else LINEAR_SHAPES, dev, on_gpu),
-        lambda: graph_case(dev, on_gpu),
         lambda: fp8_cases(dev, on_gpu, ns.tiny),
+        lambda: graph_case(dev, on_gpu),
+        lambda: linear_cases(TINY_SHAPES if ns.tiny else LINEAR_SHAPES, dev, on_gpu),
     ]
     for make in gens:
         try:

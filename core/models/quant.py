@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the Triton kernels are imported only where they run (a GPU)
 QUANTIZATION_METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (128, 64, 32)
 Q4_1_GROUP = 32
-# the smallest BLOCK_N of the GEMV configs (quant_kernels.GEMV_CONFIGS): sizes the split-K counters
+# no larger than the smallest BLOCK_N of the GEMV configs (quant_kernels.GEMV_CONFIGS): sizes the split-K counters
 MIN_GEMV_BLOCK_N = 4
 
 

@@ -36,6 +36,7 @@ import triton.language as tl
 from kv.attention import fp8
 
 LOG2E = 1.4426950408889634
+IEEE_DIV = hasattr(tl.math, "div_rn")
 
 
 @triton.jit
@@ -60,10 +61,21 @@ def _round_e4m3(x):
 
 
 @triton.jit
+def _div(x, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    """``x [BLOCK_H, BLOCK_D] / scale [BLOCK_H]``, IEEE-rounded where this Triton has it (``/`` compiles to an
+    approximate division), so the quotient is torch's to the bit."""
+    if IEEE:
+        x = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (BLOCK_H, BLOCK_D)))  # div_rn does not broadcast
+    else:
+        x = x / scale[:, None]
+    return x
+
+
+@triton.jit
 def _unscale(x, scale, KV_FP8: tl.constexpr):
     """A loaded K/V tile as values: e4m3 times its head's scale (in fp32); any other dtype as it is."""
-    if KV_FP8:
-        return x.to(tl.float32) * scale
+    if KV_FP8:  # one return: the compiler requires every return of a function to have one type
+        x = x.to(tl.float32) * scale
     return x
 
 
@@ -88,6 +100,7 @@ def _kv_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
+    IEEE_DIV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -105,8 +118,8 @@ def _kv_write_kernel(
         hmask = offs_h < num_kv_heads
         k_scale = tl.load(kv_scale_ptr + offs_h, mask=hmask, other=1.0)
         v_scale = tl.load(kv_scale_ptr + num_kv_heads + offs_h, mask=hmask, other=1.0)
-        k = _round_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -448.0, 448.0))
-        v = _round_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -448.0, 448.0))
+        k = _round_e4m3(tl.clamp(_div(k.to(tl.float32), k_scale, BLOCK_H, BLOCK_D, IEEE_DIV), -448.0, 448.0))
+        v = _round_e4m3(tl.clamp(_div(v.to(tl.float32), v_scale, BLOCK_H, BLOCK_D, IEEE_DIV), -448.0, 448.0))
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -460,6 +473,7 @@ def write_kv(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads, head_dim, block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=kv_fp8,
+        IEEE_DIV=IEEE_DIV,
     )  # fmt: skip
 
 
