@@ -139,8 +139,10 @@ class TorchAttentionBackend(AttentionBackend):
         nb = -(-seq_len // kv_cache.shape[2])
         k, v = gather_kv(kv_cache, block_table[:nb].long(), (nb * kv_cache.shape[2], *kv_cache.shape[3:]))
         nq = q.shape[0]
-        qh = q.transpose(0, 1)
-        kh, vh = k[:seq_len].transpose(0, 1).to(q.dtype), v[:seq_len].transpose(0, 1).to(q.dtype)
+        # 4-D [1, H, L, D]: given 3-D inputs SDPA falls back to its unfused math path on the CPU (~5x slower)
+        qh = q.transpose(0, 1)[None]
+        kh = k[:seq_len].transpose(0, 1)[None].to(q.dtype)
+        vh = v[:seq_len].transpose(0, 1)[None].to(q.dtype)
         if nq == seq_len:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -148,4 +150,4 @@ class TorchAttentionBackend(AttentionBackend):
             qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
