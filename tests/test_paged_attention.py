@@ -8,10 +8,12 @@ padded call and masks chunked prefill by offset; every path is covered.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kv.attention import TorchAttentionBackend, get_attention_backend
+from kv.attention import TorchAttentionBackend, get_attention_backend, torch_ref
 from tests.helpers import random_paged_batch
 
 BACKEND = TorchAttentionBackend()
@@ -89,11 +91,39 @@ def test_mixed_prefill_chunks_and_decodes(group):
     _assert_matches_dense([50, 17, 1, 130, 16, 65, 40], [50, 1, 1, 10, 1, 1, 8], group, seed=30 + group)
 
 
+def test_decodes_of_very_different_lengths_split_into_calls(monkeypatch):
+    """Decodes (and 3-query verifications) spread from 1 to 900 tokens are grouped by length into several
+    padded calls, each bounded in padding, and still match the dense reference row for row."""
+    monkeypatch.setattr(torch_ref, "MAX_PADDING_TOKENS", 64)
+    lens = [900, 1, 17, 300, 33, 310, 64, 5, 320, 640, 7, 100]
+    q_lens = [1] * 9 + [3] * 3
+    query, cache, meta, _ = _assert_matches_dense(lens, q_lens, 3, seed=11)
+    plan = BACKEND._make_plan(meta, 16, query.device)
+    assert len(plan.calls) > 4 and not plan.singles
+    covered = sorted(int(r) for c in plan.calls for r in c.rows_q.flatten())
+    assert covered == list(range(query.shape[0]))
+    for call in plan.calls:
+        assert call.mask.shape[-1] == call.max_len
+
+
+@pytest.mark.parametrize("lens", [[5], [1, 1, 1], [3, 10, 10, 50, 51, 400], list(range(1, 200, 7))])
+def test_split_by_padding_bounds_each_run(lens):
+    runs = torch_ref._split_by_padding(lens, 40)
+    assert runs[0][0] == 0 and runs[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+    for start, end in runs:
+        part = lens[start:end]
+        assert end > start and (len(part) == 1 or len(part) * part[-1] - sum(part) <= 40)
+
+
 def test_wrong_block_table_is_detected():
     """Guards the comparison: pointing one table entry at another (unowned) block changes the output.
     (Swapping two blocks of a decode row would not: a lone query sees a set of keys, in any order.)"""
     query, cache, meta, out = _assert_matches_dense([40, 1], [1, 1], 2, seed=7)
-    meta.block_tables[0, 1] = 0
+    tables = meta.block_tables.clone()
+    tables[0, 1] = 0
+    # A new step's metadata (backends may plan a step once, on its metadata's first use)
+    meta = dataclasses.replace(meta, block_tables=tables)
     assert not torch.allclose(BACKEND.forward(query, cache, meta, SCALE), out, atol=1e-3)
 
 

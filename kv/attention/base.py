@@ -6,6 +6,11 @@ KV layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, hea
 ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]``, which are the *last* rows of its context of
 ``seq_lens[i]`` tokens (context = cached prefix + earlier chunks + this step's tokens), so query ``j`` of
 a ``q``-token sequence sits at position ``seq_lens[i] - q + j`` and sees keys ``0..`` that position.
+
+A step's metadata is built anew for each step, never edited in place once a forward has used it: a backend
+may derive per-step state from it on first use and keep it for every layer (the torch reference plans its
+batched calls once per step). Only graph-safe backends, whose captured metadata is refilled in place for
+each replay, read every tensor afresh in each call.
 """
 
 from __future__ import annotations

@@ -1,11 +1,18 @@
 """Reference paged attention in plain torch: correct everywhere, fast enough for the CPU.
 
 Sequences with the same short query length (decodes: one query; speculative verification: 1 + k) are
-batched into one padded SDPA call over K/V gathered through their block tables; longer prefill chunks
-run one sequence at a time with an offset causal mask.
+batched into padded SDPA calls over K/V gathered through their block tables; longer prefill chunks run one
+sequence at a time with an offset causal mask.
+
+The step's plan (which sequences share a call, their gather indices and masks) depends only on the
+metadata, so it is made once per step and reused by every layer. Sequences are grouped by context length:
+one call padded to a 1,800-token context for a batch whose median is 300 would gather and attend over
+several times the real K/V, which is most of a CPU decode step's time at long contexts.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,27 +22,57 @@ from kv.attention.base import AttentionBackend, AttentionMetadata
 
 # Query lengths up to this are batched across sequences (padding costs little at these lengths).
 MAX_BATCHED_QUERY_LEN = 17
+# A batched call closes once the padding it would gather exceeds this many tokens: about what one more
+# call costs on the CPU (a few small ops per layer) in gathered K/V.
+MAX_PADDING_TOKENS = 1024
 
 
-def gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[..., seq_len, num_kv_heads, head_dim]`` read through ``block_tables`` (``[nb]`` for one
-    sequence, ``[B, nb]`` for a batch padded to ``seq_len``).
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """K and V of whole blocks ``block_ids`` (int64, flattened), viewed as ``shape`` (``[..., tokens, H, D]``).
 
-    One ``index_select`` per K and V over whole blocks (each block a contiguous run of memory): several
-    times faster on the CPU than advanced indexing of the ``[2, num_blocks, ...]`` tensor, which copies
-    element by element and is most of the reference path's time at long contexts."""
-    block_size, heads, dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    nb = -(-seq_len // block_size)
-    tables = block_tables[..., :nb]
-    idx = tables.reshape(-1).long()
-    shape = (*tables.shape[:-1], nb * block_size, heads, dim)
-    k = kv_cache[0].index_select(0, idx).view(shape)[..., :seq_len, :, :]
-    v = kv_cache[1].index_select(0, idx).view(shape)[..., :seq_len, :, :]
-    return k, v
+    One ``index_select`` per K and V over whole blocks (each a contiguous run of memory): several times
+    faster on the CPU than advanced indexing of the ``[2, num_blocks, ...]`` tensor, which copies element
+    by element."""
+    return kv_cache[0].index_select(0, block_ids).view(shape), kv_cache[1].index_select(0, block_ids).view(shape)
+
+
+@dataclass(slots=True)
+class _BatchedCall:
+    """Sequences with ``q_len`` queries each, in one padded SDPA call."""
+
+    rows_q: torch.Tensor  # [B, q_len] query rows of the flattened batch
+    block_ids: torch.Tensor  # [B * nb] their blocks, each sequence padded to nb blocks
+    num_blocks: int
+    max_len: int
+    mask: torch.Tensor  # [B, 1, q_len, max_len]: query j of a row sees keys up to its own position
+
+
+@dataclass(slots=True)
+class _Plan:
+    meta: AttentionMetadata  # held so the plan is reused only for this very step's metadata
+    block_size: int
+    calls: list[_BatchedCall]
+    singles: list[int]  # sequences attended one at a time (long prefill chunks)
+
+
+def _split_by_padding(lens: list[int], max_padding: int) -> list[tuple[int, int]]:
+    """Split ascending ``lens`` into runs ``[start, end)`` whose padding to their longest stays within
+    ``max_padding`` tokens (a run always takes at least one sequence)."""
+    runs, start, total = [], 0, 0
+    for i, n in enumerate(lens):
+        if i > start and (i - start + 1) * n - (total + n) > max_padding:
+            runs.append((start, i))
+            start, total = i, 0
+        total += n
+    runs.append((start, len(lens)))
+    return runs
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
 
     def forward(
         self,
@@ -47,27 +84,76 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         if fp8.is_fp8(kv_cache):
             fp8.require_scale(kv_scale)
+        plan = self._plan
+        if plan is None or plan.meta is not meta or plan.block_size != kv_cache.shape[2]:
+            plan = self._plan = self._make_plan(meta, kv_cache.shape[2], query.device)
         out = torch.empty_like(query)
+        for call in plan.calls:
+            self._batched(query, kv_cache, call, scale, out, kv_scale)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
-        by_len: dict[int, list[int]] = {}
-        for i in range(meta.num_seqs):
-            by_len.setdefault(qsl[i + 1] - qsl[i], []).append(i)
-        for q_len, rows in by_len.items():
-            if len(rows) > 1 and q_len <= MAX_BATCHED_QUERY_LEN:
-                self._same_len_batch(query, kv_cache, meta, scale, rows, q_len, out, kv_scale)
-                continue
-            for i in rows:
-                s, e = qsl[i], qsl[i + 1]
-                out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale, kv_scale)
+        for i in plan.singles:
+            s, e = qsl[i], qsl[i + 1]
+            out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale, kv_scale)
         return out
 
     @staticmethod
+    def _make_plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        by_q_len: dict[int, list[int]] = {}
+        singles = []
+        for i in range(meta.num_seqs):
+            q_len = qsl[i + 1] - qsl[i]
+            if q_len <= MAX_BATCHED_QUERY_LEN:
+                by_q_len.setdefault(q_len, []).append(i)
+            else:
+                singles.append(i)
+        calls = []
+        for q_len, rows in by_q_len.items():
+            rows.sort(key=lambda i: lens[i])
+            for start, end in _split_by_padding([lens[i] for i in rows], MAX_PADDING_TOKENS):
+                part = rows[start:end]
+                max_len = lens[part[-1]]
+                nb = -(-max_len // block_size)
+                idx = torch.tensor(part, device=device)
+                seq_lens = torch.tensor([lens[i] for i in part], device=device)
+                j = torch.arange(q_len, device=device)
+                last_visible = seq_lens[:, None] - q_len + j[None, :]  # [B, q_len]
+                mask = torch.arange(max_len, device=device)[None, None, :] <= last_visible[:, :, None]
+                calls.append(
+                    _BatchedCall(
+                        rows_q=meta.query_start_loc[idx].long()[:, None] + j[None, :],
+                        block_ids=meta.block_tables[idx, :nb].reshape(-1).long(),
+                        num_blocks=nb,
+                        max_len=max_len,
+                        mask=mask[:, None],
+                    )
+                )
+        return _Plan(meta, block_size, calls, singles)
+
+    @staticmethod
+    def _batched(query, kv_cache, call: _BatchedCall, scale: float, out: torch.Tensor, kv_scale=None) -> None:
+        b = call.rows_q.shape[0]
+        shape = (b, call.num_blocks * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
+        k, v = gather_kv(kv_cache, call.block_ids, shape)
+        k, v = _upcast(k[:, : call.max_len], v[:, : call.max_len], kv_scale, query.dtype)
+        # Strided [B, H, L, D] views: SDPA reads them in place (a contiguous copy would cost more).
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        q = query[call.rows_q].transpose(1, 2)  # [B, Hq, q_len, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=call.mask, scale=scale, enable_gqa=True)
+        out[call.rows_q] = o.transpose(1, 2)
+
+    @staticmethod
     def _one_seq(
-        q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, kv_scale
+        q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, kv_scale=None
     ):
-        k, v = _upcast(*gather_kv(kv_cache, block_table, seq_len), kv_scale, q.dtype)
+        nb = -(-seq_len // kv_cache.shape[2])
+        k, v = gather_kv(kv_cache, block_table[:nb].long(), (nb * kv_cache.shape[2], *kv_cache.shape[3:]))
+        k, v = _upcast(k[:seq_len], v[:seq_len], kv_scale, q.dtype)
         nq = q.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        # 4-D [1, H, L, D]: given 3-D inputs SDPA falls back to its unfused math path on the CPU (~5x slower)
+        qh = q.transpose(0, 1)[None]
+        kh = k.transpose(0, 1)[None]
+        vh = v.transpose(0, 1)[None]
         if nq == seq_len:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -75,29 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
             qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
-
-    @staticmethod
-    def _same_len_batch(
-        query, kv_cache, meta: AttentionMetadata, scale, rows: list[int], q_len: int, out, kv_scale
-    ) -> None:
-        """Sequences with ``q_len`` queries each, in one padded SDPA call."""
-        lens = [meta.seq_lens_host[i] for i in rows]
-        max_len = max(lens)
-        idx = torch.tensor(rows, device=query.device)
-        k, v = gather_kv(kv_cache, meta.block_tables[idx], max_len)  # [B, L, H, D]
-        # Strided [B, H, L, D] views: SDPA reads them in place (a contiguous copy would cost more).
-        k, v = _upcast(k, v, kv_scale, query.dtype)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        seq_lens = torch.tensor(lens, device=query.device)
-        # query j of a row sits at position seq_len - q_len + j and sees keys up to there
-        j = torch.arange(q_len, device=query.device)
-        last_visible = seq_lens[:, None] - q_len + j[None, :]  # [B, q_len]
-        mask = torch.arange(max_len, device=query.device)[None, None, :] <= last_visible[:, :, None]
-        rows_q = meta.query_start_loc[idx].long()[:, None] + j[None, :]  # [B, q_len]
-        q = query[rows_q].transpose(1, 2)  # [B, Hq, q_len, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-        out[rows_q] = o.transpose(1, 2)
+        return o[0].transpose(0, 1)
 
 
 def _upcast(k: torch.Tensor, v: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype):
