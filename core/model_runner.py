@@ -73,7 +73,9 @@ class ModelRunner:
         if fp8.is_fp8(self.kv_dtype):
             from core.models.quant import calibrate_kv_scales
 
-            scales = calibrate_kv_scales(self.model, self.backend, self.dtype, self.device, seed=args.seed)
+            scales = calibrate_kv_scales(
+                self.model, self.backend, self.dtype, self.device, seq_len=min(256, max_model_len), seed=args.seed
+            )
             logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
         fused = args.fused_kernels
         if fused == "auto":

@@ -219,3 +219,24 @@ def test_gguf_q4_1_blocks_load_as_is_and_equal_the_dense_weights(default_source)
         if isinstance(m, QuantizedLinear):
             assert m.group_size == 32 and m.scales.dtype == torch.float16
             assert torch.equal(m.dequantize(torch.float32), dense[name]), name
+
+
+def test_bench_perplexity_compares_every_option_on_the_same_text(tmp_path):
+    import json
+
+    from app.cli import main
+
+    out = tmp_path / "ppl.json"
+    argv = ["bench", "perplexity", "--model", "dummy:tiny", "--device", "cpu", "--num-tokens", "192"]
+    rc = main([*argv, "--seq-len", "64", "--variants", "int8,fp8-kv,int4", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in rec["variants"]}
+    assert list(rows) == ["base", "int8", "fp8-kv", "int4"]  # the unquantized base always comes first
+    assert rec["dataset"]["split"] == "heldout" and rec["dataset"]["tokens"] >= 192
+    assert len({r["scored_tokens"] for r in rows.values()}) == 1  # one text for all
+    assert rows["base"]["delta_pct"] == 0.0
+    assert rows["fp8-kv"]["kv_bytes_per_token"] * 4 == rows["base"]["kv_bytes_per_token"]  # fp32 -> e4m3
+    assert rows["int8"]["weights_gib"] < rows["base"]["weights_gib"]
+    for r in rows.values():  # a random model: perplexity near its vocabulary, each option close to the base
+        assert abs(r["delta_pct"]) < 5 and r["perplexity"] > 1000
+    assert rc == (0 if rec["all_within_bounds"] else 1)
