@@ -40,6 +40,9 @@ class AsyncEngine:
         self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         self._tg: anyio.abc.TaskGroup | None = None
         self._ids = itertools.count()
+        # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
+        # under the same id would receive (and abort) the first one's tokens.
+        self._live_ids: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -117,10 +120,18 @@ class AsyncEngine:
         params = params or SamplingParams()
         prompt_ids = self.tokenize_prompt(prompt)
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        async for out in run_request(
-            request_id, prompt_ids, params, self._eos, self._limits, self.tokenizer, self._inbox_send
-        ):
-            yield out
+        if request_id in self._live_ids:
+            raise InvalidRequestError(
+                f"request_id: {request_id!r} is already in use by a running request", param="request_id"
+            )
+        self._live_ids.add(request_id)
+        try:
+            async for out in run_request(
+                request_id, prompt_ids, params, self._eos, self._limits, self.tokenizer, self._inbox_send
+            ):
+                yield out
+        finally:
+            self._live_ids.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences); unknown or finished ids are ignored."""

@@ -9,7 +9,7 @@ import time
 import anyio
 import pytest
 
-from core import AsyncEngine, EngineArgs, EngineOverloaded, SamplingParams
+from core import AsyncEngine, EngineArgs, EngineOverloaded, InvalidRequestError, SamplingParams
 from tests.helpers import EngineInTask, chat_prompt_of_length, prompt_of_length
 
 MODEL = "smollm2-135m-instruct"
@@ -148,6 +148,24 @@ async def test_cancelled_consumer_frees_its_blocks_within_a_step(tiny_engine):
         assert tiny_engine.stats().num_steps - step_at_cancel <= 1
     s = tiny_engine.stats()
     assert s.kv_blocks_free == s.kv_blocks_total
+
+
+async def test_a_request_id_in_use_is_refused_and_free_again_after(tiny_engine):
+    """Two live requests under one id would share the scheduler's entry (tokens and aborts crossed): the
+    second is refused with a typed error naming the field, the first is untouched, and the id is free once
+    the first stream ends."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = tiny_engine.generate(list(range(10, 30)), params, request_id="dup")
+    got = [await first.__anext__()]
+    with pytest.raises(InvalidRequestError, match="request_id"):
+        await collect(tiny_engine, list(range(50, 60)), params, request_id="dup")
+    async for out in first:
+        got.append(out)
+    assert got[-1].finished and len(got[-1].token_ids) == 40
+    again, _ = await collect(tiny_engine, list(range(10, 30)), params, request_id="dup")
+    assert again.token_ids == got[-1].token_ids
+    s = tiny_engine.stats()
+    assert s.num_running == 0 and s.kv_blocks_free == s.kv_blocks_total
 
 
 async def test_200_random_cancellations_leak_nothing(tiny_engine):
