@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from core.args import EngineArgs
+from core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -40,7 +40,12 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from core import LLM, SamplingParams
 
-    llm = LLM(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
+    kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
+    if kwargs["num_kv_blocks"] is None:
+        # One sequence: a pool for its longest possible length, not one sized for a server (2 GiB on the CPU).
+        longest = kwargs["max_model_len"] or MAX_MODEL_LEN_DEFAULT
+        kwargs["num_kv_blocks"] = -(-longest // kwargs["block_size"]) + 1
+    llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
     if ns.messages_file:
         with open(ns.messages_file) as fh:

@@ -19,12 +19,16 @@ _DTYPES = {
 }
 
 
+# max_model_len when not given: the model's own limit, capped here (a KV pool and a step buffer per length).
+MAX_MODEL_LEN_DEFAULT = 8192
+
+
 @dataclass(slots=True)
 class EngineArgs:
     model: str = DEFAULT_MODEL
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     dtype: str = "auto"  # "auto" = float32 on the CPU, bfloat16 on the GPU
-    max_model_len: int | None = None  # None = the model's own limit, capped at 8192
+    max_model_len: int | None = None  # None = the model's own limit, capped at MAX_MODEL_LEN_DEFAULT
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from memory
     cpu_kv_cache_gib: float = 2.0  # CPU: memory for the KV pool when num_kv_blocks is None

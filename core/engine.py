@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from core.args import EngineArgs
+from core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
 from core.errors import EngineDeadError, InvalidRequestError, SluiceError
 from core.executor import ExecutorActor
 from core.inspector import StepRecorder
@@ -69,12 +69,12 @@ class AsyncEngine:
         self.model_name = self.args.served_model_name or source.name
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
         cfg = source.config
-        limit = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
+        limit = int(getattr(cfg, "max_position_embeddings", MAX_MODEL_LEN_DEFAULT) or MAX_MODEL_LEN_DEFAULT)
         if self.args.max_model_len is not None and self.args.max_model_len > limit:
             raise InvalidRequestError(
                 f"max_model_len: {self.args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
             )
-        self.max_model_len = self.args.max_model_len or min(limit, 8192)
+        self.max_model_len = self.args.max_model_len or min(limit, MAX_MODEL_LEN_DEFAULT)
         self._executor = ExecutorActor.start(self.args, source, self.max_model_len)
         runner = self._executor.runner
         kv = KVCacheManager(runner.num_kv_blocks, self.args.block_size, self.args.enable_prefix_caching)

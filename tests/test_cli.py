@@ -40,6 +40,16 @@ def test_generate_messages_file(tmp_path, capsys, expected):
     assert expected["messages"] != expected["prompt"]  # the conversation, not some default prompt, went in
 
 
+def test_generate_sizes_its_pool_for_one_sequence(capsys, caplog):
+    """Without --num-kv-blocks the pool holds one sequence of max_model_len (256 / 16 + 1 blocks), not the
+    server-sized default (2 GiB on the CPU)."""
+    engine = [a for a in ENGINE if a not in ("--num-kv-blocks", "32")]
+    with caplog.at_level("INFO", logger="sluice"):
+        assert main(["generate", "--prompt", PROMPT, *engine, "--max-tokens", "4"]) == 0
+    assert "KV pool: 17 blocks x 16 tokens" in caplog.text
+    assert capsys.readouterr().out.strip()
+
+
 def test_prompt_and_messages_file_are_exclusive(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--prompt", "x", "--messages-file", str(tmp_path / "m.json"), *ENGINE])
