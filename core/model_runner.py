@@ -22,8 +22,7 @@ from core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
 from core.models.layers import ForwardContext, enable_fused_kernels
 from core.models.loader import ModelSource, load_model
 from core.models.quant import weight_bytes
-from core.outputs import TokenLogprob
-from core.sampler import SamplingBatch, sample
+from core.sampler import SamplingBatch, min_tokens_bans, sample, token_logprobs
 from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from kv.attention.base import kv_bytes_per_block
@@ -293,18 +292,7 @@ class ModelRunner:
         out = sample(logits, batch)
         tokens = out.token_ids.tolist()  # the step's one host sync
         sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = {}
-            lp = out.logprobs.tolist()
-            top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-            top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-            for i, r in enumerate(sampling):
-                n_lp = r.sampling_params.logprobs
-                if n_lp is None:
-                    continue
-                top = list(zip(top_id[i][:n_lp], top_lp[i][:n_lp])) if top_id is not None and n_lp > 0 else []
-                logprobs[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+        logprobs = token_logprobs(sampling, tokens, out)
         return ModelOutput(so.step_id, sampled, logprobs)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
@@ -401,12 +389,7 @@ class ModelRunner:
         """The sampler's per-row parameters, or None when plain argmax serves every row."""
         sps = [r.sampling_params for r in reqs]
         any_pen = any(r.output_token_ids is not None for r in reqs)
-        banned = [
-            list(r.eos_token_ids) * (not p.ignore_eos) + list(p.stop_token_ids)
-            if r.num_output_tokens < p.min_tokens
-            else []
-            for r, p in zip(reqs, sps)
-        ]
+        banned = min_tokens_bans(reqs)
         any_banned = any(banned)
         nlp = [p.logprobs for p in sps if p.logprobs is not None]
         all_greedy = all(p.temperature == 0 for p in sps)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from core.outputs import TokenLogprob
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -145,3 +147,30 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.num_logprobs > 0:
             out.top_logprobs, out.top_token_ids = raw_logprobs.topk(batch.num_logprobs, dim=-1)
     return out
+
+
+def min_tokens_bans(rows) -> list[list[int]]:
+    """Per row (a `ScheduledRequest`): the token ids it may not sample yet, EOS (unless ignored) and its stop
+    token ids while it has fewer than ``min_tokens`` outputs; empty lists otherwise."""
+    bans = []
+    for r in rows:
+        p = r.sampling_params
+        early = r.num_output_tokens < p.min_tokens
+        bans.append(list(r.eos_token_ids) * (not p.ignore_eos) + list(p.stop_token_ids) if early else [])
+    return bans
+
+
+def token_logprobs(rows, tokens: list[int], out: SamplerOutput) -> dict[str, TokenLogprob] | None:
+    """The sampled token's logprob and the top ``logprobs`` alternatives of each row that asked for them."""
+    if out.logprobs is None:
+        return None
+    lp = out.logprobs.tolist()
+    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
+    res = {}
+    for i, r in enumerate(rows):
+        n = r.sampling_params.logprobs
+        if n is not None:
+            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
+            res[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+    return res

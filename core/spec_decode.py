@@ -25,8 +25,7 @@ import torch
 
 from core.models.layers import ForwardContext
 from core.models.loader import ModelSource
-from core.outputs import TokenLogprob
-from core.sampler import SamplerOutput, SamplingBatch, process_logits, sample
+from core.sampler import SamplingBatch, min_tokens_bans, process_logits, sample, token_logprobs
 from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from kv.attention.base import kv_bytes_per_block
 from spec.eagle import load_draft_head, resolve_draft_head
@@ -106,7 +105,7 @@ class SpecDecodeRunner:
                 spec_tokens[reqs[i].request_id] = row[: accepted[b] + 1]
         logprobs = None
         if out_plain is not None:
-            logprobs = _logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
+            logprobs = token_logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
         drafts = self._propose(reqs, hidden, qsl, sampled, spec_tokens)
         return ModelOutput(so.step_id, sampled, logprobs, spec_token_ids=spec_tokens or None, draft_token_ids=drafts)
 
@@ -201,12 +200,7 @@ class SpecDecodeRunner:
         sps = [r.sampling_params for r in reqs]
         f = lambda xs: torch.tensor(xs, dtype=torch.float32, device=dev)
         any_pen = any(r.output_token_ids is not None for r in reqs)
-        banned = [
-            list(r.eos_token_ids) * (not p.ignore_eos) + list(p.stop_token_ids)
-            if r.num_output_tokens < p.min_tokens
-            else []
-            for r, p in zip(reqs, sps)
-        ]
+        banned = min_tokens_bans(reqs)
         nlp = [p.logprobs for p in sps if p.logprobs is not None]
         return SamplingBatch(
             temperature=f([p.temperature for p in sps]),
@@ -242,18 +236,3 @@ class SpecDecodeRunner:
             any_min_p=any(p.min_p > 0 for p in sps),
         )
         return lambda logits: process_logits(logits, batch).softmax(-1)
-
-
-def _logprobs(reqs: list[ScheduledRequest], tokens: list[int], out: SamplerOutput) -> dict[str, TokenLogprob] | None:
-    if out.logprobs is None:
-        return None
-    lp = out.logprobs.tolist()
-    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-    top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-    res = {}
-    for i, r in enumerate(reqs):
-        n = r.sampling_params.logprobs
-        if n is not None:
-            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
-            res[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
-    return res
