@@ -48,7 +48,7 @@ class StepRecord:
     preempted: list[str]
     num_preempted: int
     finished: dict[str, str]  # request id -> finish reason ("abort" included)
-    # after the step, as `EngineStats` would publish them (cumulative counters)
+    # after the step: `Scheduler.counters()`, as `EngineStats` publishes them (cumulative counters)
     num_running: int
     num_waiting: int
     kv_blocks_free: int
@@ -100,7 +100,7 @@ class StepRecorder:
     def record(self, mark: StepMark, so: SchedulerOutput, out: ModelOutput, events: list[TokenEvent]) -> StepRecord:
         """After ``update_from_output``: one record of the step, appended to the ring buffer."""
         c = time.perf_counter()
-        s, kv = self.scheduler, self.scheduler.kv
+        s = self.scheduler
         now = self.clock()
         emitted = {ev.request_id: ev for ev in events}
         spec = out.spec_token_ids or {}
@@ -148,7 +148,6 @@ class StepRecorder:
         num_preempted = s.num_preemptions - mark.num_preemptions
         # A request preempted this step went back to waiting (one re-admitted within the step is only counted).
         preempted = [r.request_id for r in s.waiting if r.request_id in mark.running] if num_preempted else []
-        st = s.spec_stats
         rec = StepRecord(
             step_id=so.step_id,
             t=mark.t0 - self.origin,
@@ -159,15 +158,7 @@ class StepRecorder:
             preempted=preempted,
             num_preempted=num_preempted,
             finished=finished,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            kv_blocks_free=kv.num_free_blocks,
-            kv_blocks_total=kv.num_blocks,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            spec_num_drafts=st.num_drafts,
-            spec_num_accepted_tokens=st.num_accepted_tokens,
+            **s.counters(),
             ttft_s=ttft,
             itl_s=itl,
             recorder_s=0.0,

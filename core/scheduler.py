@@ -156,6 +156,22 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def counters(self) -> dict[str, int]:
+        """Queue lengths, KV pool and cumulative counters as they stand: the one source of what
+        `EngineStats` publishes and the inspector's step records carry."""
+        kv, st = self.kv, self.spec_stats
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_free": kv.num_free_blocks,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "spec_num_drafts": st.num_drafts,
+            "spec_num_accepted_tokens": st.num_accepted_tokens,
+        }
+
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

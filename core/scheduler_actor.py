@@ -68,22 +68,14 @@ class SchedulerActor:
         self._publish()
 
     def _publish(self) -> None:
-        s, kv = self.scheduler, self.scheduler.kv
+        s = self.scheduler
         self.stats = EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            kv_blocks_total=kv.num_blocks,
-            kv_blocks_free=kv.num_free_blocks,
-            num_preemptions=s.num_preemptions,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
+            **s.counters(),
             num_steps=s.step_id,
             prompt_tokens=self.prompt_tokens,
             generation_tokens=self.generation_tokens,
             healthy=self.dead is None,
-            spec_num_drafts=s.spec_stats.num_drafts,
             spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
-            spec_num_accepted_tokens=s.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
         )
 
