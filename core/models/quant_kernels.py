@@ -36,10 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
-MAGIC = 8388608.0  # 2^23: the float whose bits are 0x4B000000
-
-
 # --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _int4_nibbles(b):
+    """The low and the high nibble of each byte of ``b`` (int32) as floats 0..15, by the exponent trick of the
+    module doc: ``bits(q | 0x4B000000)`` is the float ``2^23 + q``."""
+    lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return lo, hi
 
 
 @triton.jit
@@ -114,8 +120,7 @@ def _int4_gemv_kernel(
         xk = g[:, None] * G + offs_i[None, :]
         x_lo = tl.load(x_ptr + xk, mask=gmask[:, None], other=0.0).to(tl.float32)[None, :, :]
         x_hi = tl.load(x_ptr + xk + HALF, mask=gmask[:, None], other=0.0).to(tl.float32)[None, :, :]
-        lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        lo, hi = _int4_nibbles(b)
         acc += (lo * s + z) * x_lo + (hi * s + z) * x_hi
     part = tl.sum(tl.sum(acc, axis=2), axis=1)
     _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
@@ -166,8 +171,7 @@ def _int4_gemv2d_kernel(
             z = tl.load(z_ptr + rows64 * stride_sn + g, mask=m, other=0.0).to(tl.float32)[:, None]
             x_lo = tl.load(x_ptr + g * G + offs_i, mask=xm, other=0.0).to(tl.float32)[None, :]
             x_hi = tl.load(x_ptr + g * G + HALF + offs_i, mask=xm, other=0.0).to(tl.float32)[None, :]
-            lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            hi = ((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            lo, hi = _int4_nibbles(b)
             acc += (lo * s + z) * x_lo + (hi * s + z) * x_hi
     part = tl.sum(acc, axis=1)
     _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
@@ -260,8 +264,8 @@ def _int4_gemm_kernel(
         x_hi = tl.load(
             x_ptr + rm64[:, None] * stride_xm + g * G + HALF + offs_i[None, :], mask=mmask[:, None], other=0.0
         )
-        lo = (((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * s + z
-        hi = (((b >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * s + z
+        lo, hi = _int4_nibbles(b)
+        lo, hi = lo * s + z, hi * s + z
         acc += _dot(x_lo, tl.trans(lo.to(x_lo.dtype)), DOT_F32)
         acc += _dot(x_hi, tl.trans(hi.to(x_hi.dtype)), DOT_F32)
     if HAS_BIAS:
