@@ -23,7 +23,7 @@ from app.bench.common import (
     release_device_memory,
 )
 from app.bench.datasets import BenchRequest, sample_random
-from app.bench.results import command_line, machine_info, versions, write_result
+from app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
@@ -157,10 +157,7 @@ def main(ns: argparse.Namespace) -> int:
         except Exception as e:
             figures["peer_error"] = f"{type(e).__name__}: {e}"
             print(f"peer failed: {figures['peer_error']}")
-    m, v = machine_info(), versions()
-    print(
-        f"machine: {m['gpu'] or m['cpu']}; torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}"
-    )
+    print(machine_line())
     if ns.out:
         dataset = {
             "name": "random",

@@ -142,7 +142,7 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 
 def main(ns: argparse.Namespace) -> int:
     from app.bench.common import print_figures
-    from app.bench.results import command_line, machine_info, print_table, versions, write_result
+    from app.bench.results import command_line, machine_line, print_table, write_result
     from core.models.loader import resolve_model
     from core.tokenizer import load_tokenizer
 
@@ -181,10 +181,7 @@ def main(ns: argparse.Namespace) -> int:
         rows,
         ["variant", "perplexity", "delta_pct", "bound_pct", "within_bound", "weights_gib", "kv_bytes_per_token"],
     )
-    m, v = machine_info(), versions()
-    print(
-        f"machine: {m['gpu'] or m['cpu']}; torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}"
-    )
+    print(machine_line())
     if ns.out:
         write_result(ns.out, command_line(), ns.model, dataset, {"variants": rows, "all_within_bounds": ok})
         print(f"wrote {ns.out}")

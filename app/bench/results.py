@@ -65,6 +65,16 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def machine_line() -> str:
+    """The one-line machine and versions footer the benchmark commands print."""
+    m, v = machine_info(), versions()
+    where = f"{m['gpu_count']} x {m['gpu']}" if m["gpu"] else m["cpu"]
+    return (
+        f"machine: {where} ({m['cores']} cores); torch {v['torch']}, triton {v['triton']}, "
+        f"transformers {v['transformers']}"
+    )
+
+
 def versions() -> dict[str, str | None]:
     """Versions of python, torch, transformers, triton (None when not importable) and sluice."""
     out: dict[str, str | None] = {"python": platform.python_version()}

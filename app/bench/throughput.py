@@ -25,7 +25,7 @@ from app.bench.common import (
     release_device_memory,
 )
 from app.bench.datasets import BenchRequest, sample_random
-from app.bench.results import command_line, machine_info, versions, write_result
+from app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
@@ -114,8 +114,7 @@ def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     for i in range(ns.repeats):
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-            run, facts = engine_throughput(replace(args, enable_inspector=mode == "on"), requests)
-            f = {**figures_of(run, requests), **facts}
+            f = engine_figures(replace(args, enable_inspector=mode == "on"), requests)
             f["output_tokens_per_cpu_s"] = f["output_tokens"] / max(f["cpu_s"], 1e-9)
             runs[mode].append(f)
             extra = f", recorder {1e3 * f['recorder_s']:.1f} ms" if mode == "on" else ""
@@ -151,8 +150,7 @@ def inspector_overhead(ns: argparse.Namespace, args, requests: list[BenchRequest
         f"ratio {figures['cpu_ratio_on_off']:.4f}; recording costs {figures['recorder_us_per_step']:.1f} us "
         f"per step ({100 * figures['recorder_share_of_elapsed']:.3f}% of the run)"
     )
-    m, v = machine_info(), versions()
-    print(f"machine: {m['gpu'] or m['cpu']} ({m['cores']} cores); torch {v['torch']}, transformers {v['transformers']}")
+    print(machine_line())
     if ns.out:
         write_result(ns.out, command_line(), ns.model, dataset, figures)
         print(f"wrote {ns.out}")
@@ -217,11 +215,7 @@ def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], datas
     ratio = last["output_tokens_per_s"] / max(first["output_tokens_per_s"], 1e-9)
     figures = {"tensor_parallel": runs, "ratio_tp": ratio}
     print(f"ratio (output tok/s, TP={sizes[-1]} / TP={sizes[0]}): {figures['ratio_tp']:.2f}x")
-    m, v = machine_info(), versions()
-    print(
-        f"machine: {m['gpu_count']} x {m['gpu']}" if m["gpu"] else f"machine: {m['cpu']}",
-        f"({m['cores']} cores); torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}",
-    )
+    print(machine_line())
     if ns.out:
         write_result(ns.out, command_line(), ns.model, dataset, figures)
         print(f"wrote {ns.out}")
@@ -285,10 +279,7 @@ def main(ns: argparse.Namespace) -> int:
         except Exception as e:  # the engine's figures still count; say why the peer has none
             figures["peer_error"] = f"{type(e).__name__}: {e}"
             print(f"peer failed: {figures['peer_error']}")
-    m, v = machine_info(), versions()
-    print(
-        f"machine: {m['gpu'] or m['cpu']}; torch {v['torch']}, triton {v['triton']}, transformers {v['transformers']}"
-    )
+    print(machine_line())
     if ns.out:
         write_result(ns.out, command_line(), ns.model, dataset, figures)
         print(f"wrote {ns.out}")
