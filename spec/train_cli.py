@@ -177,10 +177,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
     try:
         data_file = out / "data.pt"
         cached = torch.load(data_file, weights_only=False) if data_file.exists() else None
-        if cached is not None and cached.get("model") == ns.model and cached.get("responses") == ns.responses:
-            examples = [Example(*e) for e in cached["examples"]]
+        if cached is None or cached.get("model") != ns.model or cached.get("responses") != ns.responses:
+            cached = {"model": ns.model, "responses": ns.responses, "examples": []}
+        examples = [Example(*e) for e in cached["examples"]]
+        # Prompts come in one seeded order, so a cached set covers a prefix of it: a later run with more
+        # --num-prompts regenerates only the rest (sets from before "prompts_done" dropped no prompt).
+        done = cached.get("prompts_done", len(examples))
+        if examples:
             logger.info("using %d cached training sequences from %s", len(examples), data_file)
-        else:
+        if done < ns.num_prompts:
             if ns.smoke:
                 import random
 
@@ -189,22 +194,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
                 convs = [[" ".join(rng.choice(words) for _ in range(12)), "ok"] for _ in range(ns.num_prompts)]
             else:
                 convs = load_conversations(ns.data, ns.split)
-            pairs = chat_pairs(llm.tokenizer, convs, ns.num_prompts, ns.max_prompt_len, ns.seed)
+            pairs = chat_pairs(llm.tokenizer, convs, ns.num_prompts, ns.max_prompt_len, ns.seed)[done:]
             prompts = [p for p, _ in pairs]
             if ns.responses == "regenerate":
                 responses = regenerate(llm, prompts, ns.max_new_tokens, ns.gen_time_limit)
             else:
                 responses = [llm.tokenizer.encode(r, add_special_tokens=False)[: ns.max_new_tokens] for _, r in pairs]
-            examples = [Example(p + r, len(p)) for p, r in zip(prompts, responses) if r]
-            out.mkdir(parents=True, exist_ok=True)
-            torch.save(
-                {
-                    "model": ns.model,
-                    "responses": ns.responses,
-                    "examples": [(e.token_ids, e.prompt_len) for e in examples],
-                },
-                data_file,
-            )
+            if responses:
+                examples += [Example(p + r, len(p)) for p, r in zip(prompts, responses) if r]
+                out.mkdir(parents=True, exist_ok=True)
+                cached.update(
+                    examples=[(e.token_ids, e.prompt_len) for e in examples], prompts_done=done + len(responses)
+                )
+                torch.save(cached, data_file)
         t_data = time.perf_counter() - t0
         runner = llm.engine._executor.runner
         cfg = TrainConfig(

@@ -134,3 +134,18 @@ def test_training_and_evaluation_prompts_are_disjoint(default_tokenizer):
     a = {tuple(p) for p, _ in chat_pairs(default_tokenizer, train, 300, 512, 0)}
     b = {tuple(p) for p, _ in chat_pairs(default_tokenizer, held, 300, 512, 0)}
     assert len(a) > 290 and len(b) == 300 and not a & b
+
+
+def test_cli_extends_cached_data_with_only_the_missing_prompts(tmp_path):
+    out = tmp_path / "head"
+    assert cli_main(["train-draft", "--smoke", "--out", str(out)]) == 0
+    full = torch.load(out / "data.pt", weights_only=False)
+    assert full["prompts_done"] == 16 and len(full["examples"]) == 16
+    # Pretend an earlier run stopped (time limit) after 10 prompts, then a fake 10th sequence marks what is reused.
+    marker = ([1, 2, 3, 4], 2)
+    torch.save({**full, "examples": full["examples"][:9] + [marker], "prompts_done": 10}, out / "data.pt")
+    assert cli_main(["train-draft", "--smoke", "--out", str(out), "--no-resume"]) == 0
+    ext = torch.load(out / "data.pt", weights_only=False)
+    assert ext["prompts_done"] == 16
+    assert ext["examples"][:9] == full["examples"][:9] and tuple(ext["examples"][9]) == marker
+    assert ext["examples"][10:] == full["examples"][10:], "the missing prompts regenerate in the same order"
