@@ -1,4 +1,5 @@
-"""CUDA graphs for pure-decode steps, one per batch size of a ladder, over static input buffers.
+"""CUDA graphs for uniform steps (pure decode, or speculative verification of k drafts per request), one per
+batch size of a ladder, over static input buffers.
 
 A decode step of an 8B model launches ~350 kernels (fused) to ~1300 (unfused); launched one by one from
 Python that is several milliseconds of host time, more than the GPU needs. A captured graph replays them
@@ -10,8 +11,9 @@ with one call. What makes a step replayable:
 * the attention backend plans its grid from host values fixed at capture (the batch size and the
   longest context, ``max_model_len``): see `kv/attention/triton_backend.py`; so only the Triton backend
   is graph-safe (the torch reference loops over host lists);
-* the graph ends with the LM head, so its output is the logits of every row; sampling runs eagerly
-  after it (per-request generators and penalties do not fit a fixed graph).
+* the plain decode graph ends with the LM head, so its output is the logits of every row; sampling runs
+  eagerly after it (per-request generators and penalties do not fit a fixed graph). The speculative graph
+  (`core/spec_decode.py`) goes on through greedy verification and the draft chain.
 
 Graphs share one memory pool, captured largest first so the smaller ones reuse its blocks.
 """
@@ -89,9 +91,11 @@ class StepBuffers:
 
 
 class DecodeGraphs:
-    """Captured decode steps for a ladder of batch sizes; `run(n)` replays the smallest that fits ``n``.
+    """Captured steps for a ladder of batch sizes; `replay(bs)` runs the one of batch size ``bs``.
 
-    ``forward(input_ids, positions, meta) -> logits`` is the model step (embed ... LM head) to capture.
+    Every sequence of a step computes ``query_len`` tokens (1: decode; 1 + k: verification of k drafts).
+    ``forward(input_ids, positions, meta)`` is the step to capture (embed ... LM head, or more); its
+    output (a tensor) is what `replay` returns.
     """
 
     def __init__(
@@ -100,36 +104,46 @@ class DecodeGraphs:
         buffers: StepBuffers,
         batch_sizes: Sequence[int],
         max_seq_len: int,
+        query_len: int = 1,
+        name: str = "decode",
     ) -> None:
         self.forward = forward
         self.buffers = buffers
         self.batch_sizes = sorted(batch_sizes)
         self.max_seq_len = max_seq_len
+        self.query_len = query_len
+        self.name = name
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
 
     def metadata(self, bs: int) -> AttentionMetadata:
-        b = self.buffers
+        b, q = self.buffers, self.query_len
         return AttentionMetadata(
-            slot_mapping=b.slot_mapping[:bs],
+            slot_mapping=b.slot_mapping[: bs * q],
             query_start_loc=b.query_start_loc[: bs + 1],
             seq_lens=b.seq_lens[:bs],
             block_tables=b.block_tables[:bs],
-            max_query_len=1,
+            max_query_len=q,
             max_seq_len=self.max_seq_len,  # plans the split count for the longest context served
-            query_start_loc_host=list(range(bs + 1)),
-            seq_lens_host=[1] * bs,  # not read by graph-safe backends
+            query_start_loc_host=list(range(0, (bs + 1) * q, q)),
+            seq_lens_host=[q] * bs,  # not read by graph-safe backends
         )
+
+    def step_inputs(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """What `forward` is called with for batch size ``bs``: views of the buffers."""
+        b, t = self.buffers, bs * self.query_len
+        return b.input_ids[:t], b.positions[:t], self.metadata(bs)
 
     def capture(self) -> None:
         b = self.buffers
         largest = self.batch_sizes[-1]
+        t = largest * self.query_len
         # Idle inputs for warm-up and capture: no KV writes, empty contexts.
-        b.input_ids[:largest].zero_()
-        b.positions[:largest].zero_()
-        b.slot_mapping[:largest].fill_(-1)
+        b.input_ids[:t].zero_()
+        b.positions[:t].zero_()
+        b.slot_mapping[:t].fill_(-1)
         b.seq_lens[:largest].zero_()
-        b.query_start_loc[: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32))
+        b.query_start_loc[: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32) * self.query_len)
         b.block_tables[:largest].zero_()
         t0 = time.perf_counter()
         pool = None
@@ -137,21 +151,22 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(b.device))
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):
-                meta = self.metadata(bs)
+                inputs = self.step_inputs(bs)
                 for _ in range(2):  # compile Triton variants and let cuBLAS pick its kernels first
-                    self.forward(b.input_ids[:bs], b.positions[:bs], meta)
+                    self.forward(*inputs)
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self.forward(b.input_ids[:bs], b.positions[:bs], meta)
+                    out = self.forward(*inputs)
                 if pool is None:
                     pool = graph.pool()
-                self.graphs[bs] = (graph, logits)
+                self.graphs[bs] = (graph, out)
         torch.cuda.current_stream(b.device).wait_stream(stream)
         torch.cuda.synchronize(b.device)
         logger.info(
-            "captured %d decode CUDA graphs (batch sizes %s..%s) in %.1fs",
+            "captured %d %s CUDA graphs (batch sizes %s..%s) in %.1fs",
             len(self.graphs),
+            self.name,
             self.batch_sizes[0],
             largest,
             time.perf_counter() - t0,
@@ -164,8 +179,9 @@ class DecodeGraphs:
         return None
 
     def replay(self, bs: int) -> torch.Tensor:
-        """Replay the graph of batch size ``bs`` (inputs already in the buffers); its logits ``[bs, V]``."""
-        graph, logits = self.graphs[bs]
+        """Replay the graph of batch size ``bs`` (inputs already in the buffers); its output (decode: the
+        logits ``[bs, V]``)."""
+        graph, out = self.graphs[bs]
         graph.replay()
         self.num_replays += 1
-        return logits
+        return out

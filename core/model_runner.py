@@ -132,8 +132,13 @@ class ModelRunner:
                     with torch.inference_mode():
                         graphs.capture()
                     self.graphs = graphs
+                    if self.spec is not None:
+                        self.spec.capture_graphs()
                 except Exception:  # slower, still correct: serve every step eagerly
                     logger.exception("CUDA graph capture failed; decode steps run eagerly")
+                    self.graphs = None
+                    if self.spec is not None:
+                        self.spec.graphs = None
                     del graphs
                     torch.cuda.synchronize(self.device)
                     torch.cuda.empty_cache()
@@ -308,8 +313,9 @@ class ModelRunner:
         sampling_idx: list[int] | None = None,
     ) -> int:
         """Write the step's inputs into ``b`` (host side, vectorized) and start their copies to the device.
-        With ``graph_bs``, rows ``len(reqs)..graph_bs`` are padding that writes and reads no KV. Returns the
-        number of logit rows."""
+        With ``graph_bs`` (a graph's batch size; every request then computes the same number of tokens q),
+        sequences ``len(reqs)..graph_bs`` are padding of q tokens each that write and read no KV. Returns
+        the number of logit rows."""
         bs = self.block_size
         n = len(reqs)
         q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=n)
@@ -344,16 +350,17 @@ class ModelRunner:
         if sampling_idx is None:
             sampling_idx = [i for i, r in enumerate(reqs) if r.sample]
         if graph_bs is not None:
-            pad = slice(n, graph_bs)
+            q = t // n
+            pad = slice(t, graph_bs * q)
             b.input_ids_np[pad] = 0
             b.positions_np[pad] = 0
             b.slot_mapping_np[pad] = -1
-            b.seq_lens_np[pad] = 0
-            b.query_start_loc_np[n + 1 : graph_bs + 1] = np.arange(n + 1, graph_bs + 1)
+            b.seq_lens_np[n:graph_bs] = 0
+            b.query_start_loc_np[n + 1 : graph_bs + 1] = np.arange(n + 1, graph_bs + 1) * q
             if len(sampling_idx) != n:
                 num_rows = len(sampling_idx)
                 b.logit_rows_np[:num_rows] = sampling_idx
-            t, n = graph_bs, graph_bs
+            t, n = graph_bs * q, graph_bs
         else:
             num_rows = len(sampling_idx)
             b.logit_rows_np[:num_rows] = qsl[1:][sampling_idx] - 1

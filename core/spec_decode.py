@@ -15,6 +15,11 @@ for sampled requests; greedy verification needs none), until the next step verif
 Of the plain runner it uses the model, the KV tensors, the attention backend and the per-request
 generators; step inputs and sampling rows are built here, so the plain step's own buffers and CUDA
 graphs can change without touching this path.
+
+The steady state of greedy decoding, every request verifying k drafts with no penalties, bans or
+logprobs, has a second, fixed-shape path (`uniform_step`): verification, draft catch-up and the draft
+chain in one function without a host sync, captured in CUDA graphs per batch size (`capture_graphs`),
+so that a step costs one replay and one read-back instead of hundreds of eager launches.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
 from core.models.layers import ForwardContext
 from core.models.loader import ModelSource
 from core.sampler import SamplingBatch, min_tokens_bans, process_logits, sample, token_logprobs
@@ -31,6 +37,9 @@ from kv.attention.base import kv_bytes_per_block
 from spec.eagle import load_draft_head, resolve_draft_head
 from spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata
 from spec.rejection import RejectionOutput, greedy_verify, rejection_sample
+
+# Graphs of uniform speculative steps are captured for batch sizes up to this (and the load switch).
+MAX_UNIFORM_GRAPH_BATCH = 64
 
 
 class SpecDecodeRunner:
@@ -45,6 +54,7 @@ class SpecDecodeRunner:
         )
         self.proposer: EagleProposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
+        self.graphs: DecodeGraphs | None = None  # uniform greedy steps (see the module docstring)
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.head.cfg
@@ -56,6 +66,22 @@ class SpecDecodeRunner:
             self.head, r.model, num_blocks, r.block_size, self.k, r.backend, r.device, r.dtype
         )
 
+    def uniform_graphs(self, max_batch: int = MAX_UNIFORM_GRAPH_BATCH) -> DecodeGraphs:
+        """The (uncaptured) graphs of uniform steps for batch sizes up to the load switch, over their own
+        buffers (block tables wide enough for the draft's lookahead positions)."""
+        r = self.runner
+        top = min(r.args.speculative_disable_batch_size, r.max_num_seqs, max_batch)
+        q = self.k + 1
+        blocks = -(-(r.max_model_len + 2 * self.k + 1) // r.block_size)
+        buffers = StepBuffers(top * q, top, blocks, r.device)
+        return DecodeGraphs(self.uniform_step, buffers, graph_batch_sizes(top), r.max_model_len, q, "speculative")
+
+    def capture_graphs(self) -> None:
+        graphs = self.uniform_graphs()
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
+
     def forget(self, request_ids) -> None:
         for rid in request_ids:
             self.draft_probs.pop(rid, None)
@@ -66,6 +92,8 @@ class SpecDecodeRunner:
         r = self.runner
         r.copy_blocks(so.block_copies)
         reqs = so.requests
+        if self.graphs is not None and self._uniform(reqs):
+            return self._execute_uniform(so)
         positions, meta = paged_metadata(
             [sr.start_pos for sr in reqs],
             [len(sr.token_ids) for sr in reqs],
@@ -108,6 +136,52 @@ class SpecDecodeRunner:
             logprobs = token_logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
         drafts = self._propose(reqs, hidden, qsl, sampled, spec_tokens)
         return ModelOutput(so.step_id, sampled, logprobs, spec_token_ids=spec_tokens or None, draft_token_ids=drafts)
+
+    # -- the uniform greedy step -------------------------------------------------------------------
+    def _uniform(self, reqs: list[ScheduledRequest]) -> bool:
+        """Every request verifies k drafts greedily and proposes again, with nothing that needs the
+        general sampler (penalties, min_tokens bans, logprobs, forks), and a graph fits the batch."""
+        if self.graphs.padded_size(len(reqs)) is None:
+            return False
+        q = self.k + 1
+        for sr in reqs:
+            sp = sr.sampling_params
+            if not (sr.spec and sr.sample and sr.num_draft_tokens == self.k and len(sr.token_ids) == q):
+                return False
+            if sp.temperature != 0 or sr.output_token_ids is not None or sp.logprobs is not None or sr.forks:
+                return False
+            if sr.num_output_tokens < sp.min_tokens:
+                return False
+        return True
+
+    def _execute_uniform(self, so: SchedulerOutput) -> ModelOutput:
+        reqs, k, g = so.requests, self.k, self.graphs
+        n = len(reqs)
+        bs = g.padded_size(n)
+        self.runner._prepare(reqs, g.buffers, bs, sampling_idx=[])
+        host = g.replay(bs).tolist()  # the step's one host sync
+        tokens, accepted, drafts = host[: bs * (k + 1)], host[bs * (k + 1) : bs * (k + 2)], host[bs * (k + 2) :]
+        spec_tokens = {}
+        draft_ids = {}
+        for i, sr in enumerate(reqs):
+            spec_tokens[sr.request_id] = tokens[i * (k + 1) : i * (k + 1) + accepted[i] + 1]
+            draft_ids[sr.request_id] = drafts[i * k : (i + 1) * k]
+        return ModelOutput(so.step_id, {}, None, spec_token_ids=spec_tokens, draft_token_ids=draft_ids)
+
+    def uniform_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """One uniform greedy step without a host sync (the function the graphs capture): the target over
+        each request's last token and k drafts, greedy verification, the draft's catch-up and its next k
+        drafts. Returns one int64 vector: emitted tokens ``[batch, k + 1]`` (-1 after the first
+        non-accepted position), accepted counts ``[batch]``, next drafts ``[batch, k]``, flattened."""
+        r = self.runner
+        batch, q = meta.block_tables.shape[0], self.k + 1
+        hidden = r.model(input_ids, positions, ForwardContext(meta, r.kv_caches, r.backend))
+        argmax = r.model.compute_logits(hidden).argmax(-1)
+        num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
+        res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
+        # the pair after each verified position: its next token is the target's argmax there
+        drafts = self.proposer.propose_greedy_uniform(hidden, argmax, positions, meta, res.num_accepted)
+        return torch.cat([res.output_token_ids.flatten(), res.num_accepted, drafts.flatten()])
 
     def _verify(self, logits: torch.Tensor, vreqs: list[ScheduledRequest]) -> RejectionOutput:
         """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``."""

@@ -161,10 +161,58 @@ class EagleProposer:
             g = self._run(tok, g, positions, meta)
         return DraftOutput(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, ng)
 
+    def propose_greedy_uniform(
+        self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, meta, num_accepted: torch.Tensor
+    ) -> torch.Tensor:
+        """`propose` for a batch in which every request verified the same number of tokens q (its last token
+        and k drafts) and drafts greedily, without a host sync, so that it can be captured in a CUDA graph:
+        ``[batch, k]`` drafts.
+
+        The catch-up runs over all q positions of each request (``next_tokens``: the target's argmax at
+        each), not only over the ``num_accepted + 1`` that stand: the pairs past them are computed from
+        rejected tokens, but their draft KV sits at positions ``>= num_computed_tokens`` and is overwritten
+        before it is read, like a proposal's. The chain then starts from the row of the last standing pair.
+        The draft steps' metadata is derived on the device (``meta.seq_lens == 0`` marks a padding sequence,
+        which writes no KV); only graph-safe backends run it, as they read no host values."""
+        batch = meta.block_tables.shape[0]
+        q = positions.shape[0] // batch
+        dev, bs = positions.device, self.block_size
+        g = self._run(next_tokens, hidden, positions, meta)
+        g = g[torch.arange(batch, device=dev) * q + num_accepted]
+        pos0 = positions.view(batch, q)[:, 0] + num_accepted + 1
+        width = meta.block_tables.shape[1]
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        tokens = []
+        for step in range(self.k):
+            tokens.append(self._greedy_tokens((g @ self.lm_weight.t()).float()))
+            if step == self.k - 1:
+                break
+            pos = pos0 + step
+            idx = pos // bs
+            valid = (meta.seq_lens > 0) & (idx < width)
+            block = meta.block_tables.gather(1, idx.clamp(max=width - 1)[:, None]).squeeze(1).long()
+            step_meta = AttentionMetadata(
+                slot_mapping=torch.where(valid, block * bs + pos % bs, -1),
+                query_start_loc=qsl,
+                seq_lens=(pos + 1).to(torch.int32),
+                block_tables=meta.block_tables,
+                max_query_len=1,
+                max_seq_len=meta.max_seq_len + self.k,
+                query_start_loc_host=list(range(batch + 1)),
+                seq_lens_host=[1] * batch,  # not read by graph-safe backends
+            )
+            g = self._run(tokens[-1], g, pos, step_meta)
+        return torch.stack(tokens, 1)
+
+    def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax over the draft's vocabulary, as full-vocabulary ids."""
+        tok = logits.argmax(-1)
+        return tok if self.head.draft_vocab is None else self.head.draft_vocab[tok]
+
     def _draw(self, logits: torch.Tensor, sampling: DraftSampling, ng: list[int], ng_gens):
         """Draft tokens (full-vocabulary ids) for one step, and q of the non-greedy rows."""
         vocab_ids = self.head.draft_vocab
-        tok = logits.argmax(-1)
+        tok = logits.argmax(-1)  # mapped to full-vocabulary ids below, after sampled rows replace theirs
         q_full = None
         if ng:
             assert sampling.probs_fn is not None

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from core import LLM, SamplingParams
 from core.args import EngineArgs
-from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from core.cuda_graphs import graph_batch_sizes
 from core.model_runner import ModelRunner
 from core.models.loader import resolve_model
 from core.scheduler import ScheduledRequest
+from tests.graph_helpers import EagerReplay
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +78,6 @@ def test_graph_batch_sizes_cover_every_batch():
     # padding adds at most half a step from 16 up, at most an eighth beyond 256
     assert all(b / a <= 1.5 for a, b in zip(sizes, sizes[1:]) if a >= 16)
     assert all(b / a <= 1.125 for a, b in zip(graph_batch_sizes(1024), graph_batch_sizes(1024)[1:]) if a >= 256)
-
-
-class EagerReplay(DecodeGraphs):
-    """Runs the function a graph would capture, eagerly, over the same buffers and padded sizes."""
-
-    def capture(self) -> None:
-        self.graphs = dict.fromkeys(self.batch_sizes)
-        self.replayed: list[int] = []
-
-    def replay(self, bs: int) -> torch.Tensor:
-        self.replayed.append(bs)
-        b = self.buffers
-        return self.forward(b.input_ids[:bs], b.positions[:bs], self.metadata(bs))
 
 
 def test_decode_through_the_graph_path_matches_eager():

@@ -19,6 +19,7 @@ from kv.attention.torch_ref import TorchAttentionBackend
 from kv.prefix_cache import block_hashes
 from spec.eagle import DraftHeadError, load_draft_head, new_draft_head, save_draft_head
 from spec.proposer import paged_metadata
+from tests.graph_helpers import EagerReplay
 from tests.spec_helpers import copy_head_dir, tiny_config
 
 MODEL = "dummy:tiny"
@@ -134,6 +135,40 @@ def test_logprobs_requests_decode_without_drafts(plain_llm, spec_llm):
     for o, r in zip(outs, ref):
         assert o.token_ids == r.token_ids
         assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in r.logprobs], abs=1e-5)
+
+
+def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(copy_head):
+    # The fixed-shape step the GPU captures (verification, catch-up and draft chain without a host sync),
+    # run eagerly over the graphs' padded buffers: the Triton backend, as on the GPU, through the interpreter.
+    kw = dict(COMMON, attention_backend="triton")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = _prompts(3, seed=6)
+    with _roughen(LLM(MODEL, **kw)) as plain:
+        expected = _ids(plain, prompts, params)
+    with _roughen(LLM(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **kw)) as llm:
+        spec = llm.engine._executor.runner.spec
+        assert spec.graphs is None  # no CUDA here: every step takes the general path
+        s0 = llm.engine.stats()
+        assert _ids(llm, prompts, params) == expected
+        s1 = llm.engine.stats()
+        spec.graphs = graphs = EagerReplay.like(spec.uniform_graphs())
+        graphs.capture()
+        assert _ids(llm, prompts, params) == expected
+        s2 = llm.engine.stats()
+        # a penalized request in the batch sends its steps back to the general path
+        mixed = [params, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True)]
+        with _roughen(LLM(MODEL, **kw)) as plain:
+            ref = [o.token_ids for o in plain.generate(prompts[:2], mixed, use_tqdm=False)]
+        n = len(graphs.replayed)
+        assert [o.token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref
+    assert 4 in graphs.replayed and set(graphs.replayed) <= {1, 2, 4}  # 3 requests padded to 4
+    assert set(graphs.replayed[n:]) <= {1}  # only the lone request after the penalized one finished
+    drafts = (s1.spec_num_drafts - s0.spec_num_drafts, s2.spec_num_drafts - s1.spec_num_drafts)
+    accepted = (
+        s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens,
+        s2.spec_num_accepted_tokens - s1.spec_num_accepted_tokens,
+    )
+    assert drafts[0] == drafts[1] and accepted[0] == accepted[1] > 0  # the same drafts, the same verdicts
 
 
 def test_speculation_turns_off_above_the_batch_size(copy_head, plain_llm):
