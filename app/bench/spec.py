@@ -36,6 +36,13 @@ async def _serve(engine, prompts: list[list[int]], params, concurrency: int) -> 
     return time.perf_counter() - t, outs
 
 
+def _graph_replays(engine) -> tuple[int, int]:
+    """CUDA-graph replays so far of the plain decode graphs and of the speculative ones (0 without)."""
+    runner = engine._executor.runner
+    spec = runner.spec.graphs if runner.spec is not None else None
+    return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, spec))
+
+
 def run_side(engine_args, prompts, warmup, params, concurrency: int) -> dict:
     from core import AsyncEngine
 
@@ -43,8 +50,10 @@ def run_side(engine_args, prompts, warmup, params, concurrency: int) -> dict:
         async with AsyncEngine(engine_args) as engine:
             await _serve(engine, warmup, params, concurrency)
             before = engine.stats()
+            replays = _graph_replays(engine)
             seconds, outs = await _serve(engine, prompts, params, concurrency)
             st = engine.stats()
+            replays = [a - b for a, b in zip(_graph_replays(engine), replays)]
         drafts = st.spec_num_drafts - before.spec_num_drafts
         accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
         tokens = sum(len(o) for o in outs)
@@ -54,6 +63,7 @@ def run_side(engine_args, prompts, warmup, params, concurrency: int) -> dict:
             "tokens_per_s": round(tokens / seconds, 2),
             "steps": st.num_steps - before.num_steps,
             "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+            "graph_steps": {"plain": replays[0], "speculative": replays[1]},
             "outputs": outs,
         }
 
