@@ -35,7 +35,7 @@ from core.sampler import SamplingBatch, min_tokens_bans, process_logits, sample,
 from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from kv.attention.base import kv_bytes_per_block
 from spec.eagle import load_draft_head, resolve_draft_head
-from spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata
+from spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata, per_token_metadata
 from spec.rejection import RejectionOutput, greedy_verify, rejection_sample
 
 # Graphs of uniform speculative steps are captured for batch sizes up to this (and the load switch).
@@ -175,7 +175,9 @@ class SpecDecodeRunner:
         non-accepted position), accepted counts ``[batch]``, next drafts ``[batch, k]``, flattened."""
         r = self.runner
         batch, q = meta.block_tables.shape[0], self.k + 1
-        hidden = r.model(input_ids, positions, ForwardContext(meta, r.kv_caches, r.backend))
+        hidden = r.model(
+            input_ids, positions, ForwardContext(per_token_metadata(meta, positions), r.kv_caches, r.backend)
+        )
         argmax = r.model.compute_logits(hidden).argmax(-1)
         num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)

@@ -95,6 +95,29 @@ def paged_metadata(
     return torch.from_numpy(positions).to(device, non_blocking=True), meta
 
 
+def per_token_metadata(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
+    """``meta`` of a uniform step (every sequence computes q tokens) recast as one decode row per token:
+    token ``j`` of a sequence attends to keys ``0..positions[j]`` through its sequence's block table.
+
+    The same attention as the causal one over q queries (the step's K/V are written before attention in
+    each layer), but it takes the split-K decode kernel: a verification of 1 + k tokens per request at
+    small batch then spreads a long context over many programs instead of one per KV head. Built on
+    the device, with no host sync."""
+    batch, width = meta.block_tables.shape
+    num_tokens = positions.shape[0]
+    q = num_tokens // batch
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=positions.device),
+        seq_lens=(positions + 1).to(torch.int32),
+        block_tables=meta.block_tables[:, None, :].expand(batch, q, width).reshape(num_tokens, width),
+        max_query_len=1,
+        max_seq_len=meta.max_seq_len,
+        query_start_loc_host=list(range(num_tokens + 1)),
+        seq_lens_host=[1] * num_tokens,  # not read by graph-safe backends
+    )
+
+
 class EagleProposer:
     def __init__(
         self,
@@ -177,7 +200,7 @@ class EagleProposer:
         batch = meta.block_tables.shape[0]
         q = positions.shape[0] // batch
         dev, bs = positions.device, self.block_size
-        g = self._run(next_tokens, hidden, positions, meta)
+        g = self._run(next_tokens, hidden, positions, per_token_metadata(meta, positions))
         g = g[torch.arange(batch, device=dev) * q + num_accepted]
         pos0 = positions.view(batch, q)[:, 0] + num_accepted + 1
         width = meta.block_tables.shape[1]

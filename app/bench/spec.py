@@ -4,14 +4,16 @@
 
 Prompts are held-out ShareGPT chat prompts (never used to train the shipped head), decoded greedily
 with their natural stop (EOS or ``--max-new-tokens``): greedy speculation emits exactly the plain
-engine's tokens, so both sides produce the same text and the same token counts. Each engine first
-serves two warm-up requests (kernel compilation, allocator), then the measured requests, at most
-``--concurrency`` at a time. Output tokens per second are total output tokens / wall time.
+engine's tokens, so both sides produce the same text and the same token counts. Both engines run in
+one process; each first serves two warm-up requests (kernel compilation, allocator), then the measured
+requests, at most ``--concurrency`` at a time, in ``--rounds`` rounds of new prompts with the sides
+taking turns to go first. Output tokens per second are total output tokens / total wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import anyio
@@ -43,29 +45,44 @@ def _graph_replays(engine) -> tuple[int, int]:
     return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, spec))
 
 
-def run_side(engine_args, prompts, warmup, params, concurrency: int) -> dict:
+def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, params, concurrency: int) -> dict:
+    """Serve each round of prompts on every engine (both alive at once), alternating which goes first,
+    so that drift in the machine (clocks, other load) falls on both sides alike. Per side: the totals."""
     from core import AsyncEngine
 
     async def main():
-        async with AsyncEngine(engine_args) as engine:
-            await _serve(engine, warmup, params, concurrency)
-            before = engine.stats()
-            replays = _graph_replays(engine)
-            seconds, outs = await _serve(engine, prompts, params, concurrency)
-            st = engine.stats()
-            replays = [a - b for a, b in zip(_graph_replays(engine), replays)]
-        drafts = st.spec_num_drafts - before.spec_num_drafts
-        accepted = st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-        tokens = sum(len(o) for o in outs)
-        return {
-            "seconds": round(seconds, 3),
-            "output_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 2),
-            "steps": st.num_steps - before.num_steps,
-            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-            "graph_steps": {"plain": replays[0], "speculative": replays[1]},
-            "outputs": outs,
-        }
+        async with contextlib.AsyncExitStack() as stack:
+            engines = {name: await stack.enter_async_context(AsyncEngine(a)) for name, a in engine_args.items()}
+            for engine in engines.values():
+                await _serve(engine, warmup, params, concurrency)
+            res = {name: {"seconds": 0.0, "outputs": [], "steps": 0, "drafts": 0, "accepted": 0} for name in engines}
+            res = {name: {**r, "graph_steps": [0, 0]} for name, r in res.items()}
+            for i, prompts in enumerate(prompt_rounds):
+                names = list(engines) if i % 2 == 0 else list(engines)[::-1]
+                for name in names:
+                    engine, r = engines[name], res[name]
+                    before, replays = engine.stats(), _graph_replays(engine)
+                    seconds, outs = await _serve(engine, prompts, params, concurrency)
+                    st = engine.stats()
+                    r["seconds"] += seconds
+                    r["outputs"] += outs
+                    r["steps"] += st.num_steps - before.num_steps
+                    r["drafts"] += st.spec_num_drafts - before.spec_num_drafts
+                    r["accepted"] += st.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+                    r["graph_steps"] = [a + b - c for a, b, c in zip(r["graph_steps"], _graph_replays(engine), replays)]
+        out = {}
+        for name, r in res.items():
+            tokens = sum(len(o) for o in r["outputs"])
+            out[name] = {
+                "seconds": round(r["seconds"], 3),
+                "output_tokens": tokens,
+                "tokens_per_s": round(tokens / r["seconds"], 2),
+                "steps": r["steps"],
+                "mean_acceptance_length": round(1 + r["accepted"] / r["drafts"], 3) if r["drafts"] else None,
+                "graph_steps": {"plain": r["graph_steps"][0], "speculative": r["graph_steps"][1]},
+                "outputs": r["outputs"],
+            }
+        return out
 
     return anyio.run(main)
 
@@ -82,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--head", default="default", help="draft head directory, or 'default'")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per round")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of new prompts, the sides alternating first")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-len", type=int, default=512)
     ap.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON file of conversations")
@@ -98,9 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
     source = resolve_model(args.model)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     convs = load_conversations(args.data, args.split)
-    pairs = chat_pairs(tokenizer, convs, args.num_prompts + 2, args.max_prompt_len, args.seed)
+    n = args.num_prompts * args.rounds
+    pairs = chat_pairs(tokenizer, convs, n + 2, args.max_prompt_len, args.seed)
     prompts = [p for p, _ in pairs]
+    if len(prompts) < n + 2:
+        raise SystemExit(f"--data has {len(prompts)} usable prompts; {n + 2} needed (2 for warm-up)")
     warmup, prompts = prompts[:2], prompts[2:]
+    rounds = [prompts[i : i + args.num_prompts] for i in range(0, n, args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     common = dict(
         model=args.model,
@@ -111,13 +133,14 @@ def main(argv: list[str] | None = None) -> dict:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
     )
-    # Both engines' pools fit at once, whenever the first one's memory is returned.
+    # Both engines live at once: small fixed pools.
     common["num_kv_blocks"] = -(-common["max_model_len"] // 16) * max(args.concurrency, 8) + 64
     spec_kw = dict(speculative_model=args.head, num_speculative_tokens=args.num_speculative_tokens)
     if args.speculative_disable_batch_size is not None:
         spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
-    plain = run_side(EngineArgs(**common), prompts, warmup, params, args.concurrency)
-    spec = run_side(EngineArgs(**common, **spec_kw), prompts, warmup, params, args.concurrency)
+    sides = {"plain": EngineArgs(**common), "spec": EngineArgs(**common, **spec_kw)}
+    res = run_sides(sides, rounds, warmup, params, args.concurrency)
+    plain, spec = res["plain"], res["spec"]
     same = sum(a == b for a, b in zip(plain.pop("outputs"), spec.pop("outputs")))
     speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
     rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec (k={args.num_speculative_tokens})", **spec}]
@@ -131,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"speedup {speedup:.2f}x; identical outputs {same}/{len(prompts)}")
     figures = {"plain": plain, "spec": spec, "speedup": round(speedup, 3), "identical_outputs": same}
     if args.out:
-        dataset = {"name": args.data, "split": args.split, "num_prompts": len(prompts), "seed": args.seed}
+        dataset = {"name": args.data, "split": args.split, "num_prompts": len(prompts), "rounds": args.rounds}
+        dataset["seed"] = args.seed
         write_result(args.out, command_line(), args.model, dataset, {**figures, "concurrency": args.concurrency})
     return figures
 
