@@ -79,6 +79,7 @@ class ModelRunner:
         fused = args.fused_kernels
         if fused == "auto":
             fused = "on" if self.device.type == "cuda" else "off"
+        self.fused_kernels = fused == "on"  # the draft head follows the target
         if fused == "on":
             logger.info(
                 "fused kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules", enable_fused_kernels(self.model)

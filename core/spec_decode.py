@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
-from core.models.layers import ForwardContext
+from core.models.layers import ForwardContext, enable_fused_kernels
 from core.models.loader import ModelSource
 from core.sampler import SamplingBatch, min_tokens_bans, process_logits, sample, token_logprobs
 from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
@@ -52,6 +52,8 @@ class SpecDecodeRunner:
         self.head = load_draft_head(
             path, source.config, source.name, runner.max_model_len + 2 * self.k + 1, runner.device, runner.dtype
         )
+        if runner.fused_kernels:
+            enable_fused_kernels(self.head)
         self.proposer: EagleProposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
         self.graphs: DecodeGraphs | None = None  # uniform greedy steps (see the module docstring)

@@ -45,6 +45,23 @@ def _graph_replays(engine) -> tuple[int, int]:
     return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, spec))
 
 
+def _time_execute(engine) -> list[float]:
+    """Accumulate the seconds the engine's model runner spends in `execute` (the executor calls the
+    attribute each step) into the returned one-item list."""
+    runner, total = engine._executor.runner, [0.0]
+    execute = runner.execute
+
+    def timed(so):
+        t = time.perf_counter()
+        try:
+            return execute(so)
+        finally:
+            total[0] += time.perf_counter() - t
+
+    runner.execute = timed
+    return total
+
+
 def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, params, concurrency: int) -> dict:
     """Serve each round of prompts on every engine (both alive at once), alternating which goes first,
     so that drift in the machine (clocks, other load) falls on both sides alike. Per side: the totals."""
@@ -53,16 +70,21 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
     async def main():
         async with contextlib.AsyncExitStack() as stack:
             engines = {name: await stack.enter_async_context(AsyncEngine(a)) for name, a in engine_args.items()}
+            execute_s = {name: _time_execute(e) for name, e in engines.items()}
             for engine in engines.values():
                 await _serve(engine, warmup, params, concurrency)
-            res = {name: {"seconds": 0.0, "outputs": [], "steps": 0, "drafts": 0, "accepted": 0} for name in engines}
+            res = {
+                name: {"seconds": 0.0, "outputs": [], "steps": 0, "drafts": 0, "accepted": 0, "execute_s": 0.0}
+                for name in engines
+            }
             res = {name: {**r, "graph_steps": [0, 0]} for name, r in res.items()}
             for i, prompts in enumerate(prompt_rounds):
                 names = list(engines) if i % 2 == 0 else list(engines)[::-1]
                 for name in names:
                     engine, r = engines[name], res[name]
-                    before, replays = engine.stats(), _graph_replays(engine)
+                    before, replays, busy = engine.stats(), _graph_replays(engine), execute_s[name][0]
                     seconds, outs = await _serve(engine, prompts, params, concurrency)
+                    r["execute_s"] += execute_s[name][0] - busy
                     st = engine.stats()
                     r["seconds"] += seconds
                     r["outputs"] += outs
@@ -80,6 +102,8 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
                 "steps": r["steps"],
                 "mean_acceptance_length": round(1 + r["accepted"] / r["drafts"], 3) if r["drafts"] else None,
                 "graph_steps": {"plain": r["graph_steps"][0], "speculative": r["graph_steps"][1]},
+                # the model runner's share of a step (inputs, forward, read-back); the rest is the actors'
+                "execute_ms_per_step": round(1e3 * r["execute_s"] / max(r["steps"], 1), 3),
                 "outputs": r["outputs"],
             }
         return out
