@@ -4,7 +4,9 @@
 
 Set beside `python -m app.bench.spec` (wall time per engine step), this splits a step into GPU work and
 everything else (scheduler, actors, host-side input preparation). One request is served first so the
-graphs' buffers hold a real context; the replays then recompute that step over and over.
+graphs' buffers hold a real context; the replays then recompute that step over and over. Three figures
+per step: back-to-back replays (GPU time), one replay waited for (GPU time plus the exposed launch), and
+the model runner's whole `execute` of a one-request step (input preparation, replay, read-back).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,9 +35,29 @@ def replay_ms(graphs, bs: int, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def replay_latency_ms(graphs, bs: int, iters: int) -> float:
+    total = 0.0
+    for _ in range(iters):
+        t = time.perf_counter()
+        graphs.replay(bs)
+        torch.cuda.synchronize()
+        total += time.perf_counter() - t
+    return 1e3 * total / iters
+
+
+def execute_ms(runner, so_for, iters: int) -> float:
+    for i in range(10):
+        runner.execute(so_for(i))
+    t = time.perf_counter()
+    for i in range(iters):
+        runner.execute(so_for(i))
+    return 1e3 * (time.perf_counter() - t) / iters
+
+
 def main() -> None:
     from app.bench.results import machine_info, versions
     from core import LLM, SamplingParams
+    from core.scheduler import ScheduledRequest, SchedulerOutput
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -50,12 +73,29 @@ def main() -> None:
         prompt = [(7 * i) % 1000 + 10 for i in range(args.context)]
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
         runner = llm.engine._executor.runner
+        k = args.num_speculative_tokens
         res = {
             "context": args.context,
             "plain_decode_ms": round(replay_ms(runner.graphs, 1, args.iters), 4),
             "speculative_step_ms": round(replay_ms(runner.spec.graphs, 1, args.iters), 4),
-            "k": args.num_speculative_tokens,
+            "plain_decode_latency_ms": round(replay_latency_ms(runner.graphs, 1, args.iters), 4),
+            "speculative_step_latency_ms": round(replay_latency_ms(runner.spec.graphs, 1, args.iters), 4),
+            "k": k,
         }
+        # One request's step, run straight on the (idle) engine's runner: its KV goes to blocks nobody holds.
+        table = list(range(-(-(args.context + 2 * k + 2) // runner.block_size)))
+        greedy = SamplingParams(temperature=0)
+
+        def step(i: int, spec: bool) -> SchedulerOutput:
+            ids = [11 + i % 7] * (k + 1 if spec else 1)
+            sr = ScheduledRequest(
+                "t", ids, args.context, table, True, greedy, num_draft_tokens=k if spec else 0, spec=spec
+            )
+            return SchedulerOutput(10**6 + i, [sr])
+
+        res["plain_execute_ms"] = round(execute_ms(runner, lambda i: step(i, False), args.iters), 4)
+        res["speculative_execute_ms"] = round(execute_ms(runner, lambda i: step(i, True), args.iters), 4)
+        res["speculative_graph_replays"] = runner.spec.graphs.num_replays
     finally:
         llm.close()
     res.update(model=args.model, machine=machine_info(), versions=versions())
