@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 
 import numpy as np
@@ -36,7 +37,8 @@ GiB = 1024**3
 GRAPH_POOL_RESERVE = GiB // 2
 # The executor's worker thread and the event loop share the GIL; under load the loop detokenizes for
 # milliseconds at a time, and a thread waiting for the GIL gets it only after the switch interval
-# (5 ms by default), leaving the GPU idle. A shorter interval bounds that wait.
+# (5 ms by default), leaving the GPU idle. A shorter interval bounds that wait. SLUICE_GPU_SWITCH_INTERVAL_S
+# overrides it (for measuring the trade-off; the loop's own work gets switched away from more often).
 GPU_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -93,7 +95,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
-            sys.setswitchinterval(min(sys.getswitchinterval(), GPU_SWITCH_INTERVAL_S))
+            interval = float(os.environ.get("SLUICE_GPU_SWITCH_INTERVAL_S", GPU_SWITCH_INTERVAL_S))
+            sys.setswitchinterval(min(sys.getswitchinterval(), interval))
         self.spec = None  # speculative decoding: the draft head and its steps
         if args.speculative_model is not None:
             from core.spec_decode import SpecDecodeRunner
