@@ -177,14 +177,13 @@ class SpecDecodeRunner:
         non-accepted position), accepted counts ``[batch]``, next drafts ``[batch, k]``, flattened."""
         r = self.runner
         batch, q = meta.block_tables.shape[0], self.k + 1
-        hidden = r.model(
-            input_ids, positions, ForwardContext(per_token_metadata(meta, positions), r.kv_caches, r.backend)
-        )
+        token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
+        hidden = r.model(input_ids, positions, ForwardContext(token_meta, r.kv_caches, r.backend))
         argmax = r.model.compute_logits(hidden).argmax(-1)
         num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
         # the pair after each verified position: its next token is the target's argmax there
-        drafts = self.proposer.propose_greedy_uniform(hidden, argmax, positions, meta, res.num_accepted)
+        drafts = self.proposer.propose_greedy_uniform(hidden, argmax, positions, meta, token_meta, res.num_accepted)
         return torch.cat([res.output_token_ids.flatten(), res.num_accepted, drafts.flatten()])
 
     def _verify(self, logits: torch.Tensor, vreqs: list[ScheduledRequest]) -> RejectionOutput:

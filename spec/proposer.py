@@ -185,7 +185,13 @@ class EagleProposer:
         return DraftOutput(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, ng)
 
     def propose_greedy_uniform(
-        self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, meta, num_accepted: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        token_meta: AttentionMetadata,
+        num_accepted: torch.Tensor,
     ) -> torch.Tensor:
         """`propose` for a batch in which every request verified the same number of tokens q (its last token
         and k drafts) and drafts greedily, without a host sync, so that it can be captured in a CUDA graph:
@@ -195,12 +201,13 @@ class EagleProposer:
         each), not only over the ``num_accepted + 1`` that stand: the pairs past them are computed from
         rejected tokens, but their draft KV sits at positions ``>= num_computed_tokens`` and is overwritten
         before it is read, like a proposal's. The chain then starts from the row of the last standing pair.
-        The draft steps' metadata is derived on the device (``meta.seq_lens == 0`` marks a padding sequence,
-        which writes no KV); only graph-safe backends run it, as they read no host values."""
+        ``token_meta`` is the target's `per_token_metadata` of ``meta``, which the catch-up shares. The draft
+        steps' metadata is derived on the device (``meta.seq_lens == 0`` marks a padding sequence, which
+        writes no KV); only graph-safe backends run it, as they read no host values."""
         batch = meta.block_tables.shape[0]
         q = positions.shape[0] // batch
         dev, bs = positions.device, self.block_size
-        g = self._run(next_tokens, hidden, positions, per_token_metadata(meta, positions))
+        g = self._run(next_tokens, hidden, positions, token_meta)
         g = g[torch.arange(batch, device=dev) * q + num_accepted]
         pos0 = positions.view(batch, q)[:, 0] + num_accepted + 1
         width = meta.block_tables.shape[1]
@@ -229,7 +236,9 @@ class EagleProposer:
 
     def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax over the draft's vocabulary, as full-vocabulary ids."""
-        tok = logits.argmax(-1)
+        return self._full_vocab_ids(logits.argmax(-1))
+
+    def _full_vocab_ids(self, tok: torch.Tensor) -> torch.Tensor:
         return tok if self.head.draft_vocab is None else self.head.draft_vocab[tok]
 
     def _draw(self, logits: torch.Tensor, sampling: DraftSampling, ng: list[int], ng_gens):
@@ -247,6 +256,4 @@ class EagleProposer:
             else:
                 q_full = q.new_zeros(len(ng), self.vocab_size)
                 q_full[:, vocab_ids] = q
-        if vocab_ids is not None:
-            tok = vocab_ids[tok]
-        return tok, q_full
+        return self._full_vocab_ids(tok), q_full

@@ -62,6 +62,10 @@ def _time_execute(engine) -> list[float]:
     return total
 
 
+def _zero_totals() -> dict:
+    return dict(seconds=0.0, outputs=[], steps=0, drafts=0, accepted=0, execute_s=0.0, graph_steps=[0, 0])
+
+
 def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, params, concurrency: int) -> dict:
     """Serve each round of prompts on every engine (both alive at once), alternating which goes first,
     so that drift in the machine (clocks, other load) falls on both sides alike. Per side: the totals."""
@@ -73,11 +77,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
             execute_s = {name: _time_execute(e) for name, e in engines.items()}
             for engine in engines.values():
                 await _serve(engine, warmup, params, concurrency)
-            res = {
-                name: {"seconds": 0.0, "outputs": [], "steps": 0, "drafts": 0, "accepted": 0, "execute_s": 0.0}
-                for name in engines
-            }
-            res = {name: {**r, "graph_steps": [0, 0]} for name, r in res.items()}
+            res = {name: _zero_totals() for name in engines}
             for i, prompts in enumerate(prompt_rounds):
                 names = list(engines) if i % 2 == 0 else list(engines)[::-1]
                 for name in names:
@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"speedup {speedup:.2f}x; identical outputs {same}/{len(prompts)}")
     figures = {"plain": plain, "spec": spec, "speedup": round(speedup, 3), "identical_outputs": same}
     if args.out:
-        dataset = {"name": args.data, "split": args.split, "num_prompts": len(prompts), "rounds": args.rounds}
-        dataset["seed"] = args.seed
+        dataset = dict(name=args.data, split=args.split, num_prompts=len(prompts), rounds=args.rounds, seed=args.seed)
         write_result(args.out, command_line(), args.model, dataset, {**figures, "concurrency": args.concurrency})
     return figures
 
