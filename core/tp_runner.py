@@ -64,6 +64,9 @@ class TPRunner:
         self.world_size = world
         self.failure: Exception | None = None
         self._closing = False
+        # The watcher thread and the executor's thread both reap dead workers: one waitpid wins, the other
+        # sees ECHILD and a still-unset exit code, so reaping goes through this lock.
+        self._reap_lock = threading.Lock()
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.procs: list[mp.Process] = []
@@ -121,12 +124,13 @@ class TPRunner:
         """The error for the first dead rank of ``ranks`` (default: all), preferring one killed by a signal:
         the others often exit only because a collective with it failed."""
         dead = []
-        for rank in ranks if ranks is not None else range(len(self.procs)):
-            p = self.procs[rank]
-            if p.exitcode is None and wait([p.sentinel], timeout=0):
-                p.join(1.0)  # exited but not reaped yet: its exit code comes with the reaping
-            if p.exitcode is not None:
-                dead.append((p.exitcode >= 0, rank, p))
+        with self._reap_lock:
+            for rank in ranks if ranks is not None else range(len(self.procs)):
+                p = self.procs[rank]
+                if p.exitcode is None and wait([p.sentinel], timeout=0):
+                    p.join(1.0)  # exited but not reaped yet: its exit code comes with the reaping
+                if p.exitcode is not None:
+                    dead.append((p.exitcode >= 0, rank, p))
         if not dead:
             return None
         _, rank, p = min(dead, key=lambda d: d[0])
@@ -163,7 +167,9 @@ class TPRunner:
             if not any(p.sentinel in ready for p in self.procs):
                 wait(self._sentinels, timeout=DEATH_GRACE_S)
             ranks = [*range(1, len(self.procs)), 0]
-            error = self._dead_worker(ranks) or WorkerDiedError("tensor-parallel rank 0 closed its pipe")
+            # (self.failure: the watcher thread may have named the dead rank first)
+            error = self._dead_worker(ranks) or self.failure
+            error = error or WorkerDiedError("tensor-parallel rank 0 closed its pipe")
         self.failure = error
         logger.error("tensor-parallel step %d failed: %s", so.step_id, error)
         _stop_processes(self.procs, 0.0)
