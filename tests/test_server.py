@@ -224,7 +224,9 @@ def test_stream_disconnect_aborts_and_frees_blocks(client, dummy_server):
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         seen = 0
-        for line in resp.iter_lines():
+        # Held in a name: a dropped line iterator is finalized, and that closes the connection early.
+        lines = resp.iter_lines()
+        for line in lines:
             seen += line.startswith("data: ")
             if seen == 3:
                 break
