@@ -253,15 +253,12 @@ class Scheduler:
         return SchedulerOutput(self.step_id, scheduled, copies, finished)
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
-        """The pending drafts this step can verify: only after the last token, within the token budget,
-        and never past max_tokens or max_model_len (the verified tokens would be cut off anyway)."""
+        """The pending drafts this step can verify: only after the last token, within the token budget and
+        max_model_len. Not capped by max_tokens: the tokens past it are cut off when the step's tokens are
+        appended, and a request's last steps keep all k drafts, the shape of the graphed greedy step."""
         if req.num_computed_tokens + n != req.num_tokens:
             return []
-        room = min(
-            budget - n,
-            req.max_tokens - req.num_output_tokens - 1,
-            self.config.max_model_len - req.num_tokens,
-        )
+        room = min(budget - n, self.config.max_model_len - req.num_tokens)
         return req.spec_token_ids[: max(room, 0)]
 
     def _num_seats(self) -> int:

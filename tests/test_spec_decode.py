@@ -68,6 +68,19 @@ def _prompts(n: int, seed: int, shared: int = 0) -> list[list[int]]:
     return [prefix + [rng.randrange(5, 40000) for _ in range(rng.randrange(1, 70))] for _ in range(n)]
 
 
+def _count_calls(obj, name: str):
+    """Wrap ``obj.name`` (an instance attribute from now on) to count its calls in ``.calls``."""
+    inner = getattr(obj, name)
+
+    def counted(*args, **kwargs):
+        counted.calls += 1
+        return inner(*args, **kwargs)
+
+    counted.calls = 0
+    setattr(obj, name, counted)
+    return counted
+
+
 def _ids(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -153,8 +166,11 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(copy_
         s1 = llm.engine.stats()
         spec.graphs = graphs = EagerReplay.like(spec.uniform_graphs())
         graphs.capture()
+        general = _count_calls(spec, "_verify")
         assert _ids(llm, prompts, params) == expected
         s2 = llm.engine.stats()
+        # every verification took the graph path, the requests' last steps (drafts past max_tokens) too
+        assert general.calls == 0
         # a penalized request in the batch sends its steps back to the general path
         mixed = [params, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True)]
         with _roughen(LLM(MODEL, **kw)) as plain:
