@@ -209,33 +209,38 @@ class EagleProposer:
         dev, bs = positions.device, self.block_size
         g = self._run(next_tokens, hidden, positions, token_meta)
         g = g[torch.arange(batch, device=dev) * q + num_accepted]
-        pos0 = positions.view(batch, q)[:, 0] + num_accepted + 1
+        # positions, slots and sequence lengths of the k - 1 chain steps at once: [k - 1, batch], a row per
+        # step (each row contiguous, as the kernels read it), a few launches instead of a dozen per step
+        steps = torch.arange(self.k - 1, device=dev)[:, None]
+        pos = positions.view(batch, q)[:, 0] + num_accepted + 1 + steps
         width = meta.block_tables.shape[1]
+        idx = pos // bs
+        valid = (meta.seq_lens > 0) & (idx < width)
+        block = meta.block_tables.gather(1, idx.clamp(max=width - 1).T).T.long()
+        slots = torch.where(valid, block * bs + pos % bs, -1).contiguous()  # block came back transposed
+        seq_lens = (pos + 1).to(torch.int32)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         tokens = []
         for step in range(self.k):
-            tokens.append(self._greedy_tokens((g @ self.lm_weight.t()).float()))
+            tokens.append(self._greedy_tokens(g @ self.lm_weight.t()))
             if step == self.k - 1:
                 break
-            pos = pos0 + step
-            idx = pos // bs
-            valid = (meta.seq_lens > 0) & (idx < width)
-            block = meta.block_tables.gather(1, idx.clamp(max=width - 1)[:, None]).squeeze(1).long()
             step_meta = AttentionMetadata(
-                slot_mapping=torch.where(valid, block * bs + pos % bs, -1),
+                slot_mapping=slots[step],
                 query_start_loc=qsl,
-                seq_lens=(pos + 1).to(torch.int32),
+                seq_lens=seq_lens[step],
                 block_tables=meta.block_tables,
                 max_query_len=1,
                 max_seq_len=meta.max_seq_len + self.k,
                 query_start_loc_host=list(range(batch + 1)),
                 seq_lens_host=[1] * batch,  # not read by graph-safe backends
             )
-            g = self._run(tokens[-1], g, pos, step_meta)
+            g = self._run(tokens[-1], g, pos[step], step_meta)
         return torch.stack(tokens, 1)
 
     def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
-        """Argmax over the draft's vocabulary, as full-vocabulary ids."""
+        """Argmax over the draft's vocabulary, as full-vocabulary ids (in the logits' own dtype: upcasting
+        keeps the order and the first of equal values, so the argmax is the same)."""
         return self._full_vocab_ids(logits.argmax(-1))
 
     def _full_vocab_ids(self, tok: torch.Tensor) -> torch.Tensor:
