@@ -54,6 +54,7 @@ class SpecDecodeRunner:
         )
         if runner.fused_kernels:
             enable_fused_kernels(self.head)
+        self.feature_layers = tuple(self.head.cfg.feature_layers)  # () = the final hidden state (EAGLE-1)
         self.proposer: EagleProposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
         self.graphs: DecodeGraphs | None = None  # uniform greedy steps (see the module docstring)
@@ -104,7 +105,7 @@ class SpecDecodeRunner:
             r.device,
         )
         input_ids = torch.tensor([t for sr in reqs for t in sr.token_ids], dtype=torch.long, device=r.device)
-        hidden = r.model(input_ids, positions, ForwardContext(meta, r.kv_caches, r.backend))
+        hidden, features = self._target(input_ids, positions, meta)
         qsl = meta.query_start_loc_host
         plain = [i for i, sr in enumerate(reqs) if sr.sample and not sr.num_draft_tokens]
         verify = [i for i, sr in enumerate(reqs) if sr.num_draft_tokens]
@@ -136,7 +137,7 @@ class SpecDecodeRunner:
         logprobs = None
         if out_plain is not None:
             logprobs = token_logprobs([reqs[i] for i in plain], host[: len(plain)], out_plain)
-        drafts = self._propose(reqs, hidden, qsl, sampled, spec_tokens)
+        drafts = self._propose(reqs, features, qsl, sampled, spec_tokens)
         return ModelOutput(so.step_id, sampled, logprobs, spec_token_ids=spec_tokens or None, draft_token_ids=drafts)
 
     # -- the uniform greedy step -------------------------------------------------------------------
@@ -178,13 +179,22 @@ class SpecDecodeRunner:
         r = self.runner
         batch, q = meta.block_tables.shape[0], self.k + 1
         token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
-        hidden = r.model(input_ids, positions, ForwardContext(token_meta, r.kv_caches, r.backend))
+        hidden, features = self._target(input_ids, positions, token_meta)
         argmax = r.model.compute_logits(hidden).argmax(-1)
         num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
         # the pair after each verified position: its next token is the target's argmax there
-        drafts = self.proposer.propose_greedy_uniform(hidden, argmax, positions, meta, token_meta, res.num_accepted)
+        drafts = self.proposer.propose_greedy_uniform(features, argmax, positions, meta, token_meta, res.num_accepted)
         return torch.cat([res.output_token_ids.flatten(), res.num_accepted, drafts.flatten()])
+
+    def _target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward: its final hidden states (for its LM head) and the head's features."""
+        r = self.runner
+        ctx = ForwardContext(meta, r.kv_caches, r.backend)
+        if not self.feature_layers:
+            hidden = r.model(input_ids, positions, ctx)
+            return hidden, hidden
+        return r.model(input_ids, positions, ctx, aux_layers=self.feature_layers)
 
     def _verify(self, logits: torch.Tensor, vreqs: list[ScheduledRequest]) -> RejectionOutput:
         """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``."""
@@ -228,7 +238,7 @@ class SpecDecodeRunner:
     def _propose(
         self,
         reqs: list[ScheduledRequest],
-        hidden: torch.Tensor,
+        features: torch.Tensor,
         qsl: list[int],
         sampled: dict[str, int],
         spec_tokens: dict[str, list[int]],
@@ -261,7 +271,7 @@ class SpecDecodeRunner:
         greedy = [sr.sampling_params.temperature == 0 for sr in proposing]
         ng = [sr for sr, g in zip(proposing, greedy) if not g]
         sampling = DraftSampling(greedy, [r._generator(sr) for sr in proposing], self._probs_fn(ng) if ng else None)
-        out = self.proposer.propose(hidden, inp, sampling)
+        out = self.proposer.propose(features, inp, sampling)
         if out is None:
             return None
         drafts = out.token_ids.tolist()  # the draft's one host sync

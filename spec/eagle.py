@@ -4,6 +4,12 @@
 The head predicts ``f_{t+1}`` and, through the target's LM head, the token ``x_{t+2}``. It owns only
 ``fc``, the decoder layer and an optional output norm; the embedding and LM head are the target's.
 
+With ``feature="eagle3"`` the target's features are EAGLE-3's instead: the hidden states after a low, a
+middle and a high decoder layer (``feature_layers``), concatenated, projected to one hidden size by
+``feature_fc`` and normed (``feature_norm``) before ``fc``. The head's own outputs, which it reads back
+along a draft chain, stay in the final-feature space, so a feature is projected exactly when it is wider
+than the hidden size.
+
 A reduced draft vocabulary (``draft_vocab``: the ids the draft may propose, e.g. the most frequent
 ones in the training data) shrinks the LM-head matmul of every draft step. It cannot cost
 correctness: the verifier only needs the draft's true distribution ``q``, which is zero elsewhere.
@@ -51,8 +57,10 @@ class EagleConfig:
     rms_norm_eps: float = 1e-5
     final_norm: bool = True
     draft_vocab_size: int = 0  # 0 = the target's whole vocabulary
-    # Which target hidden states feed the head. "final" = EAGLE-1; EAGLE-3 would list low/mid/high layers.
+    # Which target hidden states feed the head: "final" (EAGLE-1), or "eagle3": the outputs of the decoder
+    # layers `feature_layers` (ascending, at least two: low / middle / high), concatenated.
     feature: str = "final"
+    feature_layers: list[int] = field(default_factory=list)
     format: str = FORMAT
     training: dict = field(default_factory=dict)  # free-form provenance (data, steps, losses)
 
@@ -86,14 +94,24 @@ class EagleConfig:
 class EagleDraftHead(nn.Module):
     def __init__(self, cfg: EagleConfig, target_config, max_position: int) -> None:
         super().__init__()
-        if cfg.feature != "final":
-            raise DraftHeadError(f"draft head config: feature {cfg.feature!r} is not supported (only 'final')")
+        if cfg.feature not in ("final", "eagle3"):
+            raise DraftHeadError(f"draft head config: feature {cfg.feature!r} is not 'final' or 'eagle3'")
+        layers = list(cfg.feature_layers)
+        if (cfg.feature == "eagle3") != bool(layers) or len(layers) == 1 or layers != sorted(set(layers)):
+            raise DraftHeadError(
+                f"draft head config: feature_layers {layers} do not fit feature {cfg.feature!r} "
+                "('eagle3' takes two or more ascending layers, 'final' none)"
+            )
         self.cfg = cfg
         layer_config = copy.deepcopy(target_config)
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             setattr(layer_config, name, getattr(cfg, name))
         layer_config.rms_norm_eps = cfg.rms_norm_eps
         h = cfg.hidden_size
+        # EAGLE-3 features: projected, then normed (the residual stream's scale grows with depth; the head's
+        # own outputs, read back along a chain, are normed features already)
+        self.feature_fc = nn.Linear(len(layers) * h, h, bias=False) if layers else None
+        self.feature_norm = RMSNorm(h, cfg.rms_norm_eps) if layers else None
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = LlamaDecoderLayer(layer_config, 0, qkv_bias=False)
         self.norm = RMSNorm(h, cfg.rms_norm_eps) if cfg.final_norm else None
@@ -112,7 +130,10 @@ class EagleDraftHead(nn.Module):
     # The layer's math, split around attention so that training (dense masks) and serving (paged KV)
     # run the same code; it is LlamaDecoderLayer.forward with the attention call left open.
     def fuse(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([token_embeds, features.to(token_embeds.dtype)], dim=-1))
+        features = features.to(token_embeds.dtype)
+        if self.feature_fc is not None and features.shape[-1] != self.cfg.hidden_size:
+            features = self.feature_norm(self.feature_fc(features))  # the target's, not the head's own output
+        return self.fc(torch.cat([token_embeds, features], dim=-1))
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         a = self.attn
@@ -147,6 +168,13 @@ class EagleDraftHead(nn.Module):
     def lm_weight(self, target_lm_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's LM head this draft scores: ``[draft_vocab, hidden]``."""
         return target_lm_weight if self.draft_vocab is None else target_lm_weight[self.draft_vocab]
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers of a target with ``num_layers`` decoder layers (as vLLM picks
+    them: 2, n // 2, n - 3), distinct and ascending; two for targets too shallow for three."""
+    layers = sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)})
+    return layers if len(layers) >= 2 else [0, num_layers - 1]
 
 
 def target_lm_weight(model) -> torch.Tensor:
@@ -228,6 +256,11 @@ def load_draft_head(
                 f"draft head {path} was trained for {cfg.target!r} ({name}={getattr(cfg, name)}), which does not "
                 f"match the target {target_name!r} ({name}={getattr(expected, name)})"
             )
+    num_layers = target_config.num_hidden_layers
+    if any(not 0 <= i < num_layers for i in cfg.feature_layers):
+        raise DraftHeadError(
+            f"draft head {path}: feature_layers {cfg.feature_layers} outside the target's {num_layers} layers"
+        )
     if cfg.target != target_name:
         logger.warning("draft head %s was trained for %r, serving it with %r", path, cfg.target, target_name)
     head = EagleDraftHead(cfg, target_config, max_position)
@@ -246,7 +279,7 @@ def load_draft_head(
     except RuntimeError as e:
         raise DraftHeadError(f"draft head {path}: weights do not match its config: {e}") from e
     head.to(device=device)
-    for part in (head.fc, head.layer, head.norm):
+    for part in (head.feature_fc, head.feature_norm, head.fc, head.layer, head.norm):
         if part is not None:
             part.to(dtype=dtype)
     if vocab is not None:

@@ -152,15 +152,16 @@ class EagleProposer:
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
         return self.head(self.embed(tokens), features, positions, ctx)
 
-    def propose(self, hidden: torch.Tensor, inp: DraftInput, sampling: DraftSampling) -> DraftOutput | None:
-        """Catch up on this step's verified pairs, then draft k tokens for the proposing requests."""
+    def propose(self, features: torch.Tensor, inp: DraftInput, sampling: DraftSampling) -> DraftOutput | None:
+        """Catch up on this step's verified pairs, then draft k tokens for the proposing requests.
+        ``features``: the target's features of this step's tokens (final hidden states, or EAGLE-3's)."""
         if not inp.starts:
             return None
         dev = self.device
         positions, meta = paged_metadata(inp.starts, inp.lens, inp.block_tables, self.block_size, dev)
         rows = torch.tensor(inp.feature_rows, dtype=torch.long, device=dev)
         nxt = torch.tensor(inp.next_tokens, dtype=torch.long, device=dev)
-        g = self._run(nxt, hidden[rows], positions, meta)
+        g = self._run(nxt, features[rows], positions, meta)
         prop = [i for i, p in enumerate(inp.propose) if p]
         if not prop:
             return None
@@ -186,7 +187,7 @@ class EagleProposer:
 
     def propose_greedy_uniform(
         self,
-        hidden: torch.Tensor,
+        features: torch.Tensor,
         next_tokens: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
@@ -207,7 +208,7 @@ class EagleProposer:
         batch = meta.block_tables.shape[0]
         q = positions.shape[0] // batch
         dev, bs = positions.device, self.block_size
-        g = self._run(next_tokens, hidden, positions, token_meta)
+        g = self._run(next_tokens, features, positions, token_meta)
         g = g[torch.arange(batch, device=dev) * q + num_accepted]
         # positions, slots and sequence lengths of the k - 1 chain steps at once: [k - 1, batch], a row per
         # step (each row contiguous, as the kernels read it), a few launches instead of a dozen per step

@@ -34,7 +34,14 @@ import torch.nn.functional as F
 
 from core.models.layers import ForwardContext
 from kv.attention import allocate_kv_cache, get_attention_backend
-from spec.eagle import EagleDraftHead, load_draft_head, new_draft_head, save_draft_head, target_lm_weight
+from spec.eagle import (
+    EagleDraftHead,
+    eagle3_layers,
+    load_draft_head,
+    new_draft_head,
+    save_draft_head,
+    target_lm_weight,
+)
 from spec.proposer import paged_metadata
 
 logger = logging.getLogger("sluice")
@@ -63,6 +70,7 @@ class TrainConfig:
     w_reg: float = 1.0
     w_cls: float = 1.0  # EAGLE-1 used 0.1; the token loss is what acceptance measures (EAGLE-3 keeps only it)
     draft_vocab: int = 8192  # 0 = the target's whole vocabulary
+    feature: str = "final"  # or "eagle3": the target's low / middle / high layers (`spec.eagle.eagle3_layers`)
     init_from_last_layer: bool = True
     seed: int = 0
     checkpoint_every: int = 200
@@ -103,9 +111,15 @@ def draft_vocabulary(
 
 @torch.inference_mode()
 def target_features(
-    model, sequences: Sequence[list[int]], device: torch.device, batch_tokens: int = 16384, progress: bool = True
+    model,
+    sequences: Sequence[list[int]],
+    device: torch.device,
+    batch_tokens: int = 16384,
+    progress: bool = True,
+    aux_layers: Sequence[int] = (),
 ) -> list[torch.Tensor]:
-    """The target's final hidden states ``[len, hidden]`` for every sequence (a plain prefill each)."""
+    """The target's final hidden states ``[len, hidden]`` for every sequence (a plain prefill each); with
+    ``aux_layers`` (an EAGLE-3 head's), those layers' hidden states after them: ``[len, hidden * (1 + n)]``."""
     from tqdm.auto import tqdm
 
     backend = get_attention_backend("triton" if device.type == "cuda" else "torch")
@@ -134,7 +148,9 @@ def target_features(
         lens = [len(sequences[j]) for j in batch]
         positions, meta = paged_metadata([0] * len(batch), lens, tables, block_size, device)
         ids = torch.tensor([t for j in batch for t in sequences[j]], device=device)
-        hidden = model(ids, positions, ForwardContext(meta, caches, backend))
+        hidden = model(ids, positions, ForwardContext(meta, caches, backend), aux_layers=aux_layers)
+        if aux_layers:
+            hidden = torch.cat(hidden, dim=-1)
         for j, chunk in zip(batch, hidden.split(lens)):
             out[j] = chunk.clone()
         bar.update(total)
@@ -188,8 +204,10 @@ def unrolled_forward(
 ) -> list[torch.Tensor]:
     """Outputs ``[B, L, hidden]`` of unrolled steps 1..``steps`` over padded sequences.
 
-    ``next_embeds[:, t]`` is the embedding of ``x_{t+1}``; ``features[:, t]`` is ``f_t``."""
-    b, length, h = features.shape
+    ``next_embeds[:, t]`` is the embedding of ``x_{t+1}``; ``features[:, t]`` is ``f_t`` (EAGLE-3: the target's
+    layer features at ``t``; the later steps read the head's own outputs)."""
+    b, length = features.shape[:2]
+    h = head.cfg.hidden_size
     a = head.attn
     positions = torch.arange(length, device=features.device).repeat(b)
     keys, values, outs = [], [], []
@@ -216,7 +234,8 @@ def unrolled_forward(
 
 
 def _init_from_target(head: EagleDraftHead, model) -> None:
-    """Start the decoder layer from the target's last one, and fc as "pass the feature through"."""
+    """Start the decoder layer from the target's last one, and fc as "pass the feature through" (EAGLE-3
+    features: the highest layer's)."""
     last = model.model.layers[-1]
     with torch.no_grad():
         for p, src in zip(head.layer.parameters(), last.parameters()):
@@ -225,6 +244,10 @@ def _init_from_target(head: EagleDraftHead, model) -> None:
         h = head.cfg.hidden_size
         head.fc.weight.mul_(0.1)
         head.fc.weight[:, h:] += torch.eye(h, device=head.fc.weight.device, dtype=head.fc.weight.dtype)
+        if head.feature_fc is not None:
+            w = head.feature_fc.weight
+            w.mul_(0.1)
+            w[:, -h:] += torch.eye(h, device=w.device, dtype=w.dtype)
 
 
 def _losses(head, lm_d, embed, batch, feats_list, tokens_list, cfg: TrainConfig, device):
@@ -232,9 +255,10 @@ def _losses(head, lm_d, embed, batch, feats_list, tokens_list, cfg: TrainConfig,
     lens = [len(ex.token_ids) for ex in batch]
     length = max(lens)
     b = len(batch)
-    h = feats_list[0].shape[-1]
+    width = feats_list[0].shape[-1]  # the final hidden state, then an EAGLE-3 head's layer features
+    h = head.cfg.hidden_size
     tokens = torch.zeros(b, length, dtype=torch.long, device=device)
-    feats = torch.zeros(b, length, h, dtype=feats_list[0].dtype, device=device)
+    feats = torch.zeros(b, length, width, dtype=feats_list[0].dtype, device=device)
     for i, (tok, f) in enumerate(zip(tokens_list, feats_list)):
         tokens[i, : lens[i]] = tok
         feats[i, : lens[i]] = f
@@ -244,8 +268,8 @@ def _losses(head, lm_d, embed, batch, feats_list, tokens_list, cfg: TrainConfig,
     base_mask = (t + 1 < ln) & (t + 2 >= pl)  # f_{t+1} exists and x_{t+2} is a response token
     with torch.no_grad():  # the target's embedding is not trained
         next_embeds = embed(torch.roll(tokens, -1, dims=1))
-    target = torch.roll(feats, -1, dims=1)  # f_{t+1} at t (the wrapped last column is masked)
-    feats_in = feats.to(next_embeds.dtype)
+    target = torch.roll(feats[..., :h], -1, dims=1)  # f_{t+1} at t (the wrapped last column is masked)
+    feats_in = (feats[..., h:] if width > h else feats).to(next_embeds.dtype)
     outs = unrolled_forward(head, next_embeds, feats_in, cfg.ttt_steps)
     with torch.no_grad():
         target_logp = (target.float() @ lm_d.float().t()).log_softmax(-1)
@@ -331,9 +355,20 @@ def train_draft_head(
         draft_vocab = draft_vocabulary(examples, vocab, cfg.draft_vocab, eos_token_ids)
     else:
         draft_vocab = None
+    if start_head is not None:
+        features = {"feature": start_head.cfg.feature, "feature_layers": list(start_head.cfg.feature_layers)}
+    elif cfg.feature == "eagle3":
+        features = {"feature": "eagle3", "feature_layers": eagle3_layers(target_config.num_hidden_layers)}
+    else:
+        features = {"feature": cfg.feature}
     torch.manual_seed(cfg.seed)
     head = new_draft_head(
-        target_name, target_config, cfg.max_seq_len + cfg.ttt_steps + 1, draft_vocab=draft_vocab, seed=cfg.seed
+        target_name,
+        target_config,
+        cfg.max_seq_len + cfg.ttt_steps + 1,
+        draft_vocab=draft_vocab,
+        seed=cfg.seed,
+        **features,
     ).to(device)
     head.rotary.to(torch.float32)
     if start_head is not None:
@@ -349,7 +384,9 @@ def train_draft_head(
         start, history = ckpt["step"], ckpt["history"]
         logger.info("resuming draft training at step %d", start)
 
-    feats = target_features(model, [ex.token_ids for ex in examples], device, progress=progress)
+    feats = target_features(
+        model, [ex.token_ids for ex in examples], device, progress=progress, aux_layers=head.cfg.feature_layers
+    )
     token_tensors = [torch.tensor(ex.token_ids, device=device) for ex in examples]
     lm_d = head.lm_weight(target_lm_weight(model)).detach()
     embed = model.model.embed_tokens

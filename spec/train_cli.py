@@ -40,6 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--ttt-steps", type=int, default=3)
     t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
+    t.add_argument(
+        "--feature",
+        choices=("final", "eagle3"),
+        default="final",
+        help="the head's input: the target's final hidden state (EAGLE-1) or a low, middle and high layer's (EAGLE-3)",
+    )
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--init-from", default=None, help="continue from this head (e.g. the shipped one)")
     t.add_argument("--smoke", action="store_true", help="tiny CPU config: dummy:tiny, 16 prompts, seconds")
@@ -216,6 +222,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             lr=ns.lr,
             ttt_steps=ns.ttt_steps,
             draft_vocab=ns.draft_vocab,
+            feature=ns.feature,
             seed=ns.seed,
             warmup_steps=5 if ns.smoke else 50,
         )

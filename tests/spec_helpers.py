@@ -13,7 +13,7 @@ from core.request import Request
 from core.scheduler import Scheduler, SchedulerConfig
 from kv.attention import allocate_kv_cache
 from kv.manager import KVCacheManager
-from spec.eagle import new_draft_head, save_draft_head
+from spec.eagle import eagle3_layers, new_draft_head, save_draft_head
 from spec.proposer import paged_metadata
 
 
@@ -39,17 +39,23 @@ def random_head_dir(tmp_path, name: str, config, seed: int = 1) -> str:
     return str(save_draft_head(head, tmp_path / f"head-{seed}", dtype=torch.float32))
 
 
-def copy_head_dir(tmp_path, name: str, config) -> str:
+def copy_head_dir(tmp_path, name: str, config, feature: str = "final") -> str:
     """A head that drafts the token it was fed, again and again: often right for a random target that
-    repeats itself, so verification takes its accept, reject and bonus paths."""
-    head = new_draft_head(name, config, 128, seed=0)
+    repeats itself, so verification takes its accept, reject and bonus paths. With ``feature="eagle3"``
+    the target's layer features (through ``feature_fc``) nudge its guesses, so that they matter."""
+    kw = {} if feature == "final" else {"feature": feature, "feature_layers": eagle3_layers(config.num_hidden_layers)}
+    head = new_draft_head(name, config, 128, seed=0, **kw)
     h = config.hidden_size
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, :h] = torch.eye(h)
+        if head.feature_fc is not None:
+            # enough that passing the final hidden state for the features changes drafts, little enough
+            # that the head still copies often (tests/test_spec_decode.py's uniform-step test checks both)
+            head.fc.weight[:, h:] = 0.025 * torch.randn(h, h, generator=torch.Generator().manual_seed(3))
         head.layer.self_attn.o_proj.weight.zero_()
         head.layer.mlp.down_proj.weight.zero_()
-    return str(save_draft_head(head, tmp_path / "head-copy", dtype=torch.float32))
+    return str(save_draft_head(head, tmp_path / f"head-copy-{feature}", dtype=torch.float32))
 
 
 class StepLoop:

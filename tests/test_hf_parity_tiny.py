@@ -132,3 +132,35 @@ def test_references_are_not_trivial(references):
     for refs in references.values():
         assert len({tuple(r) for r in refs}) == len(refs)
         assert all(len(set(r)) > 2 for r in refs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_features_are_transformers_hidden_states(arch, engines, tiny_checkpoints, prompts):
+    """An EAGLE-3 head's features: the hidden states after chosen decoder layers, as `target_features`
+    (training) and the model's forward (serving) return them, are transformers' decoder-layer outputs."""
+    from spec.train import target_features
+
+    model = engines[arch].engine._executor.runner.model
+    _, ref = tiny_checkpoints[arch]
+    layers = [0, ref.config.num_hidden_layers - 1]
+    p = prompts[-1]
+    (feats,) = target_features(model, [p], torch.device("cpu"), progress=False, aux_layers=layers)
+    # each decoder layer's output (transformers' hidden_states holds the last one after the final norm)
+    outs = {}
+    hooks = [
+        ref.model.layers[i].register_forward_hook(
+            lambda m, a, o, i=i: outs.__setitem__(i, o[0] if isinstance(o, tuple) else o)
+        )
+        for i in layers
+    ]
+    try:
+        with torch.no_grad():
+            final = ref(torch.tensor([p]), output_hidden_states=True).hidden_states[-1]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    h = ref.config.hidden_size
+    assert feats.shape == (len(p), 3 * h)
+    torch.testing.assert_close(feats[:, :h], final[0], atol=1e-4, rtol=1e-4)
+    for j, i in enumerate(layers, 1):
+        torch.testing.assert_close(feats[:, j * h : (j + 1) * h], outs[i][0], atol=1e-4, rtol=1e-4)

@@ -150,9 +150,12 @@ def test_logprobs_requests_decode_without_drafts(plain_llm, spec_llm):
         assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in r.logprobs], abs=1e-5)
 
 
-def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(copy_head):
+@pytest.mark.parametrize("feature", ["final", "eagle3"])
+def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(feature, tmp_path, tiny_source):
     # The fixed-shape step the GPU captures (verification, catch-up and draft chain without a host sync),
     # run eagerly over the graphs' padded buffers: the Triton backend, as on the GPU, through the interpreter.
+    # An EAGLE-3 head reads the target's layer features in both paths.
+    copy_head = copy_head_dir(tmp_path, MODEL, tiny_source.config, feature)
     kw = dict(COMMON, attention_backend="triton")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = _prompts(3, seed=6)
@@ -218,6 +221,16 @@ def test_head_loading_checks_the_target(tmp_path, tiny_source):
     assert torch.equal(back.draft_vocab, vocab)
     for (n, a), b in zip(head.state_dict().items(), back.state_dict().values()):
         assert torch.equal(a, b), n
+    # EAGLE-3 features: layers the target has, at least two, ascending
+    layers = tiny_source.config.num_hidden_layers
+    deep = save_draft_head(
+        new_draft_head(MODEL, tiny_source.config, 64, feature="eagle3", feature_layers=[0, layers]), tmp_path / "deep"
+    )
+    with pytest.raises(DraftHeadError, match="outside the target's"):
+        load_draft_head(deep, tiny_source.config, MODEL, 64)
+    for bad in ([1], [1, 0], []):
+        with pytest.raises(DraftHeadError, match="feature_layers"):
+            new_draft_head(MODEL, tiny_source.config, 64, feature="eagle3", feature_layers=bad)
 
 
 def test_batched_attention_matches_one_sequence_at_a_time():

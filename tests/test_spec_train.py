@@ -20,17 +20,20 @@ from spec.train_cli import chat_pairs, load_conversations
 from tests.spec_helpers import tiny_config
 
 
-def test_unrolled_steps_are_the_serving_draft_chain():
+@pytest.mark.parametrize("feature", ["final", "eagle3"])
+def test_unrolled_steps_are_the_serving_draft_chain(feature):
     torch.manual_seed(0)
     config = tiny_config(vocab=16)
-    head = new_draft_head("t", config, 64, seed=2).eval()
+    kw = {} if feature == "final" else {"feature": "eagle3", "feature_layers": [0, 1]}
+    head = new_draft_head("t", config, 64, seed=2, **kw).eval()
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.2 * torch.randn_like(p))
     embed = torch.nn.Embedding(16, config.hidden_size)
     length, steps = 12, 3
     x = torch.randint(0, 16, (length,))
-    f = torch.randn(length, config.hidden_size)
+    # the target's features: its final hidden state, or (EAGLE-3) two layers' hidden states side by side
+    f = torch.randn(length, config.hidden_size * (1 if feature == "final" else 2))
     nxt = torch.roll(x, -1)
     with torch.no_grad():
         train_outs = unrolled_forward(head, embed(nxt)[None], f[None], steps)
@@ -70,13 +73,16 @@ def _examples(n: int = 24) -> list[Example]:
 CFG = dict(epochs=4, batch_tokens=256, lr=1e-2, warmup_steps=2, draft_vocab=512, checkpoint_every=3)
 
 
-def test_training_learns_the_targets_next_token(tmp_path, tiny_target):
+@pytest.mark.parametrize("feature", ["final", "eagle3"])
+def test_training_learns_the_targets_next_token(tmp_path, tiny_target, feature):
     source, model = tiny_target
-    cfg = TrainConfig(**{**CFG, "epochs": 30, "batch_tokens": 4096})  # one batch of 4 sequences, 30 steps
+    cfg = TrainConfig(**{**CFG, "epochs": 30, "batch_tokens": 4096, "feature": feature})  # one batch of 4, 30 steps
     res = train_draft_head(model, "dummy:tiny", source.config, _examples(4), tmp_path, cfg, progress=False)
     first, last = res.history[0], res.history[-1]
     assert last["loss"] < first["loss"] - 0.5  # the soft cross-entropy has the target's entropy as its floor
     assert first["acc"][0] < 0.3 and last["acc"][0] > 0.6  # top-1 agreement with the target, first draft
+    head = load_draft_head(tmp_path, source.config, "dummy:tiny", 128)
+    assert head.cfg.feature == feature and (head.feature_fc is not None) == (feature == "eagle3")
 
 
 def test_training_resumes_exactly(tmp_path, tiny_target):
@@ -115,11 +121,13 @@ def test_training_resumes_exactly(tmp_path, tiny_target):
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_cli_smoke_trains_a_head_that_serves(tmp_path):
+@pytest.mark.parametrize("feature", ["final", "eagle3"])
+def test_cli_smoke_trains_a_head_that_serves(tmp_path, feature):
     out = tmp_path / "head"
-    assert cli_main(["train-draft", "--smoke", "--out", str(out)]) == 0
+    assert cli_main(["train-draft", "--smoke", "--feature", feature, "--out", str(out)]) == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["target"] == "dummy:tiny" and cfg["training"]["responses"] == "regenerate"
+    assert cfg["feature"] == feature and len(cfg["feature_layers"]) == (0 if feature == "final" else 2)
     llm = LLM("dummy:tiny", device="cpu", num_kv_blocks=64, speculative_model=str(out), num_speculative_tokens=2)
     try:
         (o,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

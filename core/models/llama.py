@@ -6,7 +6,7 @@ Checkpoint names map onto merged projections: ``q/k/v_proj`` -> ``qkv_proj`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -150,14 +150,22 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final (normed) hidden states ``[num_tokens, hidden]`` of a flattened batch."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, aux_layers: Sequence[int] = ()
+    ):
+        """Final (normed) hidden states ``[num_tokens, hidden]`` of a flattened batch. With ``aux_layers``
+        (ascending decoder-layer indices), also the hidden states after those layers (the residual stream,
+        what Hugging Face's ``hidden_states[i + 1]`` holds), concatenated: ``(final, [num_tokens, n * hidden])``,
+        the features of an EAGLE-3 style draft head."""
         x = self.model.embed_tokens(input_ids)
         residual = None
-        for layer in self.model.layers:
+        aux = []
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, self.rotary, ctx)
+            if i in aux_layers:
+                aux.append(x + residual)  # a new tensor: the next layer's fused norm updates residual in place
         x, _ = self.model.norm(x, residual)
-        return x
+        return (x, torch.cat(aux, dim=-1)) if aux_layers else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
