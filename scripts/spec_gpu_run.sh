@@ -8,7 +8,8 @@
 # name. DATA_DIR: train.json and heldout.json, written by `python scripts/spec_export_data.py DATA_DIR`
 # (ShareGPT's first user turns of the training split and of the unseen held-out split).
 # Optional: DATA_PT=file (regenerated sequences of an earlier run: skip regeneration), INIT_FROM=head dir
-# (continue training it), and the time/size knobs below. OUT_DIR receives at most 7 files: run.log,
+# (continue training it), FEATURE=eagle3 (a head over a low, middle and high layer's hidden states), and the
+# time/size knobs below. OUT_DIR receives at most 7 files: run.log,
 # config.json, model.safetensors, data.pt, eval.json, bench_c1.json, bench_c64.json.
 set -euo pipefail
 GGUF=$1 DATA=$2 OUT=$3
@@ -26,7 +27,7 @@ phase train
 "$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${INIT[@]}" \
   --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
   --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
-  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 2>&1 | tee -a "$LOG"
+  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 --feature "${FEATURE:-final}" 2>&1 | tee -a "$LOG"
 cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
 
 phase eval
