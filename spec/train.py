@@ -356,6 +356,8 @@ def train_draft_head(
     else:
         draft_vocab = None
     if start_head is not None:
+        if start_head.cfg.feature != cfg.feature:
+            raise ValueError(f"init_from: {init_from} reads {start_head.cfg.feature!r} features, not {cfg.feature!r}")
         features = {"feature": start_head.cfg.feature, "feature_layers": list(start_head.cfg.feature_layers)}
     elif cfg.feature == "eagle3":
         features = {"feature": "eagle3", "feature_layers": eagle3_layers(target_config.num_hidden_layers)}

@@ -119,6 +119,18 @@ def test_training_resumes_exactly(tmp_path, tiny_target):
     assert torch.equal(cont.head.draft_vocab, head.draft_vocab)
     for (name, a), b in zip(head.state_dict().items(), cont.head.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+    # an EAGLE-1 head cannot start an EAGLE-3 run (its input differs)
+    with pytest.raises(ValueError, match="'final' features, not 'eagle3'"):
+        train_draft_head(
+            model,
+            "dummy:tiny",
+            source.config,
+            _examples(),
+            tmp_path / "d",
+            TrainConfig(**{**CFG, "feature": "eagle3"}),
+            progress=False,
+            init_from=tmp_path / "a",
+        )
 
 
 @pytest.mark.parametrize("feature", ["final", "eagle3"])
