@@ -167,9 +167,11 @@ class TPRunner:
             if not any(p.sentinel in ready for p in self.procs):
                 wait(self._sentinels, timeout=DEATH_GRACE_S)
             ranks = [*range(1, len(self.procs)), 0]
-            # (self.failure: the watcher thread may have named the dead rank first)
-            error = self._dead_worker(ranks) or self.failure
-            error = error or WorkerDiedError("tensor-parallel rank 0 closed its pipe")
+            error = (
+                self._dead_worker(ranks)
+                or self.failure  # the watcher thread may have named the dead rank first
+                or WorkerDiedError("tensor-parallel rank 0 closed its pipe")
+            )
         self.failure = error
         logger.error("tensor-parallel step %d failed: %s", so.step_id, error)
         _stop_processes(self.procs, 0.0)

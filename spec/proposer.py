@@ -210,16 +210,16 @@ class EagleProposer:
         dev, bs = positions.device, self.block_size
         g = self._run(next_tokens, features, positions, token_meta)
         g = g[torch.arange(batch, device=dev) * q + num_accepted]
-        # positions, slots and sequence lengths of the k - 1 chain steps at once: [k - 1, batch], a row per
-        # step (each row contiguous, as the kernels read it), a few launches instead of a dozen per step
-        steps = torch.arange(self.k - 1, device=dev)[:, None]
-        pos = positions.view(batch, q)[:, 0] + num_accepted + 1 + steps
+        # positions, slots and sequence lengths of the k - 1 chain steps at once (a few launches instead of a
+        # dozen per step), then a row per step, each contiguous as the kernels read it
+        pos = (positions.view(batch, q)[:, 0] + num_accepted + 1)[:, None] + torch.arange(self.k - 1, device=dev)
         width = meta.block_tables.shape[1]
         idx = pos // bs
-        valid = (meta.seq_lens > 0) & (idx < width)
-        block = meta.block_tables.gather(1, idx.clamp(max=width - 1).T).T.long()
-        slots = torch.where(valid, block * bs + pos % bs, -1).contiguous()  # block came back transposed
-        seq_lens = (pos + 1).to(torch.int32)
+        valid = (meta.seq_lens > 0)[:, None] & (idx < width)
+        block = meta.block_tables.gather(1, idx.clamp(max=width - 1)).long()
+        slots = torch.where(valid, block * bs + pos % bs, -1).T.contiguous()
+        seq_lens = (pos + 1).to(torch.int32).T.contiguous()
+        pos = pos.T.contiguous()
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         tokens = []
         for step in range(self.k):

@@ -235,19 +235,17 @@ def unrolled_forward(
 
 def _init_from_target(head: EagleDraftHead, model) -> None:
     """Start the decoder layer from the target's last one, and fc as "pass the feature through" (EAGLE-3
-    features: the highest layer's)."""
+    features: the highest layer's): the last ``hidden`` input columns near the identity, the rest damped."""
     last = model.model.layers[-1]
     with torch.no_grad():
         for p, src in zip(head.layer.parameters(), last.parameters()):
             if p.shape == src.shape:
                 p.copy_(src.to(p.dtype))
         h = head.cfg.hidden_size
-        head.fc.weight.mul_(0.1)
-        head.fc.weight[:, h:] += torch.eye(h, device=head.fc.weight.device, dtype=head.fc.weight.dtype)
-        if head.feature_fc is not None:
-            w = head.feature_fc.weight
-            w.mul_(0.1)
-            w[:, -h:] += torch.eye(h, device=w.device, dtype=w.dtype)
+        for lin in (head.fc, head.feature_fc):
+            if lin is not None:
+                lin.weight.mul_(0.1)
+                lin.weight[:, -h:] += torch.eye(h, device=lin.weight.device, dtype=lin.weight.dtype)
 
 
 def _losses(head, lm_d, embed, batch, feats_list, tokens_list, cfg: TrainConfig, device):
@@ -355,14 +353,11 @@ def train_draft_head(
         draft_vocab = draft_vocabulary(examples, vocab, cfg.draft_vocab, eos_token_ids)
     else:
         draft_vocab = None
+    if start_head is not None and start_head.cfg.feature != cfg.feature:
+        raise ValueError(f"init_from: {init_from} reads {start_head.cfg.feature!r} features, not {cfg.feature!r}")
+    layers = eagle3_layers(target_config.num_hidden_layers) if cfg.feature == "eagle3" else []
     if start_head is not None:
-        if start_head.cfg.feature != cfg.feature:
-            raise ValueError(f"init_from: {init_from} reads {start_head.cfg.feature!r} features, not {cfg.feature!r}")
-        features = {"feature": start_head.cfg.feature, "feature_layers": list(start_head.cfg.feature_layers)}
-    elif cfg.feature == "eagle3":
-        features = {"feature": "eagle3", "feature_layers": eagle3_layers(target_config.num_hidden_layers)}
-    else:
-        features = {"feature": cfg.feature}
+        layers = list(start_head.cfg.feature_layers)
     torch.manual_seed(cfg.seed)
     head = new_draft_head(
         target_name,
@@ -370,7 +365,8 @@ def train_draft_head(
         cfg.max_seq_len + cfg.ttt_steps + 1,
         draft_vocab=draft_vocab,
         seed=cfg.seed,
-        **features,
+        feature=cfg.feature,
+        feature_layers=layers,
     ).to(device)
     head.rotary.to(torch.float32)
     if start_head is not None:
