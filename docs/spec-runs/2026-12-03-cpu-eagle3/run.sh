@@ -1,6 +1,6 @@
 #!/bin/bash
 set -x
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the repository root
 export OMP_NUM_THREADS=2 PYTHONPATH=.
 PY=.venv/bin/python
 COMMON="--model smollm2-135m-instruct --device cpu --num-prompts 192 --max-prompt-len 256 --max-new-tokens 96 --epochs 8 --batch-tokens 4096 --lr 2e-3 --train-time-limit 420"
