@@ -152,6 +152,48 @@ def test_triton_attention_over_fp8_matches_the_torch_reference(seq_lens, q_lens,
     assert (out - ref).abs().max().item() < 1e-5
 
 
+# K and V amplitudes per KV head: ~100x apart between heads, and K's differ from V's, as in real models
+WIDE_AMP = torch.tensor([[0.05, 6.0, 0.6, 2.0], [8.0, 0.08, 1.0, 0.3]])
+
+
+def _wide_fp8_batch(seq_lens, q_lens, dtype, dev):
+    """A batch over an fp8 cache whose per-head scales (calibrated from its own amax) differ a lot."""
+    q, cache, meta = random_paged_batch(seq_lens, q_lens, 4, 2, 32, dtype=torch.float32, seed=5, device=dev)
+    cache = cache * WIDE_AMP[:, None, None, :, None]
+    kv_scale = fp8.scales_from_amax(cache.abs().amax(dim=(1, 2, 4)))
+    return q.to(dtype).to(dev), _fp8_cache(cache, kv_scale).to(dev), meta, kv_scale.to(dev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "seq_lens,q_lens,splits",
+    [
+        ([150, 17, 70, 1], [1, 1, 1, 1], 1),
+        ([150, 17, 70, 1], [1, 1, 1, 1], 3),  # split-K partials, the short sequences' trailing splits empty
+        ([70, 17, 9], [70, 17, 9], None),  # prefill
+        ([150, 40, 33, 5], [20, 1, 33, 2], None),  # chunked prefill (unmasked and causal key tiles) + decode rows
+    ],
+)
+def test_triton_fp8_scales_apply_per_head_and_per_tensor(seq_lens, q_lens, splits, dtype):
+    """The kernels fold each head's K scale into its logits and its V scale into its output: a scale of
+    another head, of the other tensor, applied twice or not at all is far outside the tolerance. 16-bit
+    queries run the GPU's fp16 dots (on the CPU the dot itself then runs in fp32, operands rounded to fp16)."""
+    tr = _triton_backend(decode_num_splits=splits)
+    dev = "cuda" if ON_GPU else "cpu"
+    q, c8, meta, kv_scale = _wide_fp8_batch(seq_lens, q_lens, dtype, dev)
+    be, sm = TorchAttentionBackend(), 32**-0.5
+    exact = be.forward(q.float(), c8, meta, sm, kv_scale)
+
+    def head_err(out):  # per query head, relative to that head's largest output
+        return ((out.float() - exact).abs().amax(dim=(0, 2)) / exact.abs().amax(dim=(0, 2))).max().item()
+
+    # bf16: the interpreter truncates the fp32 output to bf16 (up to 2^-7 of a value), the GPU rounds it
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}[dtype]
+    assert head_err(tr.forward(q, c8, meta, sm, kv_scale)) < tol
+    for wrong in (kv_scale.flip(-1), kv_scale.flip(0), kv_scale * torch.tensor([[1.0], [2.0]], device=dev)):
+        assert head_err(be.forward(q.float(), c8, meta, sm, wrong)) > 10 * tol
+
+
 # ------------------------------------------------------------------------------------------ the runner
 
 

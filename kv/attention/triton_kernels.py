@@ -19,8 +19,15 @@ token by token through the block table (``block_tables[seq, pos // block_size]``
 
 fp8 caches (``KV_FP8``, e4m3 with a static scale per KV head, `kv/attention/fp8.py`): the write kernel divides
 by the head's scale, saturates and rounds to nearest even explicitly (so it agrees bit for bit with torch's
-cast, and with itself under the interpreter, whose own fp8 cast rounds differently); the attention
-kernels load e4m3, multiply by the scale in fp32 and compute in the query's dtype.
+cast, and with itself under the interpreter, whose own fp8 cast rounds differently). The attention kernels
+never dequantize element by element: a head's scale is one number per program, so the K scale is folded
+into the logit scale (``q . (k8 * s) == (q . k8) * s``) and the V scale multiplies the fp32 accumulator once,
+before it is normalised or written as a split partial (every split of a head shares it, so the reduce is
+unchanged). The raw e4m3 tiles are converted straight to the dot's dtype, the only per-element work left:
+fp16 under a 16-bit query (``F16_DOT``; every e4m3 value, +-448 and subnormals included, is exact in fp16,
+and Hopper converts two per instruction), fp32 under an fp32 query. Under ``F16_DOT`` the query is cast
+to fp16 once per program (queries are far inside its range) and the probabilities in [0, 1] are fp16 for
+the PV dot, which keeps 3 more mantissa bits than bf16 would; accumulation stays fp32.
 
 Softmax runs online in fp32 with ``exp2`` (the scale is pre-multiplied by log2(e)); inputs may be fp32,
 fp16 or bf16. ``DOT_F32`` upcasts the ``tl.dot`` operands to fp32: the Triton interpreter (CPU) multiplies
@@ -68,14 +75,6 @@ def _div(x, scale, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.conste
         x = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (BLOCK_H, BLOCK_D)))  # div_rn does not broadcast
     else:
         x = x / scale[:, None]
-    return x
-
-
-@triton.jit
-def _unscale(x, scale, KV_FP8: tl.constexpr):
-    """A loaded K/V tile as values: e4m3 times its head's scale (in fp32); any other dtype as it is."""
-    if KV_FP8:  # one return: the compiler requires every return of a function to have one type
-        x = x.to(tl.float32) * scale
     return x
 
 
@@ -180,15 +179,11 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    k_scale = 1.0
-    v_scale = 1.0
-    if KV_FP8:
-        k_scale = tl.load(kv_scale_ptr + kvh)
-        v_scale = tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
 
@@ -208,6 +203,10 @@ def _decode_kernel(
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
+    if F16_DOT:
+        q = q.to(tl.float16)
+    if KV_FP8:  # the K scale multiplies every logit: fold it into their scale, once
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kvh)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -220,16 +219,17 @@ def _decode_kernel(
         k, v = _load_kv_tile(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
-        qk = _dot(q, tl.trans(_unscale(k, k_scale, KV_FP8).to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _unscale(v, v_scale, KV_FP8).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_F32, PRECISION)
         m_i = m_new
 
+    if KV_FP8:  # the V scale multiplies the output; before the partials are written, so the reduce needs none
+        acc = acc * tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -302,8 +302,6 @@ def _attend_range(
     offs_d,
     dmask,
     scale_log2,
-    k_scale,
-    v_scale,
     stride_c_kv,
     stride_c_blk,
     stride_c_tok,
@@ -312,9 +310,9 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
 ):
-    """Online-softmax pass over keys ``[lo, hi)``; ``CAUSAL`` masks key > query position and key >= hi."""
+    """Online-softmax pass over keys ``[lo, hi)``; ``CAUSAL`` masks key > query position and key >= hi.
+    K/V tiles are converted to the query's dtype; an fp8 cache's scales are the caller's (see the module doc)."""
     for t0 in range(lo, hi, BLOCK_N):
         pos = t0 + offs_n
         if CAUSAL:
@@ -324,15 +322,14 @@ def _attend_range(
         k, v = _load_kv_tile(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
-        qk = _dot(q, tl.trans(_unscale(k, k_scale, KV_FP8).to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
         if CAUSAL:
             qk = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _unscale(v, v_scale, KV_FP8).to(q.dtype)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32, PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_F32, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -366,6 +363,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     qtile = tl.program_id(1)
@@ -393,11 +391,10 @@ def _prefill_kernel(
         other=0.0,
     )
 
-    k_scale = 1.0
-    v_scale = 1.0
-    if KV_FP8:
-        k_scale = tl.load(kv_scale_ptr + kvh)
-        v_scale = tl.load(kv_scale_ptr + tl.num_programs(2) + kvh)
+    if F16_DOT:
+        q = q.to(tl.float16)
+    if KV_FP8:  # the K scale multiplies every logit: fold it into their scale, once
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kvh)
     first_pos = ctx + qtile * BLOCK_Q  # smallest query position of the tile
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1  # largest
     full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N  # keys [0, full_end) are seen by every row
@@ -408,15 +405,16 @@ def _prefill_kernel(
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2, k_scale, v_scale,
-        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION, KV_FP8,
+        acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2,
+        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_pos, head_base, bt, full_end, last_pos + 1, offs_n, offs_d, dmask, scale_log2,
-        k_scale, v_scale, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
-        KV_FP8,
+        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
     )  # fmt: skip
 
+    if KV_FP8:  # the V scale multiplies the output
+        acc = acc * tl.load(kv_scale_ptr + tl.num_programs(2) + kvh)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -449,6 +447,11 @@ def _fp8_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[to
     kv_scale = fp8.require_scale(kv_scale)
     assert kv_scale.is_contiguous() and kv_scale.dtype == torch.float32
     return kv_scale, True
+
+
+def _f16_dot(kv_fp8: bool, query_dtype: torch.dtype) -> bool:
+    """``F16_DOT``: an fp8 cache under a 16-bit query computes both dots in fp16 (see the module doc)."""
+    return kv_fp8 and query_dtype != torch.float32
 
 
 def write_kv(
@@ -515,7 +518,7 @@ def paged_decode(
         block_tables.stride(0), num_heads, head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        F16_DOT=_f16_dot(kv_fp8, query.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -562,6 +565,6 @@ def paged_prefill(
         block_tables.stride(0), head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=_block_d(head_dim),
         BLOCK_N=block_n, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
-        num_warps=num_warps, num_stages=num_stages,
+        F16_DOT=_f16_dot(kv_fp8, query.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
