@@ -8,7 +8,9 @@ Cases (Llama-3-8B shapes unless ``--tiny``):
 * ``gemv``: int4 (group 128) and int8 weight-only matmul of one row (batch-1 decode) for the q/k/v, o,
   gate/up, down and LM-head projections: every GEMV config's error against the exact product (fp32, the
   dequantized weight) and its time; the tuner's pick; the bf16 ``F.linear`` time of the same shape; the
-  effective bandwidth (bytes of the packed weight, scales and mins over the time).
+  effective bandwidth (bytes of the packed weight, scales and mins over the time); the fastest config of
+  each int4 layout ("3d", "2d", "tc" tensor cores, "tcx" the same with the inline-PTX unpack). The
+  tensor-core layouts are also checked with fp16 activations (their fp16 unpack differs from bf16's).
 * ``gemm``: the tensor-core kernel at 16 and 256 rows (decode batches, prefill), error and time vs bf16.
 * ``graph``: a split-K GEMV captured in a CUDA graph and replayed on new inputs (the arrival counters
   must reset themselves inside the graph).
@@ -96,6 +98,9 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
                     tuner.choice[key] = cfg
                     y = mm(x, cnt, tuner)
                     row["rel_err"] = _rel(y, ref)
+                    if cfg.layout in ("tc", "tcx"):
+                        x16 = x.half()
+                        row["rel_err"] = max(row["rel_err"], _rel(mm(x16, cnt, tuner), x16.float() @ wd.t()))
                     row["counters_reset"] = not bool(cnt.any())
                     ms = _bench(lambda x=x, tuner=tuner, cnt=cnt: mm(x, cnt, tuner), on_gpu)
                     row["ms"] = ms
@@ -110,6 +115,10 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
             best = min((r for r in ok_rows if r.get("ms")), key=lambda r: r["ms"], default=None)
             passed = bool(ok_rows) and all(r["rel_err"] < 1e-2 and r["counters_reset"] for r in ok_rows)
             passed &= _rel(y, ref) < 1e-2
+            by_layout = {}
+            for r in ok_rows:
+                if r.get("ms") and (r["config"][4] not in by_layout or r["ms"] < by_layout[r["config"][4]]["ms"]):
+                    by_layout[r["config"][4]] = {"ms": r["ms"], "gb_s": r["gb_s"], "config": r["config"]}
             yield {
                 "case": f"gemv int{bits} {name} {n}x{k}",
                 "pass": passed,
@@ -120,6 +129,7 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
                 "best_ms": best["ms"] if best else None,
                 "best_gb_s": best["gb_s"] if best else None,
                 "speedup_vs_bf16": bf16_ms / best["ms"] if best and bf16_ms else None,
+                "best_by_layout": by_layout,
                 "configs": configs,
                 "quantize_s": time.perf_counter() - t0,
             }

@@ -112,6 +112,33 @@ def test_int4_gemv_every_config_matches_the_reference(n, k, group):
     assert (y2 - _ref(x * 2, wd, None)).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k,group", [(72, 512, 128), (40, 384, 32), (33, 192, 64)])
+def test_int4_gemv_tensor_core_variant_matches_the_reference(dtype, n, k, group):
+    """`_int4_gemv_tc_kernel`: N not a multiple of BLOCK_N, uneven K steps (192 / 64 = 3 groups), split-K.
+    fp32 runs the exact fp32 path; fp16 the magic-number unpack (the inline-PTX one on a GPU, "tcx"); bf16
+    too on a GPU (the interpreter computes it in fp32): within the rounding of the output's dtype."""
+    qk = _kernels()
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    packed, scales, mins = (t.to(DEV) for t in quantize_int4(w, group))
+    wd = dequantize_int4(packed, scales, mins, torch.float32)
+    x = torch.randn(1, k, generator=g).to(DEV, dtype)
+    bias = torch.randn(n, generator=g).to(DEV)
+    ref = _ref(x, wd, bias)
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype] * max(1.0, float(ref.abs().max()))
+    configs = [c for c in qk.GEMV_CONFIGS if c.layout in ("tc", "tcx")][:2] + [
+        qk.GemvConfig(16, 64, 1, 4, "tc"),
+        qk.GemvConfig(32, 128, 2, 4, "tcx"),
+        qk.GemvConfig(16, 32, 4, 2, "tcx"),
+    ]
+    for cfg in configs:
+        counters = torch.zeros(-(-n // MIN_GEMV_BLOCK_N), dtype=torch.int32, device=DEV)
+        y = qk.int4_matmul(x, packed, scales, mins, group, bias, counters, qk.GemvTuner(configs=(cfg,)))
+        assert y.dtype == dtype and (y.float() - ref).abs().max() < tol, cfg
+        assert not counters.any(), cfg
+
+
 @pytest.mark.parametrize("m", [2, 17, 40])
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_gemm_matches_the_reference(m, group):

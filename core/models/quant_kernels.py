@@ -20,6 +20,10 @@ Kernels:
   its partial sums to a workspace and bumps a per-tile counter; the program that arrives last adds the
   partials, writes the output and resets the counter, so one launch does the whole product (no memset,
   no second kernel: it stays one node of a CUDA graph).
+* ``_int4_gemv_tc_kernel`` (one row, int4): the same product on the tensor cores. Those kernels spend ~5
+  ALU instructions per weight (unpack, float conversion, two multiply-adds) and top out well below the
+  memory bandwidth; this one leaves only the unpack on the ALUs: raw nibbles (exact in fp16/bf16) times a
+  block-diagonal tile of ``x`` give each group's ``sum q*x``, and scale and min apply once per row and group.
 * ``_int4_gemm_kernel`` / ``_int8_gemm_kernel`` (several rows: decode batches, prefill): tiles of
   ``BLOCK_M x BLOCK_N``; each K step dequantizes a weight tile to the activation dtype and multiplies it
   on the tensor cores (``tl.dot``).
@@ -178,6 +182,142 @@ def _int4_gemv2d_kernel(
 
 
 @triton.jit
+def _int4_nibbles16_asm(b, DT: tl.constexpr):
+    """The nibbles of ``b`` (uint8) as ``DT`` (fp16 or bf16) floats ``MAGIC + q`` (see `_int4_gemv_tc_kernel`),
+    four bytes per register: two byte permutes spread bytes 0,1 and 2,3 over 16-bit halves, an AND-OR each
+    makes two floats of the low nibbles, a shift and an AND-OR two of the high ones (1 instruction per
+    weight; the compiler's own unpack takes ~3: it extracts and repacks every byte)."""
+    if DT == tl.bfloat16:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 t0, t0, 4;
+            shr.u32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
+            shr.u32 t0, t0, 4;
+            shr.u32 t1, t1, 4;
+            lop3.b32 $2, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 $3, t1, 0x000F000F, 0x64006400, 0xEA;
+            }""",
+            constraints="=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+
+
+@triton.jit
+def _int4_gemv_tc_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """The int4 GEMV on the tensor cores: per step ``GROUPS`` groups of raw nibbles (``[BLOCK_N, GROUPS*G/2]``
+    bytes) times a block-diagonal ``[GROUPS*G/2, GROUPS]`` tile of ``x`` (column ``j`` holds group ``j``'s
+    slice) gives every group's ``sum q*x`` at once; scale and min then apply once per row and group,
+    ``s * dot + (z - MAGIC*s) * sum(x)``, on ``[BLOCK_N, GROUPS]`` (1/G of the per-weight work). Nibbles
+    enter the mantissa of ``MAGIC`` (1024 in fp16, 128 in bf16; ``ASM``: `_int4_nibbles16_asm`), which the
+    ``sum(x)`` term takes back out: the unpack is the only per-weight ALU work. That cancellation costs
+    ~7 of fp32's 24 bits of each group's sum, far below the rounding of the fp16/bf16 output; fp32
+    activations (``DOT_F32``) keep the exact fp32 path instead."""
+    HALF: tl.constexpr = G // 2
+    BK: tl.constexpr = GROUPS * HALF  # weight bytes per row and step
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    num_groups = K // G
+    per_split = tl.cdiv(tl.cdiv(num_groups, SPLIT_K), GROUPS) * GROUPS
+    g_lo = pid_k * per_split
+    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    offs_c = tl.arange(0, BK)
+    offs_j = tl.arange(0, GROUPS)
+    diag = (offs_c // HALF)[:, None] == offs_j[None, :]  # byte c belongs to the step's group c // HALF
+    xoff = (offs_c // HALF) * G + offs_c % HALF
+    acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+    for g0 in range(g_lo, g_hi, GROUPS):
+        if EVEN_K:  # every step whole: no per-byte masks (they would split the loads into bytes)
+            cmask = offs_c >= 0
+            jmask = offs_j >= 0
+        else:
+            cmask = (g0 * HALF + offs_c) < g_hi * HALF
+            jmask = (g0 + offs_j) < g_hi
+        b = tl.load(
+            w_ptr + rows64[:, None] * stride_wn + g0 * HALF + offs_c[None, :],
+            mask=rmask[:, None] & cmask[None, :],
+            other=0,
+        )
+        m2 = rmask[:, None] & jmask[None, :]
+        s = tl.load(s_ptr + rows64[:, None] * stride_sn + g0 + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + rows64[:, None] * stride_sn + g0 + offs_j[None, :], mask=m2, other=0.0).to(tl.float32)
+        xm = diag & cmask[:, None]
+        x_lo = tl.load(x_ptr + g0 * G + xoff[:, None] + offs_j[None, :] * 0, mask=xm, other=0.0)
+        x_hi = tl.load(x_ptr + g0 * G + HALF + xoff[:, None] + offs_j[None, :] * 0, mask=xm, other=0.0)
+        # [GROUPS]: each group's sum of x (x_lo, x_hi: the block diagonal, zero off it)
+        sx = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=0)
+        if DOT_F32:
+            lo, hi = _int4_nibbles(b.to(tl.int32))
+            d = _dot(lo, x_lo, True) + _dot(hi, x_hi, True)
+        else:
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                bits: tl.constexpr = 0x4300
+                magic: tl.constexpr = 128.0
+            else:
+                bits: tl.constexpr = 0x6400
+                magic: tl.constexpr = 1024.0
+            if ASM:
+                lo, hi = _int4_nibbles16_asm(b, x_ptr.dtype.element_ty)
+            else:
+                b16 = b.to(tl.int16)
+                lo = ((b16 & 0xF) | bits).to(x_ptr.dtype.element_ty, bitcast=True)
+                hi = ((b16 >> 4) | bits).to(x_ptr.dtype.element_ty, bitcast=True)
+            d = tl.dot(hi, x_hi, tl.dot(lo, x_lo))
+            z -= magic * s
+        acc += d * s + z * sx[None, :]
+    part = tl.sum(acc, axis=1)
+    _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
 def _int8_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -326,7 +466,9 @@ class GemvConfig:
     row_bytes: int  # weight bytes per row and K step
     split_k: int
     num_warps: int
-    layout: str = "3d"  # int4: "3d" = `_int4_gemv_kernel`, "2d" = `_int4_gemv2d_kernel` (int8 has one kernel)
+    # int4: "3d" = `_int4_gemv_kernel`, "2d" = `_int4_gemv2d_kernel`, "tc" = `_int4_gemv_tc_kernel`, "tcx" = the
+    # same with the inline-PTX unpack (GPU only; int8 has one kernel)
+    layout: str = "3d"
     num_stages: int = 3
 
 
@@ -354,6 +496,14 @@ GEMV_CONFIGS = (
     GemvConfig(32, 128, 4, 4, "2d"),
     GemvConfig(64, 128, 1, 4, "2d", 4),
     GemvConfig(64, 128, 1, 4, "2d", 1),
+    # tensor cores (`_int4_gemv_tc_kernel`): the MMA tile wants BLOCK_N >= 16 per warp; split-K fills the
+    # GPU where N / BLOCK_N is short of the SM count (N = 4096: 64 tiles)
+    GemvConfig(64, 128, 1, 4, "tcx"),
+    GemvConfig(128, 128, 1, 4, "tcx"),
+    GemvConfig(64, 256, 1, 4, "tcx"),
+    GemvConfig(128, 128, 1, 8, "tcx"),
+    GemvConfig(64, 128, 4, 4, "tcx"),
+    GemvConfig(64, 128, 1, 4, "tc"),
 )
 
 
@@ -364,12 +514,12 @@ class GemvTuner:
     configs: tuple[GemvConfig, ...] = GEMV_CONFIGS
     choice: dict[tuple, GemvConfig] = field(default_factory=dict)
 
-    def pick(self, key: tuple, run, device: torch.device, layouts: tuple[str, ...] = ("3d", "2d")) -> GemvConfig:
+    def pick(self, key: tuple, run, device: torch.device, layouts: tuple[str, ...] | None = None) -> GemvConfig:
         """The config for ``key``; ``run(config)`` launches the kernel once (it is timed on a GPU)."""
         cfg = self.choice.get(key)
         if cfg is not None:
             return cfg
-        candidates = [c for c in self.configs if c.layout in layouts] or list(self.configs)
+        candidates = [c for c in self.configs if layouts is None or c.layout in layouts] or list(self.configs)
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return candidates[0]
         from triton.testing import do_bench
@@ -387,6 +537,11 @@ class GemvTuner:
 
 def _dot_f32(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
+
+
+def _gemv_dot_f32(x: torch.Tensor) -> bool:
+    # fp32 activations stay fp32 (the tensor cores would round them); bf16 on the CPU too (see `_dot`)
+    return x.dtype == torch.float32 or (x.device.type == "cpu" and x.dtype == torch.bfloat16)
 
 
 def _gemm_blocks(m: int) -> tuple[int, int]:
@@ -418,8 +573,15 @@ def int4_matmul(
             split = c.split_k if counters is not None and counters.numel() >= triton.cdiv(n, c.block_n) else 1
             ws = torch.empty((split, n), dtype=torch.float32, device=x.device) if split > 1 else out
             steps = max(1, c.row_bytes // half)
-            kernel = _int4_gemv2d_kernel if c.layout == "2d" else _int4_gemv_kernel
-            meta = {"UNROLL": steps} if c.layout == "2d" else {"BLOCK_G": steps}
+            if c.layout in ("tc", "tcx"):
+                kernel = _int4_gemv_tc_kernel
+                even_k = (k // group_size) % (steps * split) == 0
+                asm = c.layout == "tcx" and x.is_cuda  # inline PTX: the interpreter runs the plain unpack
+                meta = {"GROUPS": steps, "DOT_F32": _gemv_dot_f32(x), "EVEN_K": even_k, "ASM": asm}
+            elif c.layout == "2d":
+                kernel, meta = _int4_gemv2d_kernel, {"UNROLL": steps}
+            else:
+                kernel, meta = _int4_gemv_kernel, {"BLOCK_G": steps}
             kernel[(triton.cdiv(n, c.block_n), split)](
                 x, qweight, scales, mins, bias_arg, out, ws, counters if counters is not None else out,
                 n, k, qweight.stride(0), scales.stride(0),
