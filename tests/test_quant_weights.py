@@ -267,3 +267,25 @@ def test_bench_perplexity_compares_every_option_on_the_same_text(tmp_path):
     for r in rows.values():  # a random model: perplexity near its vocabulary, each option close to the base
         assert abs(r["delta_pct"]) < 5 and r["perplexity"] > 1000
     assert rc == (0 if rec["all_within_bounds"] else 1)
+
+
+def test_gemv_tuner_never_picks_a_config_whose_output_is_wrong(monkeypatch):
+    """The tuner times candidates on a GPU; one that computes a different product (a miscompiled unpack, say)
+    is dropped however fast it is. Timing is faked here (no GPU): the wrong config is the fastest."""
+    import triton.testing
+
+    qk = _kernels()
+    configs = (qk.GemvConfig(16, 256, 1, 4), qk.GemvConfig(32, 128, 1, 4, "2d"), qk.GemvConfig(64, 128, 1, 4, "tcx"))
+    right = torch.arange(8, dtype=torch.float32)
+    outputs = {configs[0]: right, configs[1]: right + 1e-4, configs[2]: right.flip(0)}
+    speed = {configs[0]: 3.0, configs[1]: 2.0, configs[2]: 1.0}
+    last = []
+
+    def run(c):
+        last.append(c)
+        return outputs[c]
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), speed[last[-1]])[1])
+    tuner = qk.GemvTuner(configs=configs)
+    assert tuner.pick(("int4", 8, 64, 32), run, torch.device("cuda")) == configs[1]
