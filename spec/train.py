@@ -248,6 +248,21 @@ def _init_from_target(head: EagleDraftHead, model) -> None:
                 lin.weight[:, -h:] += torch.eye(h, device=lin.weight.device, dtype=lin.weight.dtype)
 
 
+def _grow_from_eagle1(head: EagleDraftHead, eagle1: EagleDraftHead, model) -> None:
+    """Start an EAGLE-3 head as the EAGLE-1 head ``eagle1``, exactly: its high layer is the target's last, whose
+    output (the residual stream) the target's final norm turns into EAGLE-1's feature. So ``feature_fc`` passes
+    that layer through and ignores the others (zeros), ``feature_norm`` takes the final norm's weight, and
+    ``fc``, the decoder layer and the output norm are ``eagle1``'s. Training then starts from the EAGLE-1
+    head's acceptance and learns what the lower layers add."""
+    h = head.cfg.hidden_size
+    missing, unexpected = head.load_state_dict(eagle1.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("feature_") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        head.feature_fc.weight.zero_()
+        head.feature_fc.weight[:, -h:] = torch.eye(h, device=head.feature_fc.weight.device)
+        head.feature_norm.weight.copy_(model.model.norm.weight)
+
+
 def _losses(head, lm_d, embed, batch, feats_list, tokens_list, cfg: TrainConfig, device):
     """The weighted loss of one batch and per-step top-1 agreement with the target."""
     lens = [len(ex.token_ids) for ex in batch]
@@ -353,10 +368,14 @@ def train_draft_head(
         draft_vocab = draft_vocabulary(examples, vocab, cfg.draft_vocab, eos_token_ids)
     else:
         draft_vocab = None
-    if start_head is not None and start_head.cfg.feature != cfg.feature:
+    grow = start_head is not None and (start_head.cfg.feature, cfg.feature) == ("final", "eagle3")
+    if start_head is not None and start_head.cfg.feature != cfg.feature and not grow:
         raise ValueError(f"init_from: {init_from} reads {start_head.cfg.feature!r} features, not {cfg.feature!r}")
-    layers = eagle3_layers(target_config.num_hidden_layers) if cfg.feature == "eagle3" else []
-    if start_head is not None:
+    n_layers = target_config.num_hidden_layers
+    layers = eagle3_layers(n_layers) if cfg.feature == "eagle3" else []
+    if grow:  # the high layer is the last: its normed output is the EAGLE-1 head's feature
+        layers = sorted({*layers[:-1], n_layers - 1})
+    elif start_head is not None:
         layers = list(start_head.cfg.feature_layers)
     torch.manual_seed(cfg.seed)
     head = new_draft_head(
@@ -369,7 +388,9 @@ def train_draft_head(
         feature_layers=layers,
     ).to(device)
     head.rotary.to(torch.float32)
-    if start_head is not None:
+    if grow:
+        _grow_from_eagle1(head, start_head, model)
+    elif start_head is not None:
         head.load_state_dict(start_head.state_dict())
     elif ckpt is None and cfg.init_from_last_layer:
         _init_from_target(head, model)

@@ -47,7 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the head's input: the target's final hidden state (EAGLE-1) or a low, middle and high layer's (EAGLE-3)",
     )
     t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
-    t.add_argument("--init-from", default=None, help="continue from this head (e.g. the shipped one)")
+    t.add_argument(
+        "--init-from",
+        default=None,
+        help="continue from this head (e.g. the shipped one); with --feature eagle3 an EAGLE-1 head grows into one",
+    )
     t.add_argument("--smoke", action="store_true", help="tiny CPU config: dummy:tiny, 16 prompts, seconds")
     t.add_argument("--export-data", default=None, help="write the selected conversations to this JSON file, exit")
     t.set_defaults(func=cmd_train)

@@ -13,9 +13,9 @@ from core import LLM, SamplingParams
 from core.models.layers import ForwardContext
 from core.models.loader import load_model, resolve_model
 from kv.attention import allocate_kv_cache, get_attention_backend
-from spec.eagle import load_draft_head, new_draft_head
+from spec.eagle import load_draft_head, new_draft_head, save_draft_head
 from spec.proposer import paged_metadata
-from spec.train import Example, TrainConfig, train_draft_head, unrolled_forward
+from spec.train import Example, TrainConfig, target_features, train_draft_head, unrolled_forward
 from spec.train_cli import chat_pairs, load_conversations
 from tests.spec_helpers import tiny_config
 
@@ -119,18 +119,41 @@ def test_training_resumes_exactly(tmp_path, tiny_target):
     assert torch.equal(cont.head.draft_vocab, head.draft_vocab)
     for (name, a), b in zip(head.state_dict().items(), cont.head.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
-    # an EAGLE-1 head cannot start an EAGLE-3 run (its input differs)
-    with pytest.raises(ValueError, match="'final' features, not 'eagle3'"):
+    # an EAGLE-1 head grows into an EAGLE-3 head that drafts exactly as it did: the high layer is the last
+    with torch.no_grad():  # a final norm that is not all ones, so that the grown head must take its weight
+        model.model.norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(4))
+    grown = train_draft_head(
+        model,
+        "dummy:tiny",
+        source.config,
+        _examples(),
+        tmp_path / "d",
+        TrainConfig(**{**CFG, "feature": "eagle3"}),
+        progress=False,
+        max_steps=0,
+        init_from=tmp_path / "a",
+    ).head
+    n = source.config.num_hidden_layers
+    assert grown.cfg.feature == "eagle3" and grown.cfg.feature_layers[-1] == n - 1
+    assert len(grown.cfg.feature_layers) >= 2 and torch.equal(grown.draft_vocab, head.draft_vocab)
+    seqs = [ex.token_ids[:40] for ex in _examples(3)]
+    final = target_features(model, seqs, torch.device("cpu"), progress=False)
+    layered = target_features(model, seqs, torch.device("cpu"), progress=False, aux_layers=grown.cfg.feature_layers)
+    h = source.config.hidden_size
+    for f1, f3, ids in zip(final, layered, seqs):
+        embeds = model.model.embed_tokens(torch.tensor(ids[1:] + [0]))[None]
+        with torch.no_grad():
+            want = unrolled_forward(head, embeds, f1[None], 3)
+            got = unrolled_forward(grown, embeds, f3[None, :, h:], 3)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(grown.feature_fc.weight, torch.zeros_like(grown.feature_fc.weight))
+    # an EAGLE-3 head cannot start an EAGLE-1 run (it would lose its input)
+    with pytest.raises(ValueError, match="'eagle3' features, not 'final'"):
         train_draft_head(
-            model,
-            "dummy:tiny",
-            source.config,
-            _examples(),
-            tmp_path / "d",
-            TrainConfig(**{**CFG, "feature": "eagle3"}),
-            progress=False,
-            init_from=tmp_path / "a",
-        )
+            model, "dummy:tiny", source.config, _examples(), tmp_path / "e", cfg, progress=False,
+            init_from=save_draft_head(grown, tmp_path / "d3", dtype=torch.float32),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("feature", ["final", "eagle3"])
