@@ -257,6 +257,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="small shapes (CPU interpreter smoke)")
     p.add_argument("--out", default="quant_kernel_check.json")
+    p.add_argument("--only", choices=("fp8", "graph", "linear"), action="append", help="run these groups only")
     ns = p.parse_args()
     import torch
 
@@ -268,12 +269,12 @@ def main() -> int:
     dev = "cuda" if on_gpu else "cpu"
     record = {"command": " ".join(sys.argv), "machine": machine_info(), "versions": versions(), "date": utc_now_iso()}
     rows: list[dict] = []
-    gens = [
-        lambda: fp8_cases(dev, on_gpu, ns.tiny),
-        lambda: graph_case(dev, on_gpu),
-        lambda: linear_cases(TINY_SHAPES if ns.tiny else LINEAR_SHAPES, dev, on_gpu),
-    ]
-    for make in gens:
+    gens = {
+        "fp8": lambda: fp8_cases(dev, on_gpu, ns.tiny),
+        "graph": lambda: graph_case(dev, on_gpu),
+        "linear": lambda: linear_cases(TINY_SHAPES if ns.tiny else LINEAR_SHAPES, dev, on_gpu),
+    }
+    for make in (gens[g] for g in gens if not ns.only or g in ns.only):
         try:
             for row in make():
                 rows.append(row)

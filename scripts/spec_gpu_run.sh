@@ -9,8 +9,9 @@
 # (ShareGPT's first user turns of the training split and of the unseen held-out split).
 # Optional: DATA_PT=file (regenerated sequences of an earlier run: skip regeneration), INIT_FROM=head dir
 # (continue training it), FEATURE=eagle3 (a head over a low, middle and high layer's hidden states), and the
-# time/size knobs below. OUT_DIR receives at most 7 files: run.log,
-# config.json, model.safetensors, data.pt, eval.json, bench_c1.json, bench_c64.json.
+# time/size knobs below (BENCH1_ROUNDS, BENCH_SHIPPED=1: bench the shipped head too, BENCH64_PROMPTS=0: no
+# 64-request bench). OUT_DIR receives at most 8 files: run.log, config.json, model.safetensors, data.pt,
+# eval.json, bench_c1.json, bench_c1_shipped.json, bench_c64.json.
 set -euo pipefail
 GGUF=$1 DATA=$2 OUT=$3
 mkdir -p "$OUT"
@@ -30,16 +31,25 @@ phase train
   --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 --feature "${FEATURE:-final}" 2>&1 | tee -a "$LOG"
 cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
 
+# From here a failing step is reported and the next one still runs (each writes its own file).
 phase eval
 "$PY" -m app.cli eval-draft --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --split heldout \
   --num-prompts "${EVAL_PROMPTS:-200}" --max-new-tokens "${MAX_NEW:-256}" --num-speculative-tokens 4 \
-  --json "$OUT/eval.json" 2>&1 | tee -a "$LOG"
+  --json "$OUT/eval.json" 2>&1 | tee -a "$LOG" || phase "eval FAILED"
 
+bench1() {  # bench1 HEAD FILE: batch 1, speculative vs plain
+  "$PY" -m app.bench.spec --model "$GGUF" --head "$1" --data "$DATA/heldout.json" --concurrency 1 \
+    --num-prompts "${BENCH1_PROMPTS:-8}" --rounds "${BENCH1_ROUNDS:-1}" --max-new-tokens "${MAX_NEW:-256}" \
+    --out "$OUT/$2" 2>&1 | tee -a "$LOG" || phase "bench $2 FAILED"
+}
 if [ "${BENCH:-1}" = 1 ]; then
   phase bench
-  "$PY" -m app.bench.spec --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --concurrency 1 \
-    --num-prompts "${BENCH1_PROMPTS:-8}" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/bench_c1.json" 2>&1 | tee -a "$LOG"
-  "$PY" -m app.bench.spec --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --concurrency 64 \
-    --num-prompts "${BENCH64_PROMPTS:-64}" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/bench_c64.json" 2>&1 | tee -a "$LOG"
+  if [ "${BENCH_SHIPPED:-0}" = 1 ]; then bench1 default bench_c1_shipped.json; fi  # the shipped head, same prompts
+  bench1 "$HEAD" bench_c1.json
+  if [ "${BENCH64_PROMPTS:-64}" != 0 ]; then
+    "$PY" -m app.bench.spec --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --concurrency 64 \
+      --num-prompts "${BENCH64_PROMPTS:-64}" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/bench_c64.json" 2>&1 \
+      | tee -a "$LOG" || phase "bench c64 FAILED"
+  fi
 fi
 phase done
