@@ -184,6 +184,26 @@ def _int4_gemv2d_kernel(
     _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
 
 
+def _nibble_unpack_asm(magic_pair: str) -> str:
+    """PTX for `_int4_nibbles16_asm`: four bytes in ``$4``; out ``$0 $1`` the low nibbles of bytes 0-1 and 2-3,
+    ``$2 $3`` the high ones, each a pair of 16-bit floats ``MAGIC + q`` (``magic_pair``: MAGIC's bits, twice)."""
+    return f"""{{
+    .reg .b32 t0, t1;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    lop3.b32 $0, t0, 0x000F000F, {magic_pair}, 0xEA;
+    lop3.b32 $1, t1, 0x000F000F, {magic_pair}, 0xEA;
+    shr.u32 t0, t0, 4;
+    shr.u32 t1, t1, 4;
+    lop3.b32 $2, t0, 0x000F000F, {magic_pair}, 0xEA;
+    lop3.b32 $3, t1, 0x000F000F, {magic_pair}, 0xEA;
+    }}"""
+
+
+_UNPACK_ASM_BF16 = tl.constexpr(_nibble_unpack_asm("0x43004300"))  # 128 + q
+_UNPACK_ASM_FP16 = tl.constexpr(_nibble_unpack_asm("0x64006400"))  # 1024 + q
+
+
 @triton.jit
 def _int4_nibbles16_asm(b, DT: tl.constexpr):
     """The nibbles of ``b`` (uint8) as ``DT`` (fp16 or bf16) floats ``MAGIC + q`` (see `_int4_gemv_tc_kernel`),
@@ -192,41 +212,11 @@ def _int4_nibbles16_asm(b, DT: tl.constexpr):
     weight; the compiler's own unpack takes ~3: it extracts and repacks every byte)."""
     if DT == tl.bfloat16:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-            shr.u32 t0, t0, 4;
-            shr.u32 t1, t1, 4;
-            lop3.b32 $2, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $3, t1, 0x000F000F, 0x43004300, 0xEA;
-            }""",
-            constraints="=r,=r,=r,=r,r",
-            args=[b],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
+            _UNPACK_ASM_BF16, "=r,=r,=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
         )
     else:
         return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xEA;
-            shr.u32 t0, t0, 4;
-            shr.u32 t1, t1, 4;
-            lop3.b32 $2, t0, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 $3, t1, 0x000F000F, 0x64006400, 0xEA;
-            }""",
-            constraints="=r,=r,=r,=r,r",
-            args=[b],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
+            _UNPACK_ASM_FP16, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4
         )
 
 
