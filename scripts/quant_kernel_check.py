@@ -126,6 +126,8 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
                 "bf16_ms": bf16_ms,
                 "bf16_gb_s": n * k * 2 / bf16_ms / 1e6 if bf16_ms else None,
                 "tuned_config": _cfg(pick) if pick else None,
+                # the tuner's own timings (its pick has disagreed with the sweep's best: kept to find out why)
+                "tuner_ms": {" ".join(map(str, _cfg(c))): t for c, t in next(iter(tuner.timings.values()), {}).items()},
                 "best_ms": best["ms"] if best else None,
                 "best_gb_s": best["gb_s"] if best else None,
                 "speedup_vs_bf16": bf16_ms / best["ms"] if best and bf16_ms else None,

@@ -289,3 +289,4 @@ def test_gemv_tuner_never_picks_a_config_whose_output_is_wrong(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), speed[last[-1]])[1])
     tuner = qk.GemvTuner(configs=configs)
     assert tuner.pick(("int4", 8, 64, 32), run, torch.device("cuda")) == configs[1]
+    assert tuner.timings[("int4", 8, 64, 32)] == {configs[0]: 3.0, configs[1]: 2.0}  # the wrong one never timed

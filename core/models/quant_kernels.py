@@ -506,6 +506,7 @@ class GemvTuner:
 
     configs: tuple[GemvConfig, ...] = GEMV_CONFIGS
     choice: dict[tuple, GemvConfig] = field(default_factory=dict)
+    timings: dict[tuple, dict[GemvConfig, float]] = field(default_factory=dict)  # ms per candidate, as timed
 
     def pick(self, key: tuple, run, device: torch.device, layouts: tuple[str, ...] | None = None) -> GemvConfig:
         """The config for ``key``; ``run(config)`` launches the kernel once and returns its output (it is timed
@@ -530,7 +531,7 @@ class GemvTuner:
             except Exception:  # a config that does not compile for this shape is not a candidate
                 continue
         cfg = min(times, key=times.get) if times else candidates[0]
-        self.choice[key] = cfg
+        self.choice[key], self.timings[key] = cfg, times
         return cfg
 
 
