@@ -56,6 +56,19 @@ def _int4_nibbles(b):
 
 
 @triton.jit
+def _gemv_tile(N, units, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, STEP: tl.constexpr):
+    """A GEMV program's share of the work: its ``BLOCK_N`` output rows (masked past ``N``; int64 for
+    addressing) and its range ``[lo, hi)`` of ``units`` (groups, or K) when K is split ``SPLIT_K`` ways in whole
+    steps of ``STEP``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    per_split = tl.cdiv(tl.cdiv(units, SPLIT_K), STEP) * STEP
+    lo = pid_k * per_split
+    return pid_n, pid_k, rows, rows < N, rows.to(tl.int64), lo, tl.minimum(lo + per_split, units)
+
+
+@triton.jit
 def _gemv_epilogue(
     part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr
 ):
@@ -101,15 +114,7 @@ def _int4_gemv_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     HALF: tl.constexpr = G // 2
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    num_groups = K // G
-    per_split = tl.cdiv(tl.cdiv(num_groups, SPLIT_K), BLOCK_G) * BLOCK_G
-    g_lo = pid_k * per_split
-    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    pid_n, pid_k, rows, rmask, rows64, g_lo, g_hi = _gemv_tile(N, K // G, BLOCK_N, SPLIT_K, BLOCK_G)
     offs_g = tl.arange(0, BLOCK_G)
     offs_i = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_N, BLOCK_G, HALF], dtype=tl.float32)
@@ -156,15 +161,7 @@ def _int4_gemv2d_kernel(
     """`_int4_gemv_kernel` on 2-D tiles: one group (``[BLOCK_N, G/2]`` bytes, one scale and min per row) per
     inner step, ``UNROLL`` independent groups per loop iteration."""
     HALF: tl.constexpr = G // 2
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    num_groups = K // G
-    per_split = tl.cdiv(tl.cdiv(num_groups, SPLIT_K), UNROLL) * UNROLL
-    g_lo = pid_k * per_split
-    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    pid_n, pid_k, rows, rmask, rows64, g_lo, g_hi = _gemv_tile(N, K // G, BLOCK_N, SPLIT_K, UNROLL)
     offs_i = tl.arange(0, HALF)
     acc = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
     for g0 in range(g_lo, g_hi, UNROLL):
@@ -253,15 +250,7 @@ def _int4_gemv_tc_kernel(
     activations (``DOT_F32``) keep the exact fp32 path instead."""
     HALF: tl.constexpr = G // 2
     BK: tl.constexpr = GROUPS * HALF  # weight bytes per row and step
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    num_groups = K // G
-    per_split = tl.cdiv(tl.cdiv(num_groups, SPLIT_K), GROUPS) * GROUPS
-    g_lo = pid_k * per_split
-    g_hi = tl.minimum(g_lo + per_split, num_groups)
+    pid_n, pid_k, rows, rmask, rows64, g_lo, g_hi = _gemv_tile(N, K // G, BLOCK_N, SPLIT_K, GROUPS)
     offs_c = tl.arange(0, BK)
     offs_j = tl.arange(0, GROUPS)
     diag = (offs_c // HALF)[:, None] == offs_j[None, :]  # byte c belongs to the step's group c // HALF
@@ -327,14 +316,7 @@ def _int8_gemv_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    rows64 = rows.to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = pid_k * per_split
-    k_hi = tl.minimum(k_lo + per_split, K)
+    pid_n, pid_k, rows, rmask, rows64, k_lo, k_hi = _gemv_tile(N, K, BLOCK_N, SPLIT_K, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
