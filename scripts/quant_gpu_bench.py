@@ -11,7 +11,9 @@
 Each benchmark is its own ``python -m app.cli bench ...`` process (a fresh engine and GPU memory), in
 that order; every result file is kept in ``--out-dir`` with its command, machine and versions, and the
 summary (``quant_gpu_bench.json``) repeats the pairs and ratios. A pair whose run fails is reported as such.
-Extra engine flags for every run go after ``--`` (e.g. ``-- --max-num-batched-tokens 8192``).
+Extra engine flags for every run go after ``--`` (e.g. ``-- --max-num-batched-tokens 8192``). A
+``dummy:`` model borrows the default model's tokenizer: without the model package, carry
+``~/.cache/sluice/tokenizers/`` and point ``SLUICE_CACHE_DIR`` at its parent.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ def main() -> int:
     p.add_argument("extra", nargs="*", help="engine flags for every run (after --)")
     ns = p.parse_args()
     from app.bench.results import command_line, write_result
+    from core.errors import ModelLoadError
+    from core.models.loader import resolve_model
+
+    try:  # fail here, not four times over: random-weight models borrow the default model's tokenizer
+        resolve_model(ns.model)
+    except ModelLoadError as e:
+        print(f"{ns.model}: {e}. A machine without the model package needs a copy of the tokenizer folder")
+        print("$SLUICE_CACHE_DIR/tokenizers/ (~/.cache/sluice/tokenizers/ by default) from one that has it.")
+        return 2
 
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
