@@ -181,24 +181,33 @@ def _int4_gemv2d_kernel(
     _gemv_epilogue(part, rows, rmask, pid_n, pid_k, N, b_ptr, out_ptr, ws_ptr, cnt_ptr, SPLIT_K, HAS_BIAS)
 
 
-def _nibble_unpack_asm(magic_pair: str) -> str:
+# 16-bit floats ``MAGIC + q`` for a nibble ``q``: its bits OR-ed into the mantissa of MAGIC (1024 in fp16, 128
+# in bf16, whose last mantissa bits are zero), the unpack of `_int4_gemv_tc_kernel`
+_MAGIC_BITS_FP16 = tl.constexpr(0x6400)
+_MAGIC_FP16 = tl.constexpr(1024.0)
+_MAGIC_BITS_BF16 = tl.constexpr(0x4300)
+_MAGIC_BF16 = tl.constexpr(128.0)
+
+
+def _nibble_unpack_asm(magic_bits: int) -> str:
     """PTX for `_int4_nibbles16_asm`: four bytes in ``$4``; out ``$0 $1`` the low nibbles of bytes 0-1 and 2-3,
-    ``$2 $3`` the high ones, each a pair of 16-bit floats ``MAGIC + q`` (``magic_pair``: MAGIC's bits, twice)."""
+    ``$2 $3`` the high ones, each a pair of 16-bit floats ``MAGIC + q`` (``magic_bits``: MAGIC's bits)."""
+    pair = f"0x{magic_bits:04X}{magic_bits:04X}"
     return f"""{{
     .reg .b32 t0, t1;
     prmt.b32 t0, $4, 0, 0x4140;
     prmt.b32 t1, $4, 0, 0x4342;
-    lop3.b32 $0, t0, 0x000F000F, {magic_pair}, 0xEA;
-    lop3.b32 $1, t1, 0x000F000F, {magic_pair}, 0xEA;
+    lop3.b32 $0, t0, 0x000F000F, {pair}, 0xEA;
+    lop3.b32 $1, t1, 0x000F000F, {pair}, 0xEA;
     shr.u32 t0, t0, 4;
     shr.u32 t1, t1, 4;
-    lop3.b32 $2, t0, 0x000F000F, {magic_pair}, 0xEA;
-    lop3.b32 $3, t1, 0x000F000F, {magic_pair}, 0xEA;
+    lop3.b32 $2, t0, 0x000F000F, {pair}, 0xEA;
+    lop3.b32 $3, t1, 0x000F000F, {pair}, 0xEA;
     }}"""
 
 
-_UNPACK_ASM_BF16 = tl.constexpr(_nibble_unpack_asm("0x43004300"))  # 128 + q
-_UNPACK_ASM_FP16 = tl.constexpr(_nibble_unpack_asm("0x64006400"))  # 1024 + q
+_UNPACK_ASM_BF16 = tl.constexpr(_nibble_unpack_asm(_MAGIC_BITS_BF16.value))
+_UNPACK_ASM_FP16 = tl.constexpr(_nibble_unpack_asm(_MAGIC_BITS_FP16.value))
 
 
 @triton.jit
@@ -281,11 +290,11 @@ def _int4_gemv_tc_kernel(
             d = _dot(lo, x_lo, True) + _dot(hi, x_hi, True)
         else:
             if x_ptr.dtype.element_ty == tl.bfloat16:
-                bits: tl.constexpr = 0x4300
-                magic: tl.constexpr = 128.0
+                bits: tl.constexpr = _MAGIC_BITS_BF16
+                magic: tl.constexpr = _MAGIC_BF16
             else:
-                bits: tl.constexpr = 0x6400
-                magic: tl.constexpr = 1024.0
+                bits: tl.constexpr = _MAGIC_BITS_FP16
+                magic: tl.constexpr = _MAGIC_FP16
             if ASM:
                 lo, hi = _int4_nibbles16_asm(b, x_ptr.dtype.element_ty)
             else:
