@@ -501,8 +501,8 @@ class GemvTuner:
 
     def pick(self, key: tuple, run, device: torch.device, layouts: tuple[str, ...] | None = None) -> GemvConfig:
         """The config for ``key``; ``run(config)`` launches the kernel once and returns its output (it is timed
-        on a GPU). A candidate whose output strays from the first candidate's is dropped: a fast kernel that
-        is wrong on this GPU or shape (inline PTX, say) must never be chosen."""
+        on a GPU). A candidate whose output strays from that of the first one that runs is dropped: a fast
+        kernel that is wrong on this GPU or shape (inline PTX, say) must never be chosen."""
         cfg = self.choice.get(key)
         if cfg is not None:
             return cfg
@@ -511,11 +511,14 @@ class GemvTuner:
             return candidates[0]
         from triton.testing import do_bench
 
-        reference = run(candidates[0]).float().clone()
+        reference = None  # the output of the first candidate that runs
         times = {}
         for c in candidates:
             try:
-                if not _close(run(c).float(), reference):
+                out = run(c).float()
+                if reference is None:
+                    reference = out.clone()
+                elif not _close(out, reference):
                     logger.warning("GEMV config %s gives wrong results for %s: not a candidate", c, key)
                     continue
                 times[c] = do_bench(lambda c=c: run(c), warmup=5, rep=25)
