@@ -37,19 +37,16 @@ phase eval
   --num-prompts "${EVAL_PROMPTS:-200}" --max-new-tokens "${MAX_NEW:-256}" --num-speculative-tokens 4 \
   --json "$OUT/eval.json" 2>&1 | tee -a "$LOG" || phase "eval FAILED"
 
-bench1() {  # bench1 HEAD FILE: batch 1, speculative vs plain
-  "$PY" -m app.bench.spec --model "$GGUF" --head "$1" --data "$DATA/heldout.json" --concurrency 1 \
-    --num-prompts "${BENCH1_PROMPTS:-8}" --rounds "${BENCH1_ROUNDS:-1}" --max-new-tokens "${MAX_NEW:-256}" \
-    --out "$OUT/$2" 2>&1 | tee -a "$LOG" || phase "bench $2 FAILED"
+bench() {  # bench HEAD CONCURRENCY PROMPTS ROUNDS FILE: speculative vs plain on the same prompts
+  "$PY" -m app.bench.spec --model "$GGUF" --head "$1" --data "$DATA/heldout.json" --concurrency "$2" \
+    --num-prompts "$3" --rounds "$4" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/$5" 2>&1 | tee -a "$LOG" \
+    || phase "bench $5 FAILED"
 }
 if [ "${BENCH:-1}" = 1 ]; then
   phase bench
-  if [ "${BENCH_SHIPPED:-0}" = 1 ]; then bench1 default bench_c1_shipped.json; fi  # the shipped head, same prompts
-  bench1 "$HEAD" bench_c1.json
-  if [ "${BENCH64_PROMPTS:-64}" != 0 ]; then
-    "$PY" -m app.bench.spec --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --concurrency 64 \
-      --num-prompts "${BENCH64_PROMPTS:-64}" --max-new-tokens "${MAX_NEW:-256}" --out "$OUT/bench_c64.json" 2>&1 \
-      | tee -a "$LOG" || phase "bench c64 FAILED"
-  fi
+  B1=("${BENCH1_PROMPTS:-8}" "${BENCH1_ROUNDS:-1}")
+  if [ "${BENCH_SHIPPED:-0}" = 1 ]; then bench default 1 "${B1[@]}" bench_c1_shipped.json; fi  # same prompts
+  bench "$HEAD" 1 "${B1[@]}" bench_c1.json
+  if [ "${BENCH64_PROMPTS:-64}" != 0 ]; then bench "$HEAD" 64 "${BENCH64_PROMPTS:-64}" 1 bench_c64.json; fi
 fi
 phase done
