@@ -8,7 +8,9 @@
 # name. DATA_DIR: train.json and heldout.json, written by `python scripts/spec_export_data.py DATA_DIR`
 # (ShareGPT's first user turns of the training split and of the unseen held-out split).
 # Optional: DATA_PT=file (regenerated sequences of an earlier run: skip regeneration), INIT_FROM=head dir
-# (continue training it), FEATURE=eagle3 (a head over a low, middle and high layer's hidden states), and the
+# (continue training it), FEATURE=eagle3 (a head over a low, middle and high layer's hidden states),
+# LATER_TURNS=1 (prompts from later user turns too), EXTRA_GIVEN=N (N more examples with the data's own
+# replies), GPU_MEM (the training engine's share of the GPU; the features stay on the GPU too), and the
 # time/size knobs below (BENCH1_ROUNDS, BENCH_SHIPPED=1: bench the shipped head too, BENCH64_PROMPTS=0: no
 # 64-request bench). OUT_DIR receives at most 8 files: run.log, config.json, model.safetensors, data.pt,
 # eval.json, bench_c1.json, bench_c1_shipped.json, bench_c64.json.
@@ -19,16 +21,18 @@ export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=10
 HEAD=${HEAD_DIR:-$HOME/spec-head} PY=${PYTHON:-python3} LOG=$OUT/run.log
 mkdir -p "$HEAD"
 if [ -n "${DATA_PT:-}" ]; then cp "$DATA_PT" "$HEAD/data.pt"; fi
-INIT=()
-if [ -n "${INIT_FROM:-}" ]; then INIT=(--init-from "$INIT_FROM"); fi
+OPT=()
+if [ -n "${INIT_FROM:-}" ]; then OPT+=(--init-from "$INIT_FROM"); fi
+if [ "${LATER_TURNS:-0}" = 1 ]; then OPT+=(--later-turns); fi
 
 phase() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
 
 phase train
-"$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${INIT[@]}" \
+"$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
   --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
   --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
-  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 --feature "${FEATURE:-final}" 2>&1 | tee -a "$LOG"
+  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 --feature "${FEATURE:-final}" \
+  --extra-given "${EXTRA_GIVEN:-0}" --gpu-memory-utilization "${GPU_MEM:-0.3}" 2>&1 | tee -a "$LOG"
 cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
 
 # From here a failing step is reported and the next one still runs (each writes its own file).

@@ -34,6 +34,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--responses", choices=("regenerate", "given"), default="regenerate")
     t.add_argument("--max-new-tokens", type=int, default=256, help="regenerated response length limit")
     t.add_argument("--gen-time-limit", type=float, default=None, help="stop regenerating after this many seconds")
+    t.add_argument(
+        "--later-turns",
+        action="store_true",
+        help="prompts also from later user turns, with the conversation before them as context (after all first turns)",
+    )
+    t.add_argument(
+        "--extra-given",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N examples with the data's own replies (first, then later turns) to the regenerated ones; "
+        "the labels are still the target's predictions",
+    )
+    t.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of the GPU")
     t.add_argument("--epochs", type=int, default=4)
     t.add_argument("--train-time-limit", type=float, default=None, help="fit the schedule into this many seconds")
     t.add_argument("--batch-tokens", type=int, default=16384)
@@ -100,9 +114,15 @@ def load_conversations(data: str, split: str) -> list[list[str]]:
     return convs
 
 
-def chat_pairs(tokenizer, conversations, num: int, max_prompt_len: int, seed: int) -> list[tuple[list[int], str]]:
-    """(prompt ids with the chat template, the data's own reply) for up to ``num`` conversations, in a
-    seeded random order; prompts longer than ``max_prompt_len`` tokens are skipped."""
+def chat_pairs(
+    tokenizer, conversations, num: int, max_prompt_len: int, seed: int, later_turns: bool = False
+) -> list[tuple[list[int], str]]:
+    """(prompt ids with the chat template, the data's own reply) for up to ``num`` user turns, conversations
+    in a seeded random order; prompts longer than ``max_prompt_len`` tokens are skipped.
+
+    First turns come first, so a list made with ``later_turns`` extends the one made without it (a cached set
+    of regenerated first turns stays a prefix). Then, with ``later_turns``, each later user turn with the
+    conversation before it (the data's replies) as context, while the prompt fits."""
     import random
 
     from core.tokenizer import apply_chat_template
@@ -112,13 +132,31 @@ def chat_pairs(tokenizer, conversations, num: int, max_prompt_len: int, seed: in
     out = []
     for i in order:
         if len(out) >= num:
-            break
+            return out
         turns = conversations[i]
         if not turns[0].strip():
             continue
         ids = apply_chat_template(tokenizer, [{"role": "user", "content": turns[0]}])
         if len(ids) <= max_prompt_len:
             out.append((ids, turns[1] if len(turns) > 1 else ""))
+    if not later_turns:
+        return out
+    for i in order:
+        turns = conversations[i]
+        if not turns[0].strip():
+            continue
+        messages = [{"role": "user", "content": turns[0]}]
+        for k in range(1, len(turns) - 1, 2):
+            messages += [{"role": "assistant", "content": turns[k]}, {"role": "user", "content": turns[k + 1]}]
+            # A cheap bound before tokenizing: no real prompt averages 16 characters per token.
+            if sum(len(m["content"]) for m in messages) > 16 * max_prompt_len:
+                break
+            ids = apply_chat_template(tokenizer, messages)
+            if len(ids) > max_prompt_len:
+                break  # the next turns only add to the context
+            if len(out) >= num:
+                return out
+            out.append((ids, turns[k + 2] if k + 2 < len(turns) else ""))
     return out
 
 
@@ -134,7 +172,8 @@ def _engine_kwargs(ns, **extra) -> dict:
     if ns.device == "cpu" or (ns.device == "auto" and not _has_cuda()):
         kw["num_kv_blocks"] = 4096
     else:
-        kw["gpu_memory_utilization"] = 0.3  # training shares the GPU with this engine
+        # training shares the GPU with this engine (its features stay on the GPU)
+        kw["gpu_memory_utilization"] = getattr(ns, "gpu_memory_utilization", 0.3)
     kw.update(extra)
     return kw
 
@@ -145,8 +184,12 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def regenerate(llm, prompts: list[list[int]], max_new_tokens: int, time_limit: float | None) -> list[list[int]]:
-    """Greedy responses of the target to ``prompts`` (in chunks, so a time limit can stop early)."""
+def regenerate(
+    llm, prompts: list[list[int]], max_new_tokens: int, time_limit: float | None, chunk: int = 2048
+) -> list[list[int]]:
+    """Greedy responses of the target to ``prompts``, in chunks so a time limit can stop early. A chunk of
+    several batches keeps the batch full until its last requests (one batch per chunk idled on its longest
+    response)."""
     from tqdm.auto import tqdm
 
     from core import SamplingParams
@@ -154,7 +197,6 @@ def regenerate(llm, prompts: list[list[int]], max_new_tokens: int, time_limit: f
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     out: list[list[int]] = []
     start = time.perf_counter()
-    chunk = 512
     bar = tqdm(total=len(prompts), desc="regenerate", unit="prompt")
     for i in range(0, len(prompts), chunk):
         if time_limit is not None and time.perf_counter() - start > time_limit:
@@ -165,6 +207,25 @@ def regenerate(llm, prompts: list[list[int]], max_new_tokens: int, time_limit: f
         bar.update(len(outs))
     bar.close()
     return out
+
+
+def _training_conversations(ns: argparse.Namespace) -> list[list[str]]:
+    if not ns.smoke:
+        return load_conversations(ns.data, ns.split)
+    import random
+
+    rng = random.Random(ns.seed)
+    words = "the a river fox map old mill rain apple book walks town quiet autumn".split()
+    return [[" ".join(rng.choice(words) for _ in range(12)), "ok"] for _ in range(ns.num_prompts)]
+
+
+def given_reply(llm, reply: str, max_new_tokens: int) -> list[int]:
+    """The data's reply as tokens: up to ``max_new_tokens`` of them, ended by EOS when it fits."""
+    ids = llm.tokenizer.encode(reply, add_special_tokens=False) if reply.strip() else []
+    eos = llm.engine.source.eos_token_ids
+    if ids and len(ids) < max_new_tokens and eos:
+        ids.append(eos[0])
+    return ids[:max_new_tokens]
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
@@ -196,20 +257,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
         if examples:
             logger.info("using %d cached training sequences from %s", len(examples), data_file)
         if done < ns.num_prompts:
-            if ns.smoke:
-                import random
-
-                rng = random.Random(ns.seed)
-                words = "the a river fox map old mill rain apple book walks town quiet autumn".split()
-                convs = [[" ".join(rng.choice(words) for _ in range(12)), "ok"] for _ in range(ns.num_prompts)]
-            else:
-                convs = load_conversations(ns.data, ns.split)
-            pairs = chat_pairs(llm.tokenizer, convs, ns.num_prompts, ns.max_prompt_len, ns.seed)[done:]
+            convs = _training_conversations(ns)
+            pairs = chat_pairs(llm.tokenizer, convs, ns.num_prompts, ns.max_prompt_len, ns.seed, ns.later_turns)[done:]
             prompts = [p for p, _ in pairs]
             if ns.responses == "regenerate":
-                responses = regenerate(llm, prompts, ns.max_new_tokens, ns.gen_time_limit)
+                responses = regenerate(llm, prompts, ns.max_new_tokens, ns.gen_time_limit, 4 * ns.max_num_seqs)
             else:
-                responses = [llm.tokenizer.encode(r, add_special_tokens=False)[: ns.max_new_tokens] for _, r in pairs]
+                responses = [given_reply(llm, r, ns.max_new_tokens) for _, r in pairs]
             if responses:
                 examples += [Example(p + r, len(p)) for p, r in zip(prompts, responses) if r]
                 out.mkdir(parents=True, exist_ok=True)
@@ -217,6 +271,16 @@ def cmd_train(ns: argparse.Namespace) -> int:
                     examples=[(e.token_ids, e.prompt_len) for e in examples], prompts_done=done + len(responses)
                 )
                 torch.save(cached, data_file)
+        if ns.extra_given:
+            # Not cached: the tokenizer alone makes them. Off the target's own path, but labelled by the target.
+            convs = _training_conversations(ns)
+            pairs = chat_pairs(llm.tokenizer, convs, ns.extra_given, ns.max_prompt_len, ns.seed, later_turns=True)
+            extra = []
+            for p, reply in pairs:
+                if r := given_reply(llm, reply, ns.max_new_tokens):
+                    extra.append(Example(p + r, len(p)))
+            logger.info("%d examples with the data's own replies added to %d", len(extra), len(examples))
+            examples += extra
         t_data = time.perf_counter() - t0
         runner = llm.engine._executor.runner
         cfg = TrainConfig(

@@ -192,3 +192,31 @@ def test_cli_extends_cached_data_with_only_the_missing_prompts(tmp_path):
     assert ext["prompts_done"] == 16
     assert ext["examples"][:9] == full["examples"][:9] and tuple(ext["examples"][9]) == marker
     assert ext["examples"][10:] == full["examples"][10:], "the missing prompts regenerate in the same order"
+
+
+def test_later_turns_follow_the_first_turns_with_their_context(default_tokenizer):
+    from core.tokenizer import apply_chat_template
+
+    convs = [["hi there", "hello!", "tell me a joke", "why did...", "another", "sure"], ["what is 2+2?", "4"]]
+    first = chat_pairs(default_tokenizer, convs, 10, 512, 0)
+    every = chat_pairs(default_tokenizer, convs, 10, 512, 0, later_turns=True)
+    assert len(first) == 2 and every[:2] == first, "first turns stay a prefix (cached regenerations line up)"
+    later = every[2:]
+    assert [r for _, r in later] == ["why did...", "sure"]
+    assert later[0][0] == apply_chat_template(
+        default_tokenizer,
+        [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello!"}]
+        + [{"role": "user", "content": "tell me a joke"}],
+    )
+    # A context past the prompt limit ends the conversation's later turns; `num` caps the total.
+    limit = len(later[0][0])
+    assert [r for _, r in chat_pairs(default_tokenizer, convs, 10, limit, 0, later_turns=True)[2:]] == ["why did..."]
+    assert len(chat_pairs(default_tokenizer, convs, 3, 512, 0, later_turns=True)) == 3
+
+
+def test_cli_extra_given_examples_join_the_regenerated_ones(tmp_path):
+    out = tmp_path / "head"
+    assert cli_main(["train-draft", "--smoke", "--out", str(out), "--extra-given", "5"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["training"]["examples"] == 16 + 5
+    assert len(torch.load(out / "data.pt", weights_only=False)["examples"]) == 16, "given examples are not cached"
