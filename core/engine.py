@@ -238,11 +238,17 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2)
         errors: list[Exception] = []
 
+        # The engine's overload guard (max_waiting_requests) is for servers: an offline batch of any size
+        # feeds it in a window small enough that the guard never refuses one of its own requests.
+        widest = max((p.n for p in params_list), default=1)
+        window = anyio.Semaphore(max(1, self.engine.args.max_waiting_requests // widest))
+
         async def one(i: int) -> None:
             try:
-                async for out in self.engine.generate(ids[i], params_list[i], request_id=f"llm-{i}"):
-                    if out.finished:
-                        results[i][out.index] = out
+                async with window:
+                    async for out in self.engine.generate(ids[i], params_list[i], request_id=f"llm-{i}"):
+                        if out.finished:
+                            results[i][out.index] = out
             except Exception as e:
                 # The first failure cancels the rest (they abort) and is raised as itself, typed, rather
                 # than wrapped in the task group's exception group.

@@ -249,3 +249,14 @@ async def test_overload_raises_at_once_and_spares_admitted_requests():
         assert results == {"a": solo.token_ids, "b": solo.token_ids, "c": solo.token_ids}
         s = eng.stats()
         assert s.kv_blocks_free == s.kv_blocks_total
+
+
+def test_offline_batch_larger_than_the_overload_guard_runs_whole():
+    from core import LLM
+
+    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, n=n) for n in (1, 2) * 6]
+    with LLM(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_seqs=2, max_waiting_requests=3) as llm:
+        outs = llm.generate([[5, 6, i] for i in range(12)], params, use_tqdm=False)
+        assert len(outs) == 18 and all(len(o.token_ids) == 3 for o in outs)
+        s = llm.engine.stats()
+        assert s.num_running == s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total
