@@ -300,6 +300,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             "responses": ns.responses,
             "max_new_tokens": ns.max_new_tokens,
             "init_from": ns.init_from,
+            "later_turns": ns.later_turns,
+            "extra_given": ns.extra_given,
         }
         res = train_draft_head(
             runner.model,

@@ -218,5 +218,5 @@ def test_cli_extra_given_examples_join_the_regenerated_ones(tmp_path):
     out = tmp_path / "head"
     assert cli_main(["train-draft", "--smoke", "--out", str(out), "--extra-given", "5"]) == 0
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["training"]["examples"] == 16 + 5
+    assert cfg["training"]["examples"] == 16 + 5 and cfg["training"]["extra_given"] == 5
     assert len(torch.load(out / "data.pt", weights_only=False)["examples"]) == 16, "given examples are not cached"
