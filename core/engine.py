@@ -110,9 +110,15 @@ class AsyncEngine:
         )
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request: a string, token ids, or chat messages (chat template applied)."""
+        """Stream outputs of one request: a string, token ids, or chat messages (chat template applied). With
+        ``final_only``, only each sequence's final output (vLLM's ``FINAL_ONLY``): for batch work that does not
+        stream, it saves a wake-up of the request per token."""
         if self._tg is None:
             raise SluiceError("engine is not running: use `async with AsyncEngine(...) as engine`")
         if self._scheduler_actor.dead is not None:
@@ -127,7 +133,7 @@ class AsyncEngine:
         self._live_ids.add(request_id)
         try:
             async for out in run_request(
-                request_id, prompt_ids, params, self._eos, self._limits, self.tokenizer, self._inbox_send
+                request_id, prompt_ids, params, self._eos, self._limits, self.tokenizer, self._inbox_send, final_only
             ):
                 yield out
         finally:
@@ -246,7 +252,9 @@ class LLM:
         async def one(i: int) -> None:
             try:
                 async with window:
-                    async for out in self.engine.generate(ids[i], params_list[i], request_id=f"llm-{i}"):
+                    async for out in self.engine.generate(
+                        ids[i], params_list[i], request_id=f"llm-{i}", final_only=True
+                    ):
                         if out.finished:
                             results[i][out.index] = out
             except Exception as e:

@@ -80,6 +80,9 @@ class AddRequest:
 
     requests: list[Request]
     events: Any  # ObjectSendStream[TokenEvent]
+    # Hold each sequence's tokens until it ends, then send them as one event: an offline batch wakes its
+    # request actors once per sequence instead of once per token (the event loop's main cost at large batches).
+    final_only: bool = False
 
 
 @dataclass(slots=True)

@@ -86,7 +86,10 @@ async def run_request(
     limits: RequestLimits,
     tokenizer,
     inbox: ObjectSendStream,
+    final_only: bool = False,
 ) -> AsyncIterator[RequestOutput]:
+    """Run one caller request: yield its outputs as tokens arrive, or with ``final_only`` one final output per
+    sequence (stop strings still need the text token by token, so such requests stream internally)."""
     requests = make_requests(request_id, prompt_ids, params, eos, limits)
     seqs = {
         r.request_id: SequenceState(
@@ -105,7 +108,7 @@ async def run_request(
     try:
         # From here on the scheduler may hold the requests, even if we are cancelled before it answers
         # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
-        await inbox.send(AddRequest(requests, send))
+        await inbox.send(AddRequest(requests, send, final_only=final_only and not params.stop))
         async with recv:
             first = await recv.receive()
             if first.error is not None:
@@ -119,7 +122,7 @@ async def run_request(
                         raise ev.error
                     raise RequestFailedError(f"request {request_id} failed: {ev.error}") from ev.error
                 num_cached = max(num_cached, ev.num_cached_tokens)
-                new_ids = ev.token_ids
+                new_ids, new_logprobs = ev.token_ids, ev.logprobs
                 seq.token_ids.extend(new_ids)
                 if ev.logprobs is not None:
                     seq.logprobs = (seq.logprobs or []) + ev.logprobs
@@ -138,6 +141,10 @@ async def run_request(
                     visible = len(seq.text)
                 else:
                     visible = max(seq.emitted_chars, len(seq.text) - stop_hold) if params.stop else len(seq.text)
+                if final_only:
+                    if finish is None:
+                        continue
+                    new_ids, new_logprobs = seq.token_ids, seq.logprobs  # the one output's delta is all of it
                 delta = seq.text[seq.emitted_chars : visible]
                 seq.emitted_chars = visible
                 yield RequestOutput(
@@ -152,7 +159,7 @@ async def run_request(
                     finish_reason=finish,
                     usage=Usage(len(prompt_ids), sum(len(s.token_ids) for s in seqs.values()), num_cached),
                     logprobs=seq.logprobs,
-                    delta_logprobs=ev.logprobs,
+                    delta_logprobs=new_logprobs,
                     stop_reason=stop_reason,
                 )
     finally:

@@ -60,6 +60,7 @@ class SchedulerActor:
         # Step records for the inspector page; None (off) costs the step loop one test per hook.
         self.recorder: StepRecorder | None = StepRecorder(scheduler) if inspector else None
         self.streams: dict[str, ObjectSendStream[TokenEvent]] = {}
+        self.held: dict[str, TokenEvent] = {}  # final-only sequences: their tokens so far
         self._wakeup = anyio.Event()
         self.dead: Exception | None = None
         self.prompt_tokens = 0
@@ -142,6 +143,8 @@ class SchedulerActor:
             return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
+            if msg.final_only:
+                self.held[req.request_id] = TokenEvent(req.request_id, [])
             self.prompt_tokens += req.num_prompt_tokens
         if self.recorder is not None:
             self.recorder.admitted(msg.requests)
@@ -167,6 +170,17 @@ class SchedulerActor:
         stream = self.streams.get(ev.request_id)
         if stream is None:
             return
+        held = self.held.get(ev.request_id)
+        if held is not None:
+            held.token_ids += ev.token_ids
+            if ev.logprobs is not None:
+                held.logprobs = [*(held.logprobs or ()), *ev.logprobs]
+            held.num_cached_tokens = max(held.num_cached_tokens, ev.num_cached_tokens)
+            if ev.finish_reason is None and ev.error is None:
+                return
+            del self.held[ev.request_id]
+            held.finish_reason, held.stop_reason, held.error = ev.finish_reason, ev.stop_reason, ev.error
+            ev = held
         try:
             stream.send_nowait(ev)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):

@@ -260,3 +260,38 @@ def test_offline_batch_larger_than_the_overload_guard_runs_whole():
         assert len(outs) == 18 and all(len(o.token_ids) == 3 for o in outs)
         s = llm.engine.stats()
         assert s.num_running == s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total
+
+
+@pytest.mark.parametrize("stop", [[], [","]], ids=["no-stop", "stop-string"])
+async def test_final_only_yields_each_sequences_streamed_final_output(engine, stop):
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=12, logprobs=2, stop=stop)
+    streamed = {}
+    async for out in engine.generate("Count: 1, 2, 3,", params):
+        if out.finished:
+            streamed[out.index] = out
+    finals = [o async for o in engine.generate("Count: 1, 2, 3,", params, final_only=True)]
+    assert sorted(o.index for o in finals) == [0, 1] and all(o.finished for o in finals)
+    for o in finals:
+        s = streamed[o.index]
+        assert (o.token_ids, o.text, o.finish_reason, o.logprobs) == (s.token_ids, s.text, s.finish_reason, s.logprobs)
+        assert o.delta_text == o.text and o.delta_token_ids == o.token_ids
+    if stop:
+        assert {o.finish_reason for o in finals} == {"stop"}
+    assert not engine._scheduler_actor.held
+
+
+async def test_a_final_only_sequence_gets_one_event_with_everything(tiny_engine):
+    from core.request import TokenEvent
+
+    actor = tiny_engine._scheduler_actor
+    send, recv = anyio.create_memory_object_stream(16)
+    lp = [object() for _ in range(3)]
+    actor.streams["held-x"], actor.held["held-x"] = send, TokenEvent("held-x", [])
+    actor._deliver(TokenEvent("held-x", [1, 2], logprobs=lp[:2], num_cached_tokens=16))
+    actor._deliver(TokenEvent("held-x", [3]))
+    with pytest.raises(anyio.WouldBlock):
+        recv.receive_nowait()
+    actor._deliver(TokenEvent("held-x", [4], logprobs=lp[2:], finish_reason="length"))
+    ev = recv.receive_nowait()
+    assert (ev.token_ids, ev.logprobs, ev.finish_reason, ev.num_cached_tokens) == ([1, 2, 3, 4], lp, "length", 16)
+    assert "held-x" not in actor.held and "held-x" not in actor.streams
