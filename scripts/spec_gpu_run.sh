@@ -26,6 +26,8 @@ if [ -n "${INIT_FROM:-}" ]; then OPT+=(--init-from "$INIT_FROM"); fi
 if [ "${LATER_TURNS:-0}" = 1 ]; then OPT+=(--later-turns); fi
 
 phase() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
+# A watcher following run.log from another call stops on "=== done" or "=== FAILED".
+trap 'phase "FAILED (exit $?) at line $LINENO"' ERR
 
 phase train
 "$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
