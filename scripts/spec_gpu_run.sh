@@ -33,7 +33,7 @@ phase train
 "$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
   --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
   --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
-  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab 8192 --feature "${FEATURE:-final}" \
+  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab "${DRAFT_VOCAB:-0}" --feature "${FEATURE:-final}" \
   --extra-given "${EXTRA_GIVEN:-0}" --gpu-memory-utilization "${GPU_MEM:-0.3}" 2>&1 | tee -a "$LOG"
 cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
 

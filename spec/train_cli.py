@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--batch-tokens", type=int, default=16384)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--ttt-steps", type=int, default=3)
-    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (0: the target's)")
+    t.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: the target's whole)")
     t.add_argument(
         "--feature",
         choices=("final", "eagle3"),
