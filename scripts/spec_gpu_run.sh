@@ -12,8 +12,9 @@
 # LATER_TURNS=1 (prompts from later user turns too), EXTRA_GIVEN=N (N more examples with the data's own
 # replies), GPU_MEM (the training engine's share of the GPU; the features stay on the GPU too), and the
 # time/size knobs below (BENCH1_ROUNDS, BENCH_SHIPPED=1: bench the shipped head too, BENCH64_PROMPTS=0: no
-# 64-request bench). OUT_DIR receives at most 8 files: run.log, config.json, model.safetensors, data.pt,
-# eval.json, bench_c1.json, bench_c1_shipped.json, bench_c64.json.
+# 64-request bench). TRAIN=0 HEAD_DIR=spec/heads/smollm2-135m-instruct: only evaluate and bench that head.
+# OUT_DIR receives at most 8 files: run.log, config.json, model.safetensors, data.pt, eval.json, bench_c1.json,
+# bench_c1_shipped.json, bench_c64.json.
 set -euo pipefail
 GGUF=$1 DATA=$2 OUT=$3
 mkdir -p "$OUT"
@@ -29,6 +30,7 @@ phase() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
 # A watcher following run.log from another call stops on "=== done" or "=== FAILED".
 trap 'phase "FAILED (exit $?) at line $LINENO"' ERR
 
+if [ "${TRAIN:-1}" = 1 ]; then
 phase train
 "$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
   --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
@@ -36,6 +38,7 @@ phase train
   --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab "${DRAFT_VOCAB:-0}" --feature "${FEATURE:-final}" \
   --extra-given "${EXTRA_GIVEN:-0}" --gpu-memory-utilization "${GPU_MEM:-0.3}" 2>&1 | tee -a "$LOG"
 cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
+fi
 
 # From here a failing step is reported and the next one still runs (each writes its own file).
 phase eval
