@@ -487,6 +487,10 @@ GEMV_CONFIGS = (
     GemvConfig(64, 256, 1, 4, "tcx"),
     GemvConfig(128, 128, 1, 8, "tcx"),
     GemvConfig(64, 128, 4, 4, "tcx"),
+    # split-K 2 for K = 4096 (q/k/v, o: 64-96 tiles), where only the 3-D kernel beat bf16 so far; untimed yet
+    GemvConfig(64, 128, 2, 4, "tcx"),
+    GemvConfig(64, 256, 2, 4, "tcx"),
+    GemvConfig(128, 128, 2, 8, "tcx"),
     GemvConfig(64, 128, 1, 4, "tc"),
 )
 
