@@ -220,3 +220,27 @@ def test_cli_extra_given_examples_join_the_regenerated_ones(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["training"]["examples"] == 16 + 5 and cfg["training"]["extra_given"] == 5
     assert len(torch.load(out / "data.pt", weights_only=False)["examples"]) == 16, "given examples are not cached"
+
+
+def test_time_limit_follows_steps_that_keep_getting_faster(tmp_path, tiny_target, monkeypatch):
+    """A fake clock: the first 60 steps take 1 s, the rest 0.1 s. A plan from the average pace so far ends near
+    step 107; re-planning from the recent pace at the planned end fills the 100 s (~60 + 400 steps)."""
+    import types
+
+    import spec.train as st
+
+    source, model = tiny_target
+    clock = {"t": 0.0, "steps": 0}
+    losses = st._losses
+
+    def timed_losses(*args, **kwargs):
+        clock["steps"] += 1
+        clock["t"] += 1.0 if clock["steps"] <= 60 else 0.1
+        return losses(*args, **kwargs)
+
+    monkeypatch.setattr(st, "_losses", timed_losses)
+    monkeypatch.setattr(st, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    cfg = TrainConfig(**{**CFG, "epochs": 1000, "batch_tokens": 4096, "checkpoint_every": 10_000})
+    examples = _examples(4)
+    res = train_draft_head(model, "dummy:tiny", source.config, examples, tmp_path, cfg, progress=False, time_limit=100)
+    assert 400 < res.steps < 480 and clock["t"] <= 100.5, (res.steps, clock["t"])
