@@ -88,8 +88,11 @@ class EngineRun:
     finish_s: list[float]
 
 
-async def drive_engine(engine, requests: Sequence[BenchRequest], tag: str = "bench") -> EngineRun:
-    """Submit every request at once (greedy, EOS ignored, forced output lengths) and wait for all."""
+async def drive_engine(
+    engine, requests: Sequence[BenchRequest], tag: str = "bench", final_only: bool = False
+) -> EngineRun:
+    """Submit every request at once (greedy, EOS ignored, forced output lengths) and wait for all. With
+    ``final_only`` each request yields only its final output, so its first-token time is its finish time."""
     import anyio
 
     from core import SamplingParams
@@ -103,7 +106,7 @@ async def drive_engine(engine, requests: Sequence[BenchRequest], tag: str = "ben
     async def one(i: int) -> None:
         r = requests[i]
         params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        async for out in engine.generate(r.prompt_token_ids, params, request_id=f"{tag}-{i}"):
+        async for out in engine.generate(r.prompt_token_ids, params, request_id=f"{tag}-{i}", final_only=final_only):
             now = time.perf_counter() - t0
             if out.delta_token_ids and first[i] != first[i]:
                 first[i] = now
