@@ -174,7 +174,8 @@ class SchedulerActor:
         if held is not None:
             held.token_ids += ev.token_ids
             if ev.logprobs is not None:
-                held.logprobs = [*(held.logprobs or ()), *ev.logprobs]
+                held.logprobs = held.logprobs or []  # the held event's own list: extended, not copied per token
+                held.logprobs.extend(ev.logprobs)
             held.num_cached_tokens = max(held.num_cached_tokens, ev.num_cached_tokens)
             if ev.finish_reason is None and ev.error is None:
                 return

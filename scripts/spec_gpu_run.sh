@@ -6,7 +6,7 @@
 #
 # GGUF: SmolLM2-135M-Instruct's file, named smollm2-135m-instruct.gguf so the model is served under that
 # name. DATA_DIR: train.json and heldout.json, written by `python scripts/spec_export_data.py DATA_DIR`
-# (ShareGPT's first user turns of the training split and of the unseen held-out split).
+# (ShareGPT's training conversations, cut to what training uses, and the unseen held-out split's first turns).
 # Optional: DATA_PT=file (regenerated sequences of an earlier run: skip regeneration), INIT_FROM=head dir
 # (continue training it), FEATURE=eagle3 (a head over a low, middle and high layer's hidden states),
 # LATER_TURNS=1 (prompts from later user turns too), EXTRA_GIVEN=N (N more examples with the data's own
@@ -31,13 +31,13 @@ phase() { echo "=== $* ($(date -u +%H:%M:%S))" | tee -a "$LOG"; }
 trap 'phase "FAILED (exit $?) at line $LINENO"' ERR
 
 if [ "${TRAIN:-1}" = 1 ]; then
-phase train
-"$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
-  --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
-  --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
-  --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab "${DRAFT_VOCAB:-0}" --feature "${FEATURE:-final}" \
-  --extra-given "${EXTRA_GIVEN:-0}" --gpu-memory-utilization "${GPU_MEM:-0.3}" 2>&1 | tee -a "$LOG"
-cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
+  phase train
+  "$PY" -m app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
+    --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
+    --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
+    --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab "${DRAFT_VOCAB:-0}" --feature "${FEATURE:-final}" \
+    --extra-given "${EXTRA_GIVEN:-0}" --gpu-memory-utilization "${GPU_MEM:-0.3}" 2>&1 | tee -a "$LOG"
+  cp "$HEAD/config.json" "$HEAD/model.safetensors" "$HEAD/data.pt" "$OUT/"
 fi
 
 # From here a failing step is reported and the next one still runs (each writes its own file).

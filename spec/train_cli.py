@@ -47,7 +47,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="add N examples with the data's own replies (first, then later turns) to the regenerated ones; "
         "the labels are still the target's predictions",
     )
-    t.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of the GPU")
     t.add_argument("--epochs", type=int, default=4)
     t.add_argument("--train-time-limit", type=float, default=None, help="fit the schedule into this many seconds")
     t.add_argument("--batch-tokens", type=int, default=16384)
@@ -91,6 +90,9 @@ def _common(p: argparse.ArgumentParser, split: str = "train", num_prompts: int =
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of the GPU (training shares it)"
+    )
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -172,8 +174,7 @@ def _engine_kwargs(ns, **extra) -> dict:
     if ns.device == "cpu" or (ns.device == "auto" and not _has_cuda()):
         kw["num_kv_blocks"] = 4096
     else:
-        # training shares the GPU with this engine (its features stay on the GPU)
-        kw["gpu_memory_utilization"] = getattr(ns, "gpu_memory_utilization", 0.3)
+        kw["gpu_memory_utilization"] = ns.gpu_memory_utilization  # training's features stay on the GPU too
     kw.update(extra)
     return kw
 
@@ -256,8 +257,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         done = cached.get("prompts_done", len(examples))
         if examples:
             logger.info("using %d cached training sequences from %s", len(examples), data_file)
+        convs = _training_conversations(ns) if done < ns.num_prompts or ns.extra_given else []
         if done < ns.num_prompts:
-            convs = _training_conversations(ns)
             pairs = chat_pairs(llm.tokenizer, convs, ns.num_prompts, ns.max_prompt_len, ns.seed, ns.later_turns)[done:]
             prompts = [p for p, _ in pairs]
             if ns.responses == "regenerate":
@@ -273,7 +274,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
                 torch.save(cached, data_file)
         if ns.extra_given:
             # Not cached: the tokenizer alone makes them. Off the target's own path, but labelled by the target.
-            convs = _training_conversations(ns)
             pairs = chat_pairs(llm.tokenizer, convs, ns.extra_given, ns.max_prompt_len, ns.seed, later_turns=True)
             extra = []
             for p, reply in pairs:
