@@ -119,6 +119,8 @@ def _kernel_class(name: str) -> str:
         return "kv write (triton)"
     if "rmsnorm" in n or "silu_and_mul" in n or "rope_kernel" in n:
         return "fused norm/act/rope (triton)"
+    if "int4_gemv" in n or "int8_gemv" in n or "int4_gemm" in n or "int8_gemm" in n:
+        return "matmul (quantized, triton)"
     if any(k in n for k in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
         return "matmul (cuBLAS)"
     if "argmax" in n or "reduce" in n:
@@ -184,6 +186,8 @@ def profile(ns: argparse.Namespace) -> dict:
         max_num_seqs=max(ns.batch_sizes),
         max_num_batched_tokens=8 * 2048,
         num_kv_blocks=ns.num_kv_blocks,
+        quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype,
     )
     t = time.perf_counter()
     runner = ModelRunner(args, source, max_model_len=4096)
@@ -272,6 +276,8 @@ def main() -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[512])
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized by the memory profile")
+    p.add_argument("--quantization", choices=("int8", "int4"), default=None)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--out", required=True)
     ns = ap.parse_args()
     from app.bench.results import machine_info, utc_now_iso, versions
