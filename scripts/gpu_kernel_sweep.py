@@ -80,7 +80,7 @@ def gemv_configs(n: int):
 
     grid = []
     for block_n, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
-        for row_bytes in (128, 256):
+        for row_bytes in (128, 256, 512) if block_n <= 64 else (128, 256):  # 512: 8 groups fill the MMA's n = 8
             for split in (1, 2, 4, 8):
                 if split > 1 and n >= 16384:  # enough tiles already
                     continue
