@@ -172,7 +172,9 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         weights = torch.cuda.memory_allocated(dev)
-        n_tok = self.max_num_tokens
+        # no step holds more than max_num_seqs sequences of max_model_len tokens (with one sequence and a
+        # token budget above max_model_len, the profile's own batch must not exceed the step buffers either)
+        n_tok = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
         n_seq = max(1, -(-n_tok // self.max_model_len))
         lens = [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
         n_blocks = sum(-(-n // self.block_size) for n in lens)

@@ -290,3 +290,34 @@ def test_gemv_tuner_never_picks_a_config_whose_output_is_wrong(monkeypatch):
     tuner = qk.GemvTuner(configs=configs)
     assert tuner.pick(("int4", 8, 64, 32), run, torch.device("cuda")) == configs[1]
     assert tuner.timings[("int4", 8, 64, 32)] == {configs[0]: 3.0, configs[1]: 2.0}  # the wrong one never timed
+
+
+def test_gemv_tuner_takes_the_offline_config_only_when_its_output_is_right(monkeypatch):
+    """A config chosen offline (`int4_gemv_config`) is taken untimed when it agrees with the first candidate,
+    and timed out of the running when it does not (faked timing as above)."""
+    import triton.testing
+
+    qk = _kernels()
+    configs = (qk.GemvConfig(16, 256, 1, 4), qk.GemvConfig(32, 128, 1, 4, "2d"))
+    preferred = qk.GemvConfig(64, 128, 4, 4, "tcx")
+    right = torch.arange(8, dtype=torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timed = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), timed.append(1), 1.0)[2])
+    good = qk.GemvTuner(configs=configs)
+    assert good.pick(("int4", 8, 64, 32), lambda c: right, torch.device("cuda"), preferred=preferred) == preferred
+    assert not timed and good.choice[("int4", 8, 64, 32)] == preferred
+    bad = qk.GemvTuner(configs=configs)
+    outputs = {configs[0]: right, configs[1]: right, preferred: right.flip(0)}
+    assert bad.pick(("int4", 8, 64, 32), outputs.get, torch.device("cuda"), preferred=preferred) == configs[0]
+    assert len(timed) == 2 and preferred not in bad.timings[("int4", 8, 64, 32)]
+
+
+def test_int4_gemv_config_splits_k_only_while_the_grid_is_short():
+    """The offline rule at Llama-3-8B's shapes on 132 SMs gives what the H200 sweep measured fastest."""
+    qk = _kernels()
+    splits = {name: qk.int4_gemv_config(n, k, 132).split_k for name, (n, k) in {
+        "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+        "lm_head": (128256, 4096)}.items()}  # fmt: skip
+    assert splits == {"qkv": 4, "o": 4, "gate_up": 1, "down": 8, "lm_head": 1}
+    assert qk.int4_gemv_config(576, 576, 132).split_k == 1  # SmolLM2: K too short to split
