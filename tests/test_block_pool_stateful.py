@@ -242,5 +242,8 @@ def test_machine_reaches_hits_copies_and_evictions(monkeypatch):
     monkeypatch.setattr(KVCacheManager, "get_computed_blocks", get)
     monkeypatch.setattr(KVCacheManager, "allocate_slots", alloc)
     monkeypatch.setattr(BlockPool, "_evict", evict)
-    run_state_machine_as_test(KVMachine, settings=settings(max_examples=30, stateful_step_count=30, deadline=None))
+    # derandomized: a claim about coverage must not depend on the run's random seed (30 random programs once
+    # reached no copy-on-write at all); the invariant tests above keep drawing new programs
+    coverage = settings(max_examples=60, stateful_step_count=30, deadline=None, derandomize=True, database=None)
+    run_state_machine_as_test(KVMachine, settings=coverage)
     assert all(seen.values()), seen
