@@ -628,8 +628,9 @@ def int4_matmul(
         if tuner is None:
             cfg = GEMV_CONFIGS[0]
         else:
-            preferred = None
-            if x.is_cuda and counters is not None and counters.numel() >= triton.cdiv(n, 64):
+            preferred = None  # looked up once per shape: pick() remembers its choice
+            key_known = ("int4", n, k, group_size) in tuner.choice
+            if not key_known and x.is_cuda and counters is not None and counters.numel() >= triton.cdiv(n, 64):
                 preferred = int4_gemv_config(n, k, torch.cuda.get_device_properties(x.device).multi_processor_count)
             cfg = tuner.pick(("int4", n, k, group_size), run, x.device, preferred=preferred)
         run(cfg)
