@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import time
 
 import anyio
@@ -71,10 +72,11 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
     so that drift in the machine (clocks, other load) falls on both sides alike. Per side: the totals.
 
     The engines are also started in both orders: the first half of the rounds runs on engines started in
-    the given order, the second half on a new pair started in reverse, so that whatever start order does
-    falls on both sides alike too (two identical engines at 64 concurrent requests on the CPU differed by
-    up to 5-13% per run; on the H200, speculation switched off there read 0.93-0.96x with the same model
-    time per step, the engine without it always started first)."""
+    the given order, the second half on a new pair started in reverse. And the garbage collector runs before
+    every round: both engines live in one process, and a full collection (~0.1 s with two engines' objects
+    at 64 concurrent requests on the CPU) falls where the allocation count says, which with the same
+    sequence of rounds every run is the same rounds of the same side. Without it the second engine named
+    was 3-5% slower in every run, two identical engines included; with it the pair reads within ~1%."""
     from core import AsyncEngine
 
     order = list(engine_args)
@@ -111,6 +113,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
                 for name in names if i % 2 == 0 else names[::-1]:
                     engine, r = engines[name], res[name]
                     before, replays, busy = engine.stats(), _graph_replays(engine), execute_s[name][0]
+                    gc.collect()  # each side starts a round with nothing for the collector to catch up on
                     seconds, outs = await _serve(engine, prompts, params, concurrency)
                     r["execute_s"] += execute_s[name][0] - busy
                     st = engine.stats()
