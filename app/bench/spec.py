@@ -76,7 +76,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
     every round: both engines live in one process, and a full collection (~0.1 s with two engines' objects
     at 64 concurrent requests on the CPU) falls where the allocation count says, which with the same
     sequence of rounds every run is the same rounds of the same side. Without it the second engine named
-    was 3-5% slower in every run, two identical engines included; with it the pair reads within ~1%."""
+    was 3-7% slower in every run, two identical engines included; with it the pair reads within ~3%."""
     from core import AsyncEngine
 
     order = list(engine_args)
