@@ -119,7 +119,7 @@ def _kernel_class(name: str) -> str:
         return "kv write (triton)"
     if "rmsnorm" in n or "silu_and_mul" in n or "rope_kernel" in n:
         return "fused norm/act/rope (triton)"
-    if "int4_gemv" in n or "int8_gemv" in n or "int4_gemm" in n or "int8_gemm" in n:
+    if "int4_gem" in n or "int8_gem" in n:  # GEMV and GEMM kernels of core/models/quant_kernels.py
         return "matmul (quantized, triton)"
     if any(k in n for k in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
         return "matmul (cuBLAS)"

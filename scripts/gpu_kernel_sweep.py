@@ -29,14 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LINEAR_SHAPES = {  # name: (N, K)
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
-TINY_SHAPES = {"qkv": (96, 256), "down": (40, 384)}
+from quant_kernel_check import LINEAR_SHAPES, TINY_SHAPES, _cfg, _rel  # noqa: E402 - the check's shapes and helpers
+
 L2_BYTES = 200 * 2**20  # rotate over at least this many weight bytes (the H200's L2 is 50 MiB)
 
 
@@ -149,10 +143,10 @@ def _gemv_shape(ns, g, n: int, k: int) -> dict:
             break
         tuner = qk.GemvTuner(configs=(cfg,))
         tuner.choice[("int4", n, k, group)] = cfg
-        row = {"config": [cfg.block_n, cfg.row_bytes, cfg.split_k, cfg.num_warps, cfg.layout, cfg.num_stages]}
+        row = {"config": _cfg(cfg)}
         try:
             y = qk.int4_matmul(x, *ws[0], group, None, cnt, tuner)
-            row["rel_err"] = float((y.float() - ref).abs().max() / ref.abs().max())
+            row["rel_err"] = _rel(y, ref)
             if row["rel_err"] > 1e-2 or bool(cnt.any()):
                 row["error"] = "wrong result" if row["rel_err"] > 1e-2 else "counters not reset"
             else:

@@ -80,7 +80,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
     from core import AsyncEngine
 
     order = list(engine_args)
-    half = (len(prompt_rounds) + 1) // 2 if len(prompt_rounds) > 1 else len(prompt_rounds)
+    half = (len(prompt_rounds) + 1) // 2  # one round: all of it in the first half
     res = {name: _zero_totals() for name in order}
 
     async def main():

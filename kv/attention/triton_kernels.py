@@ -566,7 +566,7 @@ def paged_prefill(
     tiles (H200 sweep, `scripts/gpu_kernel_sweep.py attn`): 64 keys and 2 stages over a 16-bit cache, 128 keys
     and 1 stage over fp8 (whose tiles are converted in registers before the dot)."""
     query = _last_dim_contiguous(query)
-    kv_fp8 = fp8.is_fp8(kv_cache)
+    scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     block_n = block_n or (128 if kv_fp8 else 64)
     num_stages = num_stages or (1 if kv_fp8 else 2)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -577,7 +577,6 @@ def paged_prefill(
     dot_f32, precision = _dot_args(query.dtype, query.device)
     assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-    scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     _prefill_kernel[grid](
         query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
