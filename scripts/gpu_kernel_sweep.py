@@ -2,6 +2,7 @@
 
     python scripts/gpu_kernel_sweep.py gemv --out gemv_sweep.json     # int4 GEMV (batch-1 decode)
     python scripts/gpu_kernel_sweep.py attn --out attn_sweep.json     # paged attention, fp8 vs bf16 cache
+    python scripts/gpu_kernel_sweep.py pdl --out pdl_sweep.json       # int4 GEMV with / without PDL
 
 Timing: the calls under test are captured back to back in one CUDA graph (as a decode step replays them,
 without launch gaps) and the graph is replayed; the figure is the median replay over the calls in it. The
@@ -14,8 +15,10 @@ launch with the default config (attention) before it is timed.
 ``gemv``: int4 (group 128) on the tensor cores (layout ``tcx``) over a grid of tile sizes, split-K and
 pipeline depths, the engine's current candidates (`GEMV_CONFIGS`), and bf16 ``F.linear`` on the same
 shapes. ``attn``: the decode kernel (block size, warps, stages, split count) and the prefill kernel (tiles),
-each config on a bf16 and an fp8 cache of the same contexts, timed alternately. Results are rewritten to
-``--out`` after every shape or case.
+each config on a bf16 and an fp8 cache of the same contexts, timed alternately. ``pdl``: the engine's int4 config
+(`int4_gemv_config`) without programmatic dependent launch and with it at several L2 prefetch depths
+(`core/models/pdl.py`), each GEMV behind a fused RMSNorm as in a decoder layer (the norm lets it start early);
+bf16 ``F.linear`` behind the same norm for scale. Results are rewritten to ``--out`` after every shape or case.
 """
 
 from __future__ import annotations
@@ -119,16 +122,8 @@ def _gemv_shape(ns, g, n: int, k: int) -> dict:
     from core.models.quant import dequantize_int4
 
     dev, group = ns.device, 128
-    nbytes = n * k // 2 + 2 * 2 * n * (k // group)
-    copies = 2 if ns.tiny else max(2, -(-L2_BYTES // nbytes))
-    ws = [
-        (
-            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=g),
-            (torch.rand(n, k // group, device=dev, generator=g) * 0.002 + 0.001).half(),
-            (torch.rand(n, k // group, device=dev, generator=g) * -0.01).half(),
-        )
-        for _ in range(copies)
-    ]
+    nbytes, ws = _int4_copies(ns, g, n, k, group)
+    copies = len(ws)
     x = torch.randn(1, k, device=dev, generator=g).bfloat16()
     ref = x.float() @ dequantize_int4(*ws[0], torch.float32).t()
     cnt = torch.zeros(-(-n // 4), dtype=torch.int32, device=dev)
@@ -163,6 +158,121 @@ def _gemv_shape(ns, g, n: int, k: int) -> dict:
         "best": timed[:5], "num_configs": len(rows), "errors": [r for r in rows if "error" in r][:5],
         "all": rows,
     }  # fmt: skip
+
+
+def _int4_copies(ns, g, n: int, k: int, group: int) -> tuple[int, list]:
+    """(bytes of one int4 ``n x k`` weight, its scales and mins; enough random copies of it to exceed L2)."""
+    import torch
+
+    nbytes = n * k // 2 + 2 * 2 * n * (k // group)
+    copies = 2 if ns.tiny else max(2, -(-L2_BYTES // nbytes))
+    return nbytes, [
+        (
+            torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=ns.device, generator=g),
+            (torch.rand(n, k // group, device=ns.device, generator=g) * 0.002 + 0.001).half(),
+            (torch.rand(n, k // group, device=ns.device, generator=g) * -0.01).half(),
+        )
+        for _ in range(copies)
+    ]
+
+
+PDL_VARIANTS = (("off", False, 0), ("on, no prefetch", True, 0), ("on, 512 B/row", True, 512),
+                ("on, 1 KiB/row", True, 1024), ("on, 4 KiB/row", True, 4096))  # fmt: skip
+
+
+def sweep_pdl(ns) -> dict:
+    import torch
+
+    out = {"shapes": {}, "variants": [v[0] for v in PDL_VARIANTS]}
+    g = torch.Generator(device=ns.device).manual_seed(0)
+    num_sms = 8 if ns.tiny else torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in (TINY_SHAPES if ns.tiny else LINEAR_SHAPES).items():
+        if ns.shapes and name not in ns.shapes:
+            continue
+        out["shapes"][name] = _pdl_shape(ns, g, n, k, num_sms)
+        _write(ns.out, out)
+        torch.cuda.empty_cache()
+    if set(out["shapes"]) == set(LINEAR_SHAPES):
+        sh, layer = out["shapes"], ("qkv", "o", "gate_up", "down")
+        out["decode_step_ms_with_norms"] = {
+            label: (32 * sum(sh[s][label].get("with_norm_us", float("nan")) for s in layer)
+                    + sh["lm_head"][label].get("with_norm_us", float("nan"))) / 1e3
+            for label, _, _ in PDL_VARIANTS
+        }  # fmt: skip
+        print("decode step, matmuls + a norm before each (ms):", out["decode_step_ms_with_norms"], flush=True)
+    return out
+
+
+def _pdl_shape(ns, g, n: int, k: int, num_sms: int) -> dict:
+    import dataclasses
+
+    import torch
+
+    from core.models import quant_kernels as qk
+    from core.models.fused import add_rmsnorm
+    from core.models.quant import dequantize_int4
+
+    group = 128
+    nbytes, ws = _int4_copies(ns, g, n, k, group)
+    x = torch.randn(1, k, device=ns.device, generator=g).bfloat16()
+    norm_w = torch.ones(k, device=ns.device, dtype=torch.bfloat16)
+    cnt = torch.zeros(-(-n // 4), dtype=torch.int32, device=ns.device)
+
+    def normed() -> torch.Tensor:  # a fused RMSNorm, as before q/k/v and gate/up in a layer
+        return add_rmsnorm(x, None, norm_w, 1e-5)[0]
+
+    ref = normed().float() @ dequantize_int4(*ws[0], torch.float32).t()
+    dense_copies = 2 if ns.tiny else max(2, -(-L2_BYTES // (n * k * 2)))
+    dense = [torch.randn(n, k, device=ns.device, generator=g).bfloat16() for _ in range(dense_copies)]
+    bf16_ms = graph_ms([lambda w=w: torch.nn.functional.linear(normed(), w) for w in dense])
+    del dense
+    rule = qk.int4_gemv_config(n, k, num_sms)
+    row = {"n": n, "k": k, "weight_bytes": nbytes, "config": _cfg(rule), "bf16_with_norm_us": 1e3 * bf16_ms}
+    print(f"{n}x{k} {_cfg(rule)}: bf16 + norm {1e3 * bf16_ms:.1f} us", flush=True)
+    for label, pdl, prefetch in PDL_VARIANTS:
+        tuner = qk.GemvTuner(configs=(dataclasses.replace(rule, pdl=pdl, prefetch=prefetch),))
+        tuner.choice[("int4", n, k, group)] = tuner.configs[0]
+        res = {}
+        try:
+            res["rel_err"] = _rel(qk.int4_matmul(normed(), *ws[0], group, None, cnt, tuner), ref)
+            res["counters_reset"] = not bool(cnt.any())
+            calls = [lambda w=w, t=tuner: qk.int4_matmul(normed(), *w, group, None, cnt, t) for w in ws]
+            res["with_norm_us"] = 1e3 * graph_ms(calls)
+            calls = [lambda w=w, t=tuner: qk.int4_matmul(x, *w, group, None, cnt, t) for w in ws]
+            res["alone_us"] = 1e3 * graph_ms(calls)
+            if not ns.tiny:
+                res["graph_fresh_input_rel_err"] = _pdl_race_check(x, norm_w, ws[0], group, cnt, tuner)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row[label] = res
+        print(f"    {label:>16}: {res}", flush=True)
+    return row
+
+
+def _pdl_race_check(x, norm_w, w, group: int, cnt, tuner) -> float:
+    """Worst relative error of ``gemv(norm(x))`` replayed as one CUDA graph with a new ``x`` before each of 4
+    replays: a GEMV that read its input before the norm had written it would see the last replay's."""
+    import torch
+
+    from core.models import quant_kernels as qk
+    from core.models.fused import add_rmsnorm
+    from core.models.quant import dequantize_int4
+
+    x_static = x.clone()
+    w_ref = dequantize_int4(*w, torch.float32).t()
+    graph = torch.cuda.CUDAGraph()
+    qk.int4_matmul(add_rmsnorm(x_static, None, norm_w, 1e-5)[0], *w, group, None, cnt, tuner)  # compiled
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y = qk.int4_matmul(add_rmsnorm(x_static, None, norm_w, 1e-5)[0], *w, group, None, cnt, tuner)
+    worst = 0.0
+    for i in range(4):
+        x_static.copy_(torch.randn_like(x, dtype=torch.float32).bfloat16() * (i + 1))
+        graph.replay()
+        ref = add_rmsnorm(x_static, None, norm_w, 1e-5)[0].float() @ w_ref
+        worst = max(worst, _rel(y, ref))
+    del graph
+    return worst
 
 
 def sweep_attn(ns) -> dict:
@@ -280,7 +390,7 @@ def _write(path: str, result: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("gemv", "attn"))
+    ap.add_argument("what", choices=("gemv", "attn", "pdl"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", nargs="*", help="gemv: only these shapes (qkv o gate_up down lm_head)")
     ap.add_argument("--time-limit", type=float, default=0, help="per shape or case: no more configs after this (s)")
@@ -294,7 +404,7 @@ def main() -> int:
         return 2
     from app.bench.results import machine_info, utc_now_iso, versions
 
-    result = sweep_gemv(ns) if ns.what == "gemv" else sweep_attn(ns)
+    result = {"gemv": sweep_gemv, "attn": sweep_attn, "pdl": sweep_pdl}[ns.what](ns)
     result.update(command=" ".join(["python scripts/gpu_kernel_sweep.py", *sys.argv[1:]]), machine=machine_info(),
                   versions=versions(), date=utc_now_iso())  # fmt: skip
     _write(ns.out, result)

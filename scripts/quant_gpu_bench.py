@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,11 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _run(args: list[str], out: Path, log) -> dict | None:
+def _run(args: list[str], out: Path, log, env: dict[str, str] | None = None) -> dict | None:
     cmd = [sys.executable, "-m", "app.cli", "bench", *args, "--out", str(out)]
-    print("$", " ".join(cmd), flush=True)
+    print("$", *(f"{k}={v}" for k, v in (env or {}).items()), " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     log.write(f"$ {' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-20000:]}\n")
     log.flush()
     print(proc.stdout[-3000:], flush=True)
@@ -52,6 +53,11 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256, help="latency runs")
     p.add_argument("--num-iters", type=int, default=3, help="latency runs")
     p.add_argument("--skip", choices=("latency", "throughput"), action="append", default=[])
+    p.add_argument(
+        "--without-pdl-too",
+        action="store_true",
+        help="latency: the pair once more with SLUICE_PDL=0 (core/models/pdl.py)",
+    )
     p.add_argument("--out-dir", default=".")
     p.add_argument("extra", nargs="*", help="engine flags for every run (after --)")
     ns = p.parse_args()
@@ -84,6 +90,18 @@ def main() -> int:
                 pair["ratio_int4_over_bf16"] = quant["ms_per_output_token"] / base["ms_per_output_token"]
                 pair["target"] = "<= 0.45"
                 pair["met"] = pair["ratio_int4_over_bf16"] <= 0.45
+            if ns.without_pdl_too:  # the same pair again, programmatic dependent launch off
+                off = {"SLUICE_PDL": "0"}
+                base0 = _run(lat, out / "latency_b1_bf16_no_pdl.json", log, off)
+                quant0 = _run([*lat, "--quantization", "int4"], out / "latency_b1_int4_no_pdl.json", log, off)
+                pair["no_pdl"] = {
+                    "bf16_ms_per_token": base0 and base0["ms_per_output_token"],
+                    "int4_ms_per_token": quant0 and quant0["ms_per_output_token"],
+                }
+                if base0 and quant0:
+                    pair["no_pdl"]["ratio_int4_over_bf16"] = (
+                        quant0["ms_per_output_token"] / base0["ms_per_output_token"]
+                    )
             summary["pairs"]["batch1_decode"] = pair
             print("batch-1 decode:", json.dumps(pair), flush=True)
         if "throughput" not in ns.skip:

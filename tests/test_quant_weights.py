@@ -321,3 +321,16 @@ def test_int4_gemv_config_splits_k_only_while_the_grid_is_short():
         "lm_head": (128256, 4096)}.items()}  # fmt: skip
     assert splits == {"qkv": 4, "o": 4, "gate_up": 1, "down": 8, "lm_head": 1}
     assert qk.int4_gemv_config(576, 576, 132).split_k == 1  # SmolLM2: K too short to split
+
+
+def test_pdl_only_on_a_cuda_gpu_of_compute_capability_9_and_not_when_turned_off(monkeypatch):
+    """The PDL constexprs compile only for sm_90+ (and not in the interpreter); SLUICE_PDL is the A/B switch."""
+    from core.models.pdl import pdl_enabled
+
+    monkeypatch.setenv("SLUICE_PDL", "1")
+    assert not pdl_enabled(torch.device("cpu"))
+    for capability, expected in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert pdl_enabled(torch.device("cuda", 0)) is expected
+    monkeypatch.setenv("SLUICE_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda", 0))

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from core.models.pdl import pdl_launch, wait_then_release
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
@@ -35,7 +37,9 @@ def _add_rmsnorm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)  # core/models/pdl.py
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -77,13 +81,15 @@ def add_rmsnorm(
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0) if res_out is not None else 0,
             hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_warps(block),
+            **pdl_launch(x.device),
         )  # fmt: skip
     out = out.view(x.shape)
     return out, (res_out.view(x.shape) if res_out is not None else None)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -106,7 +112,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, num_warps=4, **pdl_launch(x2.device)
         )
     return out.view(*gate_up.shape[:-1], d)
 
@@ -128,7 +134,9 @@ def _rope_kernel(
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, HALF)
@@ -172,6 +180,7 @@ def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             hq, hk,
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4,
+            **pdl_launch(q.device),
         )  # fmt: skip
 
 

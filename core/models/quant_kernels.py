@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from core.models.pdl import pdl_enabled
+
 logger = logging.getLogger("sluice")
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -226,6 +228,23 @@ def _int4_nibbles16_asm(b, DT: tl.constexpr):
         )
 
 
+_PREFETCH_L2_ASM = tl.constexpr(
+    """{
+    .reg .pred p;
+    setp.gt.s32 p, $2, 0;
+    @p cp.async.bulk.prefetch.L2.global [$1], $2;
+    mov.u32 $0, 0;
+    }"""
+)
+
+
+@triton.jit
+def _prefetch_l2(addr, nbytes):
+    """Ask L2 for ``nbytes`` (a multiple of 16; none if <= 0) from each address of ``addr`` (int64, 16-byte
+    aligned): one bulk prefetch per address, which returns at once (sm_90)."""
+    return tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _int4_gemv_tc_kernel(
     x_ptr,
@@ -248,6 +267,8 @@ def _int4_gemv_tc_kernel(
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
     ASM: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """The int4 GEMV on the tensor cores: per step ``GROUPS`` groups of raw nibbles (``[BLOCK_N, GROUPS*G/2]``
     bytes) times a block-diagonal ``[GROUPS*G/2, GROUPS]`` tile of ``x`` (column ``j`` holds group ``j``'s
@@ -256,10 +277,20 @@ def _int4_gemv_tc_kernel(
     enter the mantissa of ``MAGIC`` (1024 in fp16, 128 in bf16; ``ASM``: `_int4_nibbles16_asm`), which the
     ``sum(x)`` term takes back out: the unpack is the only per-weight ALU work. That cancellation costs
     ~7 of fp32's 24 bits of each group's sum, far below the rounding of the fp16/bf16 output; fp32
-    activations (``DOT_F32``) keep the exact fp32 path instead."""
+    activations (``DOT_F32``) keep the exact fp32 path instead.
+
+    ``PDL`` (launched with programmatic dependent launch, `core/models/pdl.py`): the first ``PREFETCH`` bytes
+    of each of the program's rows go to L2 while the kernel before still runs; ``x`` is read, and anything
+    written, only after ``gdc_wait``."""
     HALF: tl.constexpr = G // 2
     BK: tl.constexpr = GROUPS * HALF  # weight bytes per row and step
     pid_n, pid_k, rows, rmask, rows64, g_lo, g_hi = _gemv_tile(N, K // G, BLOCK_N, SPLIT_K, GROUPS)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH > 0:
+            nbytes = tl.minimum((g_hi - g_lo) * HALF, PREFETCH) + rows * 0
+            _prefetch_l2((w_ptr + tl.where(rmask, rows64, 0) * stride_wn + g_lo * HALF).to(tl.int64), nbytes)
+        tl.extra.cuda.gdc_wait()
     offs_c = tl.arange(0, BK)
     offs_j = tl.arange(0, GROUPS)
     diag = (offs_c // HALF)[:, None] == offs_j[None, :]  # byte c belongs to the step's group c // HALF
@@ -454,6 +485,10 @@ class GemvConfig:
     # same with the inline-PTX unpack (GPU only; int8 has one kernel)
     layout: str = "3d"
     num_stages: int = 3
+    # "tc"/"tcx" on a GPU with PDL (`core/models/pdl.py`): launched to overlap the kernel before, prefetching
+    # up to ``prefetch`` weight bytes per row into L2 meanwhile
+    pdl: bool = True
+    prefetch: int = 1024
 
 
 # Candidates for the tuner; the first is the default where nothing was tuned (the CPU, or during capture).
@@ -612,7 +647,19 @@ def int4_matmul(
                 kernel = _int4_gemv_tc_kernel
                 even_k = (k // group_size) % (steps * split) == 0
                 asm = c.layout == "tcx" and x.is_cuda  # inline PTX: the interpreter runs the plain unpack
-                meta = {"GROUPS": steps, "DOT_F32": _gemv_dot_f32(x), "EVEN_K": even_k, "ASM": asm}
+                pdl = c.pdl and pdl_enabled(x.device)
+                # bulk prefetches want 16-byte aligned rows
+                prefetch = c.prefetch if pdl and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0 else 0
+                meta = {
+                    "GROUPS": steps,
+                    "DOT_F32": _gemv_dot_f32(x),
+                    "EVEN_K": even_k,
+                    "ASM": asm,
+                    "PDL": pdl,
+                    "PREFETCH": prefetch,
+                }
+                if pdl:
+                    meta["launch_pdl"] = True
             elif c.layout == "2d":
                 kernel, meta = _int4_gemv2d_kernel, {"UNROLL": steps}
             else:

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from core.models.pdl import pdl_launch, wait_then_release
 from kv.attention import fp8
 
 LOG2E = 1.4426950408889634
@@ -102,7 +103,9 @@ def _kv_write_kernel(
     BLOCK_D: tl.constexpr,
     KV_FP8: tl.constexpr,
     IEEE_DIV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -192,7 +195,9 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)  # core/models/pdl.py
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -277,7 +282,9 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
@@ -490,7 +497,7 @@ def write_kv(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         num_kv_heads, head_dim, block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=kv_fp8,
-        IEEE_DIV=IEEE_DIV,
+        IEEE_DIV=IEEE_DIV, **pdl_launch(key.device),
     )  # fmt: skip
 
 
@@ -526,6 +533,7 @@ def paged_decode(
     else:
         part_acc = part_m = part_l = out  # unused
     scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
+    pdl = pdl_launch(query.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
         scale * LOG2E,
@@ -534,14 +542,14 @@ def paged_decode(
         block_tables.stride(0), num_heads, head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
-        F16_DOT=_f16_dot(kv_fp8, query.dtype), num_warps=num_warps, num_stages=num_stages,
+        F16_DOT=_f16_dot(kv_fp8, query.dtype), **pdl, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc,
             out.stride(0), out.stride(1), num_heads, head_dim,
             NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **pdl,
         )  # fmt: skip
     return out
 
