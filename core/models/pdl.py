@@ -21,8 +21,8 @@ the one before it. A kernel whose predecessor does not release early (cuBLAS, to
 it ends, as without PDL.
 
 Both calls are no-ops on a GPU without PDL support, but they do not compile for the CPU interpreter and need
-sm_90, so every kernel takes them behind a constexpr that `pdl_enabled` sets. ``SLUICE_PDL=1`` turns them on
-(off by default until measured on the H200).
+sm_90, so every kernel takes them behind a constexpr that `pdl_enabled` sets. ``SLUICE_PDL=0`` turns them off
+(for side-by-side timing).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import triton.language as tl
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` use programmatic dependent launch (CUDA, compute capability >= 9.0)."""
-    if device.type != "cuda" or os.environ.get("SLUICE_PDL", "0") == "0":
+    if device.type != "cuda" or os.environ.get("SLUICE_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -488,7 +488,7 @@ class GemvConfig:
     # "tc"/"tcx" on a GPU with PDL (`core/models/pdl.py`): launched to overlap the kernel before, prefetching
     # up to ``prefetch`` weight bytes per row into L2 meanwhile
     pdl: bool = True
-    prefetch: int = 1024
+    prefetch: int = 0
 
 
 # Candidates for the tuner; the first is the default where nothing was tuned (the CPU, or during capture).
