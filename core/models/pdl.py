@@ -1,20 +1,22 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's weight-streaming GEMVs.
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
 
-A batch-1 decode step is a chain of ~360 small kernels. Each int4 GEMV streams its weights, and until its
-first loads return the memory bus idles, as it does while the norms, RoPE and attention between the GEMVs
-run: on the H200 a GEMV of a few megabytes took 2-3x the time its bytes need (docs/benchmarks.md).
+A batch-1 decode step is a chain of ~360 small kernels. Each waits for the one before it to end, and is
+only then launched and ramped up: on the H200 a GEMV of a few megabytes took 2-3x the time its bytes need,
+and the gaps between kernels added ~0.4 ms to a 3.1 ms int4 step (docs/benchmarks.md).
 
-With PDL the chain overlaps where it is safe to. A kernel launched with ``launch_pdl=True`` may start once
-every program of the kernel before it has called ``gdc_launch_dependents()`` (or ended), and ``gdc_wait()``
-in it returns once that kernel has ended and its writes are visible:
+With PDL a kernel launched with ``launch_pdl=True`` may start once every program of the kernel before it
+has called ``gdc_launch_dependents()`` (or ended), and ``gdc_wait()`` in it returns once that kernel has
+ended and its writes are visible. So:
 
-* the GEMV calls ``gdc_launch_dependents()`` first, asks L2 for its weights (which no earlier kernel
-  writes), and only after ``gdc_wait()`` reads its input and writes anything (output, split-K partials,
-  counters). Its weight reads overlap the kernel before it; nothing it reads or writes can race with it;
 * the small kernels of the step (fused norms, RoPE, SiLU-and-mul, KV write, decode attention) read the
-  previous kernel's output at once, so they start with `wait_then_release`: ``gdc_wait()``, then
-  ``gdc_launch_dependents()``. Launched early, they skip the launch gap; releasing their successor as they
-  start lets the next GEMV prefetch while they run.
+  previous kernel's output at once: they start with `wait_then_release`, ``gdc_wait()`` then
+  ``gdc_launch_dependents()``, so the kernel after them is resident and waiting by the time they end;
+* the int4 GEMV calls ``gdc_launch_dependents()`` first and reads its input or writes anything (output,
+  split-K partials, counters) only after ``gdc_wait()``. Before the wait it may ask L2 for its first
+  weight bytes (`GemvConfig.prefetch`, which no earlier kernel writes); on the H200 that was slower at
+  every depth tried, so it is off.
+
+On the H200 this took the int4 step from 3.11 to 2.70 ms (docs/benchmarks.md, fifth quantization pass).
 
 Chains stay correct however far they run ahead: each kernel waits for the one before it, which waited for
 the one before it. A kernel whose predecessor does not release early (cuBLAS, torch ops) simply starts when

@@ -485,8 +485,8 @@ class GemvConfig:
     # same with the inline-PTX unpack (GPU only; int8 has one kernel)
     layout: str = "3d"
     num_stages: int = 3
-    # "tc"/"tcx" on a GPU with PDL (`core/models/pdl.py`): launched to overlap the kernel before, prefetching
-    # up to ``prefetch`` weight bytes per row into L2 meanwhile
+    # "tc"/"tcx" on a GPU with PDL (`core/models/pdl.py`): launched to overlap the kernel before, optionally
+    # prefetching ``prefetch`` weight bytes per row into L2 meanwhile (slower at 512-4096 on the H200: off)
     pdl: bool = True
     prefetch: int = 0
 
