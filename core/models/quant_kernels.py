@@ -279,9 +279,9 @@ def _int4_gemv_tc_kernel(
     ~7 of fp32's 24 bits of each group's sum, far below the rounding of the fp16/bf16 output; fp32
     activations (``DOT_F32``) keep the exact fp32 path instead.
 
-    ``PDL`` (launched with programmatic dependent launch, `core/models/pdl.py`): the first ``PREFETCH`` bytes
-    of each of the program's rows go to L2 while the kernel before still runs; ``x`` is read, and anything
-    written, only after ``gdc_wait``."""
+    ``PDL`` (launched with programmatic dependent launch, `core/models/pdl.py`): the next kernel is released
+    at once; ``x`` is read, and anything written, only after ``gdc_wait``. Before that wait, ``PREFETCH > 0``
+    asks L2 for that many bytes of each of the program's rows (off by default: it measured slower)."""
     HALF: tl.constexpr = G // 2
     BK: tl.constexpr = GROUPS * HALF  # weight bytes per row and step
     pid_n, pid_k, rows, rmask, rows64, g_lo, g_hi = _gemv_tile(N, K // G, BLOCK_N, SPLIT_K, GROUPS)
