@@ -328,9 +328,13 @@ def test_pdl_only_on_a_cuda_gpu_of_compute_capability_9_and_not_when_turned_off(
     from core.models.pdl import pdl_enabled
 
     monkeypatch.setenv("SLUICE_PDL", "1")
+    pdl_enabled.cache_clear()  # it answers once per device and process; each case below is a new "process"
     assert not pdl_enabled(torch.device("cpu"))
     for capability, expected in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        pdl_enabled.cache_clear()
         assert pdl_enabled(torch.device("cuda", 0)) is expected
     monkeypatch.setenv("SLUICE_PDL", "0")
+    pdl_enabled.cache_clear()
     assert not pdl_enabled(torch.device("cuda", 0))
+    pdl_enabled.cache_clear()  # leave no answer from a faked GPU behind

@@ -29,6 +29,7 @@ sm_90, so every kernel takes them behind a constexpr that `pdl_enabled` sets. ``
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 
+@functools.cache  # asked at every kernel launch; the answer is fixed for a device and a process
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` use programmatic dependent launch (CUDA, compute capability >= 9.0)."""
     if device.type != "cuda" or os.environ.get("SLUICE_PDL", "1") == "0":

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from core.models.pdl import pdl_enabled
+from core.models.pdl import pdl_launch
 
 logger = logging.getLogger("sluice")
 
@@ -616,6 +616,11 @@ def _gemv_dot_f32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 or (x.device.type == "cpu" and x.dtype == torch.bfloat16)
 
 
+def _rows_16b_aligned(w: torch.Tensor) -> bool:
+    # what `_prefetch_l2`'s bulk prefetches need of every row start
+    return w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
+
+
 def _gemm_blocks(m: int) -> tuple[int, int]:
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     return block_m, 64
@@ -649,19 +654,16 @@ def int4_matmul(
                 kernel = _int4_gemv_tc_kernel
                 even_k = (k // group_size) % (steps * split) == 0
                 asm = c.layout == "tcx" and x.is_cuda  # inline PTX: the interpreter runs the plain unpack
-                pdl = c.pdl and pdl_enabled(x.device)
-                # bulk prefetches want 16-byte aligned rows
-                prefetch = c.prefetch if pdl and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0 else 0
+                launch = pdl_launch(x.device) if c.pdl else {"PDL": False}
+                prefetch = c.prefetch if c.prefetch and launch["PDL"] and _rows_16b_aligned(qweight) else 0
                 meta = {
                     "GROUPS": steps,
                     "DOT_F32": _gemv_dot_f32(x),
                     "EVEN_K": even_k,
                     "ASM": asm,
-                    "PDL": pdl,
                     "PREFETCH": prefetch,
+                    **launch,
                 }
-                if pdl:
-                    meta["launch_pdl"] = True
             elif c.layout == "2d":
                 kernel, meta = _int4_gemv2d_kernel, {"UNROLL": steps}
             else:
