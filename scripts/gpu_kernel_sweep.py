@@ -127,8 +127,7 @@ def _gemv_shape(ns, g, n: int, k: int) -> dict:
     x = torch.randn(1, k, device=dev, generator=g).bfloat16()
     ref = x.float() @ dequantize_int4(*ws[0], torch.float32).t()
     cnt = torch.zeros(-(-n // 4), dtype=torch.int32, device=dev)
-    dense_copies = 2 if ns.tiny else max(2, -(-L2_BYTES // (n * k * 2)))
-    dense = [torch.randn(n, k, device=dev, generator=g).bfloat16() for _ in range(dense_copies)]
+    dense = _bf16_copies(ns, g, n, k)
     bf16_ms = graph_ms([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
     del dense
     rows = []
@@ -174,6 +173,14 @@ def _int4_copies(ns, g, n: int, k: int, group: int) -> tuple[int, list]:
         )
         for _ in range(copies)
     ]
+
+
+def _bf16_copies(ns, g, n: int, k: int) -> list:
+    """Enough random bf16 ``n x k`` weights to exceed L2 (the dense peer of `_int4_copies`)."""
+    import torch
+
+    copies = 2 if ns.tiny else max(2, -(-L2_BYTES // (n * k * 2)))
+    return [torch.randn(n, k, device=ns.device, generator=g).bfloat16() for _ in range(copies)]
 
 
 PDL_VARIANTS = (("off", False, 0), ("on, no prefetch", True, 0), ("on, 512 B/row", True, 512),
@@ -222,8 +229,7 @@ def _pdl_shape(ns, g, n: int, k: int, num_sms: int) -> dict:
         return add_rmsnorm(x, None, norm_w, 1e-5)[0]
 
     ref = normed().float() @ dequantize_int4(*ws[0], torch.float32).t()
-    dense_copies = 2 if ns.tiny else max(2, -(-L2_BYTES // (n * k * 2)))
-    dense = [torch.randn(n, k, device=ns.device, generator=g).bfloat16() for _ in range(dense_copies)]
+    dense = _bf16_copies(ns, g, n, k)
     bf16_ms = graph_ms([lambda w=w: torch.nn.functional.linear(normed(), w) for w in dense])
     del dense
     rule = qk.int4_gemv_config(n, k, num_sms)
