@@ -1,7 +1,7 @@
 """`sluice cache-sim`: prefix-cache hit rates of a workload for many KV pool sizes and block sizes, in
 seconds, without a model.
 
-It replays a workload (`app.bench.workloads`) through the engine's own `Scheduler` and
+It replays a workload (`sluice.app.bench.workloads`) through the engine's own `Scheduler` and
 `KVCacheManager`, with requests built by the engine's own `make_requests`: admission, chunked prefill,
 deferral behind an in-flight prefix, preemption, hashing, LRU eviction and the hit counters are the
 engine's code. Only the model is replaced: a fake step "samples" a filler token for every request that
@@ -22,13 +22,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from app.bench.workloads import Workload
-from core.errors import InvalidRequestError
-from core.request import Request
-from core.request_actor import RequestLimits, make_requests
-from core.sampling_params import SamplingParams
-from core.scheduler import ModelOutput, Scheduler, SchedulerConfig
-from kv.manager import KVCacheManager, cdiv
+from sluice.app.bench.workloads import Workload
+from sluice.core.errors import InvalidRequestError
+from sluice.core.request import Request
+from sluice.core.request_actor import RequestLimits, make_requests
+from sluice.core.sampling_params import SamplingParams
+from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.step import ModelOutput
+from sluice.kv.manager import KVCacheManager, cdiv
 
 FILLER_TOKEN = 0  # what the fake model "generates": only identical prompts then share output blocks
 
@@ -93,8 +94,8 @@ def simulate(workload: Workload, cfg: SimConfig, trace: str | None = None, model
     clock = 0.0
     recorder = writer = None
     if trace is not None:
-        from app.inspector.trace import TraceWriter
-        from core.inspector import StepRecorder
+        from sluice.app.inspector.trace import TraceWriter
+        from sluice.core.inspector import StepRecorder
 
         writer = TraceWriter(trace, "cache-sim", model, cfg.block_size, cfg.num_kv_blocks)
         recorder = StepRecorder(sched, max_steps=1, clock=lambda: clock)
@@ -237,10 +238,10 @@ def _ints(text: str) -> list[int]:
 
 
 def cmd_cache_sim(ns: argparse.Namespace) -> int:
-    from app.bench.results import command_line, print_table, write_result
-    from app.bench.workloads import build_workload
-    from core.models.loader import resolve_model
-    from core.tokenizer import load_tokenizer
+    from sluice.app.bench.results import command_line, print_table, write_result
+    from sluice.app.bench.workloads import build_workload
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.tokenizer import load_tokenizer
 
     t = time.perf_counter()
     source = resolve_model(ns.model)
@@ -295,8 +296,8 @@ def cmd_cache_sim(ns: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from app.bench.workloads import add_workload_args
-    from core.models.registry import DEFAULT_MODEL
+    from sluice.app.bench.workloads import add_workload_args
+    from sluice.core.models.registry import DEFAULT_MODEL
 
     p = subparsers.add_parser(
         "cache-sim",

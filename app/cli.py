@@ -8,7 +8,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
+from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from core import LLM, SamplingParams
+    from sluice.core import LLM, SamplingParams
 
     kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
     if kwargs["num_kv_blocks"] is None:
@@ -82,7 +82,13 @@ def _subcommand_modules():
     """Subcommands that live beside their subject (server, benchmarks, ...) register themselves."""
     import importlib
 
-    for name in ("app.server_cli", "app.bench.cli", "app.cache_sim", "app.inspector.cli", "spec.train_cli"):
+    for name in (
+        "sluice.app.server_cli",
+        "sluice.app.bench.cli",
+        "sluice.app.cache_sim",
+        "sluice.app.inspector.cli",
+        "sluice.app.train_cli",
+    ):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:

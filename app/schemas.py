@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from core.sampling_params import MAX_LOGPROBS, SamplingParams
+from sluice.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # A cap on n: each choice is a sequence in the engine, so an unbounded n is a denial of service.
 MAX_N = 128
@@ -107,7 +106,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def sampling_params(self) -> SamplingParams:
-        from core.errors import InvalidRequestError
+        from sluice.core.errors import InvalidRequestError
 
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
@@ -126,7 +125,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = Field(False, description="Not supported; true is rejected.")
 
     def sampling_params(self) -> SamplingParams:
-        from core.errors import InvalidRequestError
+        from sluice.core.errors import InvalidRequestError
 
         if self.echo:
             raise InvalidRequestError("echo: not supported", param="echo")

@@ -32,6 +32,13 @@ from typing import Any
 
 import anyio
 from pydantic import BaseModel, ValidationError
+from sluice.app import schemas as S
+from sluice.app.errors import APIError, engine_error, internal_error, validation_error
+from sluice.app.metrics import RequestTracker, ServerMetrics
+from sluice.app.openapi import openapi_schema
+from sluice.core import __version__
+from sluice.core.errors import InvalidRequestError, SluiceError
+from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
 from starlette.applications import Starlette
@@ -39,12 +46,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from app import schemas as S
-from app.bench.results import SLUICE_VERSION
-from app.metrics import RequestTracker, ServerMetrics
-from core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError, SluiceError
-from core.outputs import RequestOutput, TokenLogprob, Usage
 
 logger = logging.getLogger("sluice.server")
 
@@ -57,34 +58,6 @@ class ServerConfig:
     ping_interval: float = 15.0  # SSE keep-alive comments, for proxies that close idle connections
     shutdown_grace_seconds: float = 10.0  # on shutdown, streams get this long to finish before they are aborted
     retry_after_seconds: int = 1
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        detail = S.ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code)
-        return S.ErrorResponse(error=detail).model_dump()
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def _internal_error() -> APIError:
-    return APIError(500, "internal server error", type="server_error", code="internal_error")
 
 
 def build_app(
@@ -122,7 +95,7 @@ def build_app(
             if not getattr(engine, "is_running", True):  # else the embedding app started it
                 await stack.enter_async_context(engine)
             if record_trace is not None:
-                from app.inspector.trace import recording
+                from sluice.app.inspector.trace import recording
 
                 await stack.enter_async_context(recording(engine, record_trace))
             yield
@@ -133,11 +106,11 @@ def build_app(
         return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
     async def server_error(_request: Request, _exc: Exception) -> Response:
-        return _internal_error().response()
+        return internal_error().response()
 
     routes = api.routes()
     if inspector:
-        from app.inspector.web import LiveSource, inspector_routes
+        from sluice.app.inspector.web import LiveSource, inspector_routes
 
         routes += inspector_routes(LiveSource(engine), api._authorize, api._sse)
     app = Starlette(
@@ -162,7 +135,7 @@ def _endpoint(fn: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable
             return self.engine_error(e).response()
         except Exception:
             logger.exception("%s %s failed", request.method, request.url.path)
-            return _internal_error().response()
+            return internal_error().response()
 
     return wrapper
 
@@ -223,33 +196,8 @@ class OpenAIServer:
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ]
 
-    # -- errors ----------------------------------------------------------------------------------------
     def engine_error(self, e: SluiceError, prompt_param: str = "prompt") -> APIError:
-        if isinstance(e, InvalidRequestError):
-            param = e.param
-            if param == "prompt":
-                param = prompt_param  # for chat, the prompt is the messages
-            message = str(e)
-            if param != e.param and e.param and message.startswith(e.param + ":"):
-                message = param + message[len(e.param) :]
-            return APIError(400, message, param=param)
-        if isinstance(e, EngineOverloaded):
-            return APIError(
-                503,
-                str(e),
-                type="server_error",
-                code="engine_overloaded",
-                headers={"Retry-After": str(self.config.retry_after_seconds)},
-            )
-        if isinstance(e, EngineDeadError):
-            return APIError(
-                503, "the engine has failed and cannot serve requests", type="server_error", code="engine_dead"
-            )
-        if isinstance(e, RequestFailedError):
-            logger.error("request failed: %s", e)
-            return APIError(500, "the request failed inside the engine", type="server_error", code="request_failed")
-        logger.error("engine error: %s", e)
-        return APIError(503, "the engine is not serving requests", type="server_error", code="engine_unavailable")
+        return engine_error(e, prompt_param, self.config.retry_after_seconds)
 
     def _authorize(self, request: Request) -> None:
         key = self.config.api_key
@@ -289,7 +237,7 @@ class OpenAIServer:
         try:
             return model.model_validate_json(body)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(e) from None
 
     def _check_running(self) -> None:
         # Mounted in a user's app whose lifespan has not started the engine (yet, or any more).
@@ -321,7 +269,7 @@ class OpenAIServer:
         try:
             first = await _until_disconnect(request, gen.__anext__)
         except StopAsyncIteration:
-            raise _internal_error() from None
+            raise internal_error() from None
         except SluiceError as e:
             raise self.engine_error(e, prompt_param) from None
         if first is _GONE:
@@ -384,7 +332,7 @@ class OpenAIServer:
             yield "[DONE]"
         except Exception:
             logger.exception("stream failed")
-            yield json.dumps(_internal_error().body())
+            yield json.dumps(internal_error().body())
             yield "[DONE]"
         finally:
             await gen.aclose()
@@ -584,7 +532,7 @@ class OpenAIServer:
         return JSONResponse({"status": "unhealthy"}, status_code=503)
 
     async def version(self, _request: Request) -> Response:
-        return JSONResponse({"version": SLUICE_VERSION})
+        return JSONResponse({"version": __version__})
 
     async def prometheus(self, _request: Request) -> Response:
         body, content_type = self.metrics.render()
@@ -594,113 +542,3 @@ class OpenAIServer:
         if self._openapi is None:
             self._openapi = json.dumps(openapi_schema(self.config.api_key is not None)).encode()
         return Response(self._openapi, media_type="application/json")
-
-
-# -- validation errors -------------------------------------------------------------------------------------
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
-
-
-def _param_of(loc: tuple) -> str | None:
-    """``("messages", 0, "content", "list[TextPart]", 0, "text")`` -> ``"messages[0].content[0].text"``:
-    pydantic puts the names of union members (type tags) into the path; they are not fields."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-            continue
-        if not part.isidentifier() or part != part.lower() or part in _TYPE_TAGS:
-            continue
-        out += ("." if out else "") + part
-    return out or None
-
-
-def _validation_error(e: ValidationError) -> APIError:
-    errors = e.errors(include_url=False)
-    first = errors[0]
-    if first["type"] == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first['msg']}")
-    if not first["loc"]:
-        return APIError(400, "request body must be a JSON object")
-    messages: list[str] = []
-    for err in errors[:4]:
-        p = _param_of(err["loc"])
-        text = f"{p}: {err['msg']}" if p else err["msg"]
-        if text not in messages:
-            messages.append(text)
-    return APIError(400, "; ".join(messages), param=_param_of(first["loc"]))
-
-
-# -- OpenAPI -----------------------------------------------------------------------------------------------
-
-
-def openapi_schema(with_auth: bool = False) -> dict:
-    """OpenAPI 3.1 for the routes, with request and response schemas generated from `app.schemas`."""
-    from pydantic.json_schema import models_json_schema
-
-    models = [
-        (S.ChatCompletionRequest, "validation"),
-        (S.CompletionRequest, "validation"),
-        (S.ChatCompletionResponse, "serialization"),
-        (S.ChatCompletionChunk, "serialization"),
-        (S.CompletionResponse, "serialization"),
-        (S.ModelList, "serialization"),
-        (S.ErrorResponse, "serialization"),
-    ]
-    _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
-
-    def ref(model: type[BaseModel]) -> dict:
-        return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-    def errors(*codes: int) -> dict:
-        return {
-            str(c): {"description": "error", "content": {"application/json": {"schema": ref(S.ErrorResponse)}}}
-            for c in codes
-        }
-
-    def post(summary: str, req: type[BaseModel], resp: type[BaseModel], chunk: type[BaseModel]) -> dict:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ref(req)}}},
-                "responses": {
-                    "200": {
-                        "description": "the completion, or with stream=true server-sent events of chunks then [DONE]",
-                        "content": {
-                            "application/json": {"schema": ref(resp)},
-                            "text/event-stream": {"schema": ref(chunk)},
-                        },
-                    },
-                    **errors(400, 401, 404, 413, 500, 503),
-                },
-                **({"security": [{"bearer": []}]} if with_auth else {}),
-            }
-        }
-
-    def get(summary: str, content: dict | None = None) -> dict:
-        return {
-            "get": {
-                "summary": summary,
-                "responses": {"200": {"description": "ok", **({"content": content} if content else {})}},
-            }
-        }
-
-    spec = {
-        "openapi": "3.1.0",
-        "info": {"title": "sluice OpenAI-compatible API", "version": SLUICE_VERSION},
-        "paths": {
-            "/v1/chat/completions": post(
-                "Chat completion", S.ChatCompletionRequest, S.ChatCompletionResponse, S.ChatCompletionChunk
-            ),
-            "/v1/completions": post("Text completion", S.CompletionRequest, S.CompletionResponse, S.CompletionResponse),
-            "/v1/models": get("The served model", {"application/json": {"schema": ref(S.ModelList)}}),
-            "/health": get("200 while the engine serves requests, else 503"),
-            "/version": get("The sluice version"),
-            "/metrics": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
-            "/openapi.json": get("This document"),
-        },
-        "components": {"schemas": defs.get("$defs", {})},
-    }
-    if with_auth:
-        spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    return spec

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 
 def register(subparsers) -> None:
-    from app.cli import add_engine_args
+    from sluice.app.cli import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
     p.add_argument("--host", default="127.0.0.1")
@@ -44,10 +44,9 @@ def register(subparsers) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
-
-    from app.cli import engine_args_from
-    from app.server import build_app
-    from core.engine import AsyncEngine
+    from sluice.app.cli import engine_args_from
+    from sluice.app.server import build_app
+    from sluice.core.engine import AsyncEngine
 
     args = engine_args_from(ns)
     if ns.record_trace:

@@ -1,30 +1,41 @@
-"""sluice's engine. Public names are exported lazily, so `spec` can import `core.models` without
-pulling in the engine (which imports `spec`)."""
+"""sluice's engine: the public names of the library."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 
-_EXPORTS = {
-    "AsyncEngine": "core.engine",
-    "LLM": "core.engine",
-    "EngineArgs": "core.args",
-    "SamplingParams": "core.sampling_params",
-    "RequestOutput": "core.outputs",
-    "Usage": "core.outputs",
-    "EngineStats": "core.scheduler_actor",
-    "SluiceError": "core.errors",
-    "InvalidRequestError": "core.errors",
-    "ModelLoadError": "core.errors",
-    "EngineOverloaded": "core.errors",
-    "EngineDeadError": "core.errors",
-    "RequestFailedError": "core.errors",
-}
+from sluice.core.args import EngineArgs
+from sluice.core.engine import LLM, AsyncEngine
+from sluice.core.errors import (
+    EngineDeadError,
+    EngineOverloaded,
+    InvalidRequestError,
+    ModelLoadError,
+    RequestFailedError,
+    SluiceError,
+)
+from sluice.core.outputs import RequestOutput, Usage
+from sluice.core.sampling_params import SamplingParams
+from sluice.core.scheduler_actor import EngineStats
 
-__all__ = sorted(_EXPORTS)
+try:  # the one source of the version: the installed distribution's metadata
+    __version__ = importlib.metadata.version("sluice-llm")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'core' has no attribute {name!r}")
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "EngineArgs",
+    "EngineDeadError",
+    "EngineOverloaded",
+    "EngineStats",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestFailedError",
+    "RequestOutput",
+    "SamplingParams",
+    "SluiceError",
+    "Usage",
+    "__version__",
+]

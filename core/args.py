@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-
-from core.errors import InvalidRequestError
-from core.models.registry import DEFAULT_MODEL
+from sluice.core.errors import InvalidRequestError
+from sluice.core.models.registry import DEFAULT_MODEL
 
 _DTYPES = {
     "float32": torch.float32,

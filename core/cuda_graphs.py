@@ -25,8 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from kv.attention.base import AttentionMetadata
+from sluice.kv.attention.base import AttentionMetadata
 
 logger = logging.getLogger("sluice")
 

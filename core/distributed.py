@@ -20,10 +20,9 @@ import socket
 from datetime import timedelta
 
 import torch
-
-from core.args import EngineArgs
-from core.errors import InvalidRequestError
-from core.models.parallel import TensorParallel
+from sluice.core.args import EngineArgs
+from sluice.core.errors import InvalidRequestError
+from sluice.core.models.parallel import TensorParallel
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 CONTROL_TIMEOUT = timedelta(days=3650)

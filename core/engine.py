@@ -14,19 +14,18 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
-
-from core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
-from core.errors import EngineDeadError, InvalidRequestError, SluiceError
-from core.executor import ExecutorActor
-from core.inspector import StepRecorder
-from core.models.loader import ModelSource, resolve_model
-from core.outputs import RequestOutput
-from core.request_actor import RequestLimits, make_requests, run_request
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, SchedulerConfig
-from core.scheduler_actor import EngineStats, SchedulerActor
-from core.tokenizer import apply_chat_template, load_tokenizer
-from kv.manager import KVCacheManager
+from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
+from sluice.core.errors import EngineDeadError, InvalidRequestError, SluiceError
+from sluice.core.executor import ExecutorActor
+from sluice.core.inspector import StepRecorder
+from sluice.core.models.loader import ModelSource, resolve_model
+from sluice.core.outputs import RequestOutput
+from sluice.core.request_actor import RequestLimits, make_requests, run_request
+from sluice.core.sampling_params import SamplingParams
+from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.scheduler_actor import EngineStats, SchedulerActor
+from sluice.core.tokenizer import apply_chat_template, load_tokenizer
+from sluice.kv.manager import KVCacheManager
 
 logger = logging.getLogger("sluice")
 
@@ -141,7 +140,7 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences); unknown or finished ids are ignored."""
-        from core.request import AbortRequest
+        from sluice.core.request import AbortRequest
 
         await self._inbox_send.send(AbortRequest(request_id))
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+from sluice.core.models.errors import ModelLoadError, SluiceError
 
-class SluiceError(Exception):
-    """Base of every error sluice raises on purpose."""
+__all__ = [
+    "EngineDeadError",
+    "EngineOverloaded",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestFailedError",
+    "SluiceError",
+    "WorkerDiedError",
+]
 
 
 class InvalidRequestError(SluiceError, ValueError):
@@ -13,10 +21,6 @@ class InvalidRequestError(SluiceError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
-
-
-class ModelLoadError(SluiceError, ValueError):
-    """The model cannot be loaded: unknown alias or path, unsupported architecture, bad weights."""
 
 
 class EngineOverloaded(SluiceError):

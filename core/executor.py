@@ -6,11 +6,10 @@ import logging
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-
-from core.args import EngineArgs
-from core.model_runner import ModelRunner
-from core.models.loader import ModelSource
-from core.scheduler import ModelOutput, SchedulerOutput
+from sluice.core.args import EngineArgs
+from sluice.core.model_runner import ModelRunner
+from sluice.core.models.loader import ModelSource
+from sluice.core.step import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger("sluice")
 
@@ -30,7 +29,7 @@ class ExecutorActor:
         """The model in this process; with ``tensor_parallel_size > 1``, one worker process per rank
         (`core/tp_runner.py`), stopped when `run` ends."""
         if args.tensor_parallel_size > 1:
-            from core.tp_runner import TPRunner
+            from sluice.core.tp_runner import TPRunner
 
             return cls(TPRunner(args, source, max_model_len))
         return cls(ModelRunner(args, source, max_model_len))

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import anyio
-
-from core.request import Request, TokenEvent
-from core.scheduler import ModelOutput, Scheduler, SchedulerOutput
+from sluice.core.request import Request, TokenEvent
+from sluice.core.scheduler import Scheduler
+from sluice.core.step import ModelOutput, SchedulerOutput
 
 MAX_STEPS = 4096  # records kept for late viewers; older ones are dropped
 

@@ -17,17 +17,16 @@ import sys
 
 import numpy as np
 import torch
-
-from core.args import EngineArgs
-from core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
-from core.models.layers import ForwardContext, enable_fused_kernels
-from core.models.loader import ModelSource, load_model
-from core.models.quant import weight_bytes
-from core.sampler import SamplingBatch, min_tokens_bans, sample, token_logprobs
-from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
-from kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
-from kv.attention.base import kv_bytes_per_block
-from kv.attention.fp8 import kv_cache_torch_dtype
+from sluice.core.args import EngineArgs
+from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.models.loader import ModelSource, load_model
+from sluice.core.models.quant import weight_bytes
+from sluice.core.sampler import SamplingBatch, min_tokens_bans, sample, token_logprobs
+from sluice.core.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
+from sluice.kv.attention.base import kv_bytes_per_block
+from sluice.kv.attention.fp8 import kv_cache_torch_dtype
 
 logger = logging.getLogger("sluice")
 
@@ -56,7 +55,7 @@ class ModelRunner:
         torch.manual_seed(args.seed)
         self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed, tp=tp)
         if args.quantization is not None:
-            from core.models.quant import quantize_model  # imports the gguf reader
+            from sluice.core.models.quant import quantize_model  # imports the gguf reader
 
             counts = quantize_model(
                 self.model,
@@ -72,7 +71,7 @@ class ModelRunner:
         self.backend = get_attention_backend(backend)
         self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if fp8.is_fp8(self.kv_dtype):
-            from core.models.quant import calibrate_kv_scales
+            from sluice.core.models.quant import calibrate_kv_scales
 
             scales = calibrate_kv_scales(
                 self.model, self.backend, self.dtype, self.device, seq_len=min(256, max_model_len), seed=args.seed
@@ -99,7 +98,7 @@ class ModelRunner:
             sys.setswitchinterval(min(sys.getswitchinterval(), interval))
         self.spec = None  # speculative decoding: the draft head and its steps
         if args.speculative_model is not None:
-            from core.spec_decode import SpecDecodeRunner
+            from sluice.core.spec_decode import SpecDecodeRunner
 
             self.spec = SpecDecodeRunner(self, source)
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.outputs import TokenLogprob
-from core.sampling_params import SamplingParams
+from sluice.core.outputs import TokenLogprob
+from sluice.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import ObjectSendStream
-
-from core.errors import InvalidRequestError, RequestFailedError, SluiceError
-from core.outputs import RequestOutput, TokenLogprob, Usage
-from core.request import AbortRequest, AddRequest, Request, TokenEvent
-from core.sampling_params import SamplingParams
-from core.tokenizer import IncrementalDetokenizer
+from sluice.core.errors import InvalidRequestError, RequestFailedError, SluiceError
+from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
+from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
+from sluice.core.sampling_params import SamplingParams
+from sluice.core.tokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)

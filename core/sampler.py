@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from core.outputs import TokenLogprob
+from sluice.core.outputs import TokenLogprob
 
 
 @dataclass(slots=True)

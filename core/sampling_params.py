@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.errors import InvalidRequestError
+from sluice.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 

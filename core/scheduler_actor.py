@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-
-from core.errors import EngineDeadError, EngineOverloaded
-from core.inspector import StepRecorder
-from core.request import AbortRequest, AddRequest, Request, TokenEvent
-from core.scheduler import ModelOutput, Scheduler, SchedulerOutput
+from sluice.core.errors import EngineDeadError, EngineOverloaded
+from sluice.core.inspector import StepRecorder
+from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
+from sluice.core.scheduler import Scheduler
+from sluice.core.step import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger("sluice")
 

@@ -27,16 +27,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-
-from core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
-from core.models.layers import ForwardContext, enable_fused_kernels
-from core.models.loader import ModelSource
-from core.sampler import SamplingBatch, min_tokens_bans, process_logits, sample, token_logprobs
-from core.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
-from kv.attention.base import kv_bytes_per_block
-from spec.eagle import load_draft_head, resolve_draft_head
-from spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata, per_token_metadata
-from spec.rejection import RejectionOutput, greedy_verify, rejection_sample
+from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.models.loader import ModelSource
+from sluice.core.sampler import SamplingBatch, min_tokens_bans, process_logits, sample, token_logprobs
+from sluice.core.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from sluice.kv.attention.base import kv_bytes_per_block
+from sluice.spec.eagle import load_draft_head, resolve_draft_head
+from sluice.spec.proposer import DraftInput, DraftSampling, EagleProposer, paged_metadata, per_token_metadata
+from sluice.spec.rejection import RejectionOutput, greedy_verify, rejection_sample
 
 # Graphs of uniform speculative steps are captured for batch sizes up to this (and the load switch).
 MAX_UNIFORM_GRAPH_BATCH = 64

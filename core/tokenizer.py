@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.errors import InvalidRequestError, ModelLoadError
+from sluice.core.errors import InvalidRequestError, ModelLoadError
 
 
 def load_tokenizer(tokenizer_dir: str):

@@ -23,13 +23,12 @@ import weakref
 from multiprocessing.connection import wait
 
 import torch
-
-from core.args import EngineArgs
-from core.distributed import COLLECTIVE_TIMEOUT, rendezvous
-from core.errors import InvalidRequestError, WorkerDiedError
-from core.models.loader import ModelSource
-from core.scheduler import ModelOutput, SchedulerOutput
-from core.tp_worker import WorkerSpec, run_worker
+from sluice.core.args import EngineArgs
+from sluice.core.distributed import COLLECTIVE_TIMEOUT, rendezvous
+from sluice.core.errors import InvalidRequestError, WorkerDiedError
+from sluice.core.models.loader import ModelSource
+from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.tp_worker import WorkerSpec, run_worker
 
 logger = logging.getLogger("sluice")
 

@@ -7,7 +7,7 @@ all. Rank 0 also broadcasts the engine's configuration at start, so ranks on oth
 the rendezvous variables:
 
     MASTER_ADDR=<engine host> MASTER_PORT=<port> WORLD_SIZE=<n> RANK=<r> LOCAL_RANK=<gpu> \\
-        python -m core.tp_worker
+        python -m sluice.core.tp_worker
 
 (the engine itself runs with ``--tensor-parallel-local-size`` = the ranks of its own host).
 
@@ -24,9 +24,8 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
-
-from core.args import EngineArgs
-from core.errors import InvalidRequestError
+from sluice.core.args import EngineArgs
+from sluice.core.errors import InvalidRequestError
 
 logger = logging.getLogger("sluice")
 
@@ -48,9 +47,9 @@ class WorkerSpec:
 def run_worker(spec: WorkerSpec, conn=None) -> None:
     """The process's whole life: join the group, build this rank's runner, serve steps until told to stop.
     ``conn`` (rank 0 only) is its pipe to the engine."""
-    from core.distributed import broadcast_from_rank0, init_tensor_parallel, shutdown_tensor_parallel
-    from core.model_runner import ModelRunner
-    from core.models.loader import resolve_model
+    from sluice.core.distributed import broadcast_from_rank0, init_tensor_parallel, shutdown_tensor_parallel
+    from sluice.core.model_runner import ModelRunner
+    from sluice.core.models.loader import resolve_model
 
     try:
         device = torch.device(f"cuda:{spec.local_rank}" if spec.device_type == "cuda" else "cpu")
@@ -76,8 +75,8 @@ def run_worker(spec: WorkerSpec, conn=None) -> None:
 
 
 def _serve(runner, tp, conn) -> None:
-    from core.distributed import broadcast_from_rank0
-    from core.scheduler import ModelOutput
+    from sluice.core.distributed import broadcast_from_rank0
+    from sluice.core.step import ModelOutput
 
     while True:
         try:

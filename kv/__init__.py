@@ -3,7 +3,7 @@
 This package imports nothing of `core` or `spec`.
 """
 
-from kv.block_pool import BlockPool, KVBlock
-from kv.manager import KVCacheManager, KVRequest
+from sluice.kv.block_pool import BlockPool, KVBlock
+from sluice.kv.manager import KVCacheManager, KVRequest
 
 __all__ = ["BlockPool", "KVBlock", "KVCacheManager", "KVRequest"]

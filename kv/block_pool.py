@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from kv.prefix_cache import BlockHash
+from sluice.kv.prefix_cache import BlockHash
 
 ROOT_KEY = 0  # the parent key of a first block; real keys start at 1
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from kv.block_pool import ROOT_KEY, BlockPool, KVBlock
-from kv.prefix_cache import BlockHash, block_hashes
+from sluice.kv.block_pool import ROOT_KEY, BlockPool, KVBlock
+from sluice.kv.prefix_cache import BlockHash, block_hashes
 
 
 class KVRequest(Protocol):

@@ -18,11 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     import anyio
-
-    from app.bench.common import drive_engine
-    from app.bench.datasets import sample_random
-    from app.bench.results import command_line, machine_line, write_result
-    from core import AsyncEngine, EngineArgs
+    from sluice.app.bench.common import drive_engine
+    from sluice.app.bench.datasets import sample_random
+    from sluice.app.bench.results import command_line, machine_line, write_result
+    from sluice.core import AsyncEngine, EngineArgs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="dummy:tiny")

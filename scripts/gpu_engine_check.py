@@ -34,7 +34,7 @@ TOPICS = [
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    from core.tokenizer import apply_chat_template
+    from sluice.core.tokenizer import apply_chat_template
 
     out = []
     for i, topic in enumerate(TOPICS):
@@ -47,8 +47,8 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def equality(ns: argparse.Namespace) -> dict:
-    from app.bench.common import release_device_memory
-    from core import LLM, SamplingParams
+    from sluice.app.bench.common import release_device_memory
+    from sluice.core import LLM, SamplingParams
 
     n = ns.tokens
     ref = LLM(
@@ -172,13 +172,12 @@ def _profile_steps(runner, so, steps: int) -> dict:
 
 def profile(ns: argparse.Namespace) -> dict:
     import torch
-
-    from app.bench.latency import prefill_flops
-    from core.args import EngineArgs
-    from core.model_runner import ModelRunner
-    from core.models.loader import resolve_model
-    from core.sampling_params import SamplingParams
-    from core.scheduler import ScheduledRequest, SchedulerOutput
+    from sluice.app.bench.latency import prefill_flops
+    from sluice.core.args import EngineArgs
+    from sluice.core.model_runner import ModelRunner
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.sampling_params import SamplingParams
+    from sluice.core.step import ScheduledRequest, SchedulerOutput
 
     source = resolve_model(ns.model)
     args = EngineArgs(
@@ -280,7 +279,7 @@ def main() -> int:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--out", required=True)
     ns = ap.parse_args()
-    from app.bench.results import machine_info, utc_now_iso, versions
+    from sluice.app.bench.results import machine_info, utc_now_iso, versions
 
     result = equality(ns) if ns.cmd == "equality" else profile(ns)
     result.update(command=" ".join(["python scripts/gpu_engine_check.py", *sys.argv[1:]]), machine=machine_info(),

@@ -130,10 +130,9 @@ def main() -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
     import triton
-
-    from kv.attention.base import AttentionMetadata
-    from kv.attention.torch_ref import TorchAttentionBackend
-    from kv.attention.triton_backend import TritonAttentionBackend
+    from sluice.kv.attention.base import AttentionMetadata
+    from sluice.kv.attention.torch_ref import TorchAttentionBackend
+    from sluice.kv.attention.triton_backend import TritonAttentionBackend
 
     device = torch.device("cuda" if on_gpu else "cpu")
     ref = TorchAttentionBackend()

@@ -17,7 +17,7 @@ pipeline depths, the engine's current candidates (`GEMV_CONFIGS`), and bf16 ``F.
 shapes. ``attn``: the decode kernel (block size, warps, stages, split count) and the prefill kernel (tiles),
 each config on a bf16 and an fp8 cache of the same contexts, timed alternately. ``pdl``: the engine's int4 config
 (`int4_gemv_config`) without programmatic dependent launch and with it at several L2 prefetch depths
-(`core/models/pdl.py`), each GEMV behind a fused RMSNorm as in a decoder layer (the norm lets it start early);
+(`kv/attention/pdl.py`), each GEMV behind a fused RMSNorm as in a decoder layer (the norm lets it start early);
 bf16 ``F.linear`` behind the same norm for scale. Results are rewritten to ``--out`` after every shape or case.
 """
 
@@ -73,7 +73,7 @@ def graph_ms(calls, replays: int = 15) -> float:
 
 
 def gemv_configs(n: int):
-    from core.models.quant_kernels import GEMV_CONFIGS, GemvConfig
+    from sluice.core.models.quant_kernels import GEMV_CONFIGS, GemvConfig
 
     grid = []
     for block_n, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
@@ -117,9 +117,8 @@ def sweep_gemv(ns) -> dict:
 
 def _gemv_shape(ns, g, n: int, k: int) -> dict:
     import torch
-
-    from core.models import quant_kernels as qk
-    from core.models.quant import dequantize_int4
+    from sluice.core.models import quant_kernels as qk
+    from sluice.core.models.quant import dequantize_int4
 
     dev, group = ns.device, 128
     nbytes, ws = _int4_copies(ns, g, n, k, group)
@@ -214,10 +213,9 @@ def _pdl_shape(ns, g, n: int, k: int, num_sms: int) -> dict:
     import dataclasses
 
     import torch
-
-    from core.models import quant_kernels as qk
-    from core.models.fused import add_rmsnorm
-    from core.models.quant import dequantize_int4
+    from sluice.core.models import quant_kernels as qk
+    from sluice.core.models.fused import add_rmsnorm
+    from sluice.core.models.quant import dequantize_int4
 
     group = 128
     nbytes, ws = _int4_copies(ns, g, n, k, group)
@@ -259,10 +257,9 @@ def _pdl_race_check(x, norm_w, w, group: int, cnt, tuner) -> float:
     """Worst relative error of ``gemv(norm(x))`` replayed as one CUDA graph with a new ``x`` before each of 4
     replays: a GEMV that read its input before the norm had written it would see the last replay's."""
     import torch
-
-    from core.models import quant_kernels as qk
-    from core.models.fused import add_rmsnorm
-    from core.models.quant import dequantize_int4
+    from sluice.core.models import quant_kernels as qk
+    from sluice.core.models.fused import add_rmsnorm
+    from sluice.core.models.quant import dequantize_int4
 
     x_static = x.clone()
     w_ref = dequantize_int4(*w, torch.float32).t()
@@ -283,8 +280,7 @@ def _pdl_race_check(x, norm_w, w, group: int, cnt, tuner) -> float:
 
 def sweep_attn(ns) -> dict:
     import torch
-
-    from kv.attention.triton_backend import TritonAttentionBackend
+    from sluice.kv.attention.triton_backend import TritonAttentionBackend
 
     dev = ns.device
     heads, kv_heads, d = (4, 2, 32) if ns.tiny else (32, 8, 128)
@@ -316,9 +312,9 @@ def sweep_attn(ns) -> dict:
 
 def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, shape: tuple[int, int, int]) -> dict:
     import torch
+    from sluice.kv.attention import fp8
+    from sluice.kv.attention import triton_kernels as tk
 
-    from kv.attention import fp8
-    from kv.attention import triton_kernels as tk
     from tests.helpers import random_paged_batch
 
     heads, kv_heads, d = shape
@@ -408,7 +404,7 @@ def main() -> int:
     if not ns.tiny and not torch.cuda.is_available():
         print("needs a CUDA GPU (or --tiny with TRITON_INTERPRET=1)")
         return 2
-    from app.bench.results import machine_info, utc_now_iso, versions
+    from sluice.app.bench.results import machine_info, utc_now_iso, versions
 
     result = {"gemv": sweep_gemv, "attn": sweep_attn, "pdl": sweep_pdl}[ns.what](ns)
     result.update(command=" ".join(["python scripts/gpu_kernel_sweep.py", *sys.argv[1:]]), machine=machine_info(),

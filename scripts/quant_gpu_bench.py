@@ -8,7 +8,7 @@
 * offline ShareGPT throughput (``sluice bench throughput`` on a saved request file): bf16 KV, then fp8 KV
   (``--kv-cache-dtype fp8``); the ratio fp8 / bf16 of output tokens per second (target: >= 1).
 
-Each benchmark is its own ``python -m app.cli bench ...`` process (a fresh engine and GPU memory), in
+Each benchmark is its own ``python -m sluice.app.cli bench ...`` process (a fresh engine and GPU memory), in
 that order; every result file is kept in ``--out-dir`` with its command, machine and versions, and the
 summary (``quant_gpu_bench.json``) repeats the pairs and ratios. A pair whose run fails is reported as such.
 Extra engine flags for every run go after ``--`` (e.g. ``-- --max-num-batched-tokens 8192``). A
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _run(args: list[str], out: Path, log, env: dict[str, str] | None = None) -> dict | None:
-    cmd = [sys.executable, "-m", "app.cli", "bench", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "sluice.app.cli", "bench", *args, "--out", str(out)]
     print("$", *(f"{k}={v}" for k, v in (env or {}).items()), " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
@@ -56,14 +56,14 @@ def main() -> int:
     p.add_argument(
         "--without-pdl-too",
         action="store_true",
-        help="latency: the pair once more with SLUICE_PDL=0 (core/models/pdl.py)",
+        help="latency: the pair once more with SLUICE_PDL=0 (kv/attention/pdl.py)",
     )
     p.add_argument("--out-dir", default=".")
     p.add_argument("extra", nargs="*", help="engine flags for every run (after --)")
     ns = p.parse_args()
-    from app.bench.results import command_line, write_result
-    from core.errors import ModelLoadError
-    from core.models.loader import resolve_model
+    from sluice.app.bench.results import command_line, write_result
+    from sluice.core.errors import ModelLoadError
+    from sluice.core.models.loader import resolve_model
 
     try:  # fail here, not four times over: random-weight models borrow the default model's tokenizer
         resolve_model(ns.model)

@@ -60,9 +60,14 @@ def _rel(y, ref) -> float:
 
 def linear_cases(shapes: dict, dev: str, on_gpu: bool):
     import torch
-
-    from core.models import quant_kernels as qk
-    from core.models.quant import MIN_GEMV_BLOCK_N, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+    from sluice.core.models import quant_kernels as qk
+    from sluice.core.models.quant import (
+        MIN_GEMV_BLOCK_N,
+        dequantize_int4,
+        dequantize_int8,
+        quantize_int4,
+        quantize_int8,
+    )
 
     g = torch.Generator(device=dev).manual_seed(0)
     for name, (n, k) in shapes.items():
@@ -152,9 +157,8 @@ def linear_cases(shapes: dict, dev: str, on_gpu: bool):
 
 def graph_case(dev: str, on_gpu: bool):
     import torch
-
-    from core.models import quant_kernels as qk
-    from core.models.quant import MIN_GEMV_BLOCK_N, dequantize_int4, quantize_int4
+    from sluice.core.models import quant_kernels as qk
+    from sluice.core.models.quant import MIN_GEMV_BLOCK_N, dequantize_int4, quantize_int4
 
     if not on_gpu:
         return
@@ -190,10 +194,10 @@ def graph_case(dev: str, on_gpu: bool):
 
 def fp8_cases(dev: str, on_gpu: bool, tiny: bool):
     import torch
+    from sluice.kv.attention import fp8
+    from sluice.kv.attention.torch_ref import TorchAttentionBackend
+    from sluice.kv.attention.triton_backend import TritonAttentionBackend
 
-    from kv.attention import fp8
-    from kv.attention.torch_ref import TorchAttentionBackend
-    from kv.attention.triton_backend import TritonAttentionBackend
     from tests.helpers import random_paged_batch
 
     heads, kv_heads, d = (4, 2, 32) if tiny else (32, 8, 128)
@@ -270,7 +274,7 @@ def main() -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from app.bench.results import machine_info, utc_now_iso, versions
+    from sluice.app.bench.results import machine_info, utc_now_iso, versions
 
     dev = "cuda" if on_gpu else "cpu"
     record = {"command": " ".join(sys.argv), "machine": machine_info(), "versions": versions(), "date": utc_now_iso()}

@@ -2,7 +2,7 @@
 
     python scripts/spec_graph_timing.py --model smollm2-135m-instruct [--out FILE]
 
-Set beside `python -m app.bench.spec` (wall time per engine step), this splits a step into GPU work and
+Set beside `python -m sluice.app.bench.spec` (wall time per engine step), this splits a step into GPU work and
 everything else (scheduler, actors, host-side input preparation). One request is served first so the
 graphs' buffers hold a real context; the replays then recompute that step over and over. Three figures
 per step: back-to-back replays (GPU time), one replay waited for (GPU time plus the exposed launch), and
@@ -55,9 +55,9 @@ def execute_ms(runner, so_for, iters: int) -> float:
 
 
 def main() -> None:
-    from app.bench.results import machine_info, versions
-    from core import LLM, SamplingParams
-    from core.scheduler import ScheduledRequest, SchedulerOutput
+    from sluice.app.bench.results import machine_info, versions
+    from sluice.core import LLM, SamplingParams
+    from sluice.core.step import ScheduledRequest, SchedulerOutput
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")

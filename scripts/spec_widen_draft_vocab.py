@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spec.eagle import CONFIG_FILE, WEIGHTS_FILE  # noqa: E402
+from sluice.spec.eagle import CONFIG_FILE, WEIGHTS_FILE  # noqa: E402
 
 
 def widen(src: Path, dst: Path) -> int:

@@ -32,7 +32,7 @@ PROMPTS = [
 
 
 def greedy(model: str, device: str, dtype: str, tp: int, max_tokens: int) -> tuple[list[list[int]], float]:
-    from core import LLM, SamplingParams
+    from sluice.core import LLM, SamplingParams
 
     t = time.perf_counter()
     with LLM(
@@ -56,8 +56,8 @@ def main() -> int:
     p.add_argument("--out", default=None, help="a folder for parity.json and throughput.json")
     ns = p.parse_args()
 
-    from app.bench.results import machine_info, versions
-    from app.cli import main as sluice
+    from sluice.app.bench.results import machine_info, versions
+    from sluice.app.cli import main as sluice
 
     result: dict = {"machine": machine_info(), "versions": versions(), "date": time.strftime("%Y-%m-%d"), "runs": []}
     ok = True

@@ -27,11 +27,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding
+from sluice.core.models.llama import LlamaDecoderLayer
 from torch import nn
-
-from core.errors import ModelLoadError
-from core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding
-from core.models.llama import LlamaDecoderLayer
 
 logger = logging.getLogger("sluice")
 

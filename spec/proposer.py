@@ -28,12 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from core.models.layers import ForwardContext
-from kv.attention import AttentionMetadata, allocate_kv_cache
-from kv.attention.base import AttentionBackend
-from spec.eagle import EagleDraftHead, target_lm_weight
-from spec.rejection import sample_from_probs
+from sluice.core.models.layers import ForwardContext
+from sluice.kv.attention import AttentionMetadata, allocate_kv_cache
+from sluice.kv.attention.base import AttentionBackend
+from sluice.spec.eagle import EagleDraftHead, target_lm_weight
+from sluice.spec.rejection import sample_from_probs
 
 
 @dataclass(slots=True)

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from core.models.layers import ForwardContext
-from kv.attention import allocate_kv_cache, get_attention_backend
-from spec.eagle import (
+from sluice.core.models.layers import ForwardContext
+from sluice.kv.attention import allocate_kv_cache, get_attention_backend
+from sluice.spec.eagle import (
     EagleDraftHead,
     eagle3_layers,
     load_draft_head,
@@ -42,7 +41,7 @@ from spec.eagle import (
     save_draft_head,
     target_lm_weight,
 )
-from spec.proposer import paged_metadata
+from sluice.spec.proposer import paged_metadata
 
 logger = logging.getLogger("sluice")
 

@@ -15,21 +15,21 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 @pytest.fixture(scope="session")
 def default_source():
-    from core.models.loader import resolve_model
+    from sluice.core.models.loader import resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_source):
-    from core.tokenizer import load_tokenizer
+    from sluice.core.tokenizer import load_tokenizer
 
     return load_tokenizer(default_source.tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
 def default_llm():
-    from core import LLM
+    from sluice.core import LLM
 
     llm = LLM(model=DEFAULT_MODEL, device="cpu", num_kv_blocks=1024, max_model_len=2048)
     yield llm

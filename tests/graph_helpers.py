@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from core.cuda_graphs import DecodeGraphs
+from sluice.core.cuda_graphs import DecodeGraphs
 
 
 class EagerReplay(DecodeGraphs):

@@ -78,9 +78,8 @@ LLAMA3_ROPE = {
 def tiny_hf_config(arch: str, vocab_size: int, **overrides):
     """A GQA config in the ``dummy:tiny`` shape of ``arch``: ``llama`` (llama3 rope scaling, untied head) or
     ``qwen2`` (qkv bias, tied head)."""
+    from sluice.core.models.registry import DUMMY_SHAPES
     from transformers import LlamaConfig, Qwen2Config
-
-    from core.models.registry import DUMMY_SHAPES
 
     shape = {k: v for k, v in DUMMY_SHAPES["tiny"].items() if k not in ("rope_theta", "tie_word_embeddings")}
     common = shape | dict(vocab_size=vocab_size, max_position_embeddings=512)
@@ -137,7 +136,7 @@ def random_paged_batch(
     Sequence ``i`` has ``seq_lens[i]`` tokens of context whose last ``q_lens[i]`` are this step's queries.
     Block 0 is never owned (the tables' padding entries point at it) and spare blocks hold garbage, so
     reading past a sequence's blocks shows. Returns ``(query, cache, meta)``."""
-    from kv.attention.base import AttentionMetadata
+    from sluice.kv.attention.base import AttentionMetadata
 
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -213,7 +212,7 @@ class EngineInTask:
     async def start(self):
         import asyncio
 
-        from core import AsyncEngine
+        from sluice.core import AsyncEngine
 
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()

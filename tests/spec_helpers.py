@@ -4,17 +4,16 @@ drives the real scheduler and model runner without the actors."""
 from __future__ import annotations
 
 import torch
+from sluice.core.args import EngineArgs
+from sluice.core.model_runner import ModelRunner
+from sluice.core.models.loader import ModelSource
+from sluice.core.request import Request
+from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.kv.attention import allocate_kv_cache
+from sluice.kv.manager import KVCacheManager
+from sluice.spec.eagle import eagle3_layers, new_draft_head, save_draft_head
+from sluice.spec.proposer import paged_metadata
 from transformers import LlamaConfig
-
-from core.args import EngineArgs
-from core.model_runner import ModelRunner
-from core.models.loader import ModelSource
-from core.request import Request
-from core.scheduler import Scheduler, SchedulerConfig
-from kv.attention import allocate_kv_cache
-from kv.manager import KVCacheManager
-from spec.eagle import eagle3_layers, new_draft_head, save_draft_head
-from spec.proposer import paged_metadata
 
 
 def tiny_config(vocab: int = 8, layers: int = 2) -> LlamaConfig:
@@ -96,8 +95,8 @@ def dense_logits(model, sequences: list[list[int]], block_size: int = 16) -> tor
     )
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(n)]
     positions, meta = paged_metadata([0] * n, [length] * n, tables, block_size, torch.device("cpu"))
-    from core.models.layers import ForwardContext
-    from kv.attention import get_attention_backend
+    from sluice.core.models.layers import ForwardContext
+    from sluice.kv.attention import get_attention_backend
 
     ids = torch.tensor([t for s in sequences for t in s])
     with torch.inference_mode():

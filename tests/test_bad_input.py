@@ -11,8 +11,8 @@ import anyio
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from sluice.core import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 
-from core import LLM, InvalidRequestError, ModelLoadError, SamplingParams
 from tests.helpers import save_tiny_hf_model, tiny_hf_config
 
 MAX_MODEL_LEN = 64
@@ -121,8 +121,8 @@ def test_params_list_of_the_wrong_length(llm):
 async def test_request_cancelled_before_admission_is_aborted(default_tokenizer):
     """A caller cancelled after its AddRequest went out but before the scheduler answered still sends
     Abort: otherwise the scheduler would run the orphan to its end, holding KV blocks."""
-    from core.request import AbortRequest, AddRequest
-    from core.request_actor import RequestLimits, run_request
+    from sluice.core.request import AbortRequest, AddRequest
+    from sluice.core.request_actor import RequestLimits, run_request
 
     inbox_send, inbox_recv = anyio.create_memory_object_stream(8)
     limits = RequestLimits(MAX_MODEL_LEN, 49152, 4096)

@@ -10,8 +10,7 @@ import threading
 import time
 
 import pytest
-
-from app.cli import main as sluice
+from sluice.app.cli import main as sluice
 
 
 def _run(tmp_path, *argv: str) -> dict:
@@ -75,8 +74,8 @@ def test_latency_reports_steps_and_prefill_share(tmp_path):
 
 
 def test_prefill_flops_of_llama3_8b():
-    from app.bench.latency import prefill_flops
-    from core.models.loader import resolve_model
+    from sluice.app.bench.latency import prefill_flops
+    from sluice.core.models.loader import resolve_model
 
     cfg = resolve_model("dummy:llama3-8b").config
     one = prefill_flops(cfg, 1, 1)
@@ -157,7 +156,7 @@ def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
 
 
 def test_poisson_arrivals_have_the_requested_rate():
-    from app.bench.serve import arrival_times
+    from sluice.app.bench.serve import arrival_times
 
     times = arrival_times(2000, 20.0, seed=1)
     assert times[0] == 0 and times == sorted(times)
@@ -169,8 +168,9 @@ def test_poisson_arrivals_have_the_requested_rate():
 
 def test_serve_against_the_real_server(tmp_path):
     pytest.importorskip("sse_starlette")
-    from app.server import build_app
-    from core import AsyncEngine, EngineArgs
+    from sluice.app.server import build_app
+    from sluice.core import AsyncEngine, EngineArgs
+
     from tests.server_helpers import ServerThread
 
     engine = AsyncEngine(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=512))

@@ -1,9 +1,8 @@
 import json
 
 import pytest
-
-from app.bench import datasets as ds
-from app.bench.datasets import (
+from sluice.app.bench import datasets as ds
+from sluice.app.bench.datasets import (
     BenchRequest,
     iter_json_array_items,
     load_truncated_json_array,

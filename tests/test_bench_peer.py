@@ -2,15 +2,14 @@ import json
 
 import pytest
 import torch
-
-from app.bench.datasets import BenchRequest, sample_random
-from app.bench.hf_peer import (
+from sluice.app.bench.datasets import BenchRequest, sample_random
+from sluice.app.bench.hf_peer import (
     PeerResult,
     load_hf_model,
     run_hf_continuous_batching,
     run_hf_generate,
 )
-from app.bench.results import format_table, machine_info, versions, write_result
+from sluice.app.bench.results import format_table, machine_info, versions, write_result
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +77,7 @@ def test_write_result_and_table(tmp_path):
 def test_cb_config_maps_fields_across_transformers_versions():
     from dataclasses import dataclass
 
-    from app.bench.hf_peer import _cb_config
+    from sluice.app.bench.hf_peer import _cb_config
 
     @dataclass
     class Old:  # transformers 5.17: no page_size, no auto_switch_to_flash

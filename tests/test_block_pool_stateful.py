@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-
-import kv.prefix_cache
-from kv.block_pool import BlockPool
-from kv.manager import KVCacheManager, cdiv
-from kv.prefix_cache import block_hashes
+from sluice.kv import prefix_cache
+from sluice.kv.block_pool import BlockPool
+from sluice.kv.manager import KVCacheManager, cdiv
+from sluice.kv.prefix_cache import block_hashes
 
 NUM_BLOCKS = 10
 BS = 4
@@ -212,7 +211,7 @@ def test_block_pool_and_prefix_cache_invariants():
 
 
 def test_invariants_hold_when_every_hash_collides(monkeypatch):
-    monkeypatch.setattr(kv.prefix_cache, "hash_block_tokens", lambda parent, tokens, extra=None: b"same")
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, tokens, extra=None: b"same")
     run_state_machine_as_test(CollidingKVMachine, settings=_SETTINGS)
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from app.cli import main
-from core import LLM, SamplingParams
+from sluice.app.cli import main
+from sluice.core import LLM, SamplingParams
 
 ENGINE = ["--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "32", "--max-model-len", "256"]
 PROMPT = "The capital of France is"

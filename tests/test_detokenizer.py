@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from core.tokenizer import IncrementalDetokenizer
+from sluice.core.tokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Café naïve — déjà vu, Ångström, façade.",

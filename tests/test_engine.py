@@ -8,8 +8,8 @@ import time
 
 import anyio
 import pytest
+from sluice.core import AsyncEngine, EngineArgs, EngineOverloaded, InvalidRequestError, SamplingParams
 
-from core import AsyncEngine, EngineArgs, EngineOverloaded, InvalidRequestError, SamplingParams
 from tests.helpers import EngineInTask, chat_prompt_of_length, prompt_of_length
 
 MODEL = "smollm2-135m-instruct"
@@ -252,7 +252,7 @@ async def test_overload_raises_at_once_and_spares_admitted_requests():
 
 
 def test_offline_batch_larger_than_the_overload_guard_runs_whole():
-    from core import LLM
+    from sluice.core import LLM
 
     params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, n=n) for n in (1, 2) * 6]
     with LLM(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_seqs=2, max_waiting_requests=3) as llm:
@@ -281,7 +281,7 @@ async def test_final_only_yields_each_sequences_streamed_final_output(engine, st
 
 
 async def test_a_final_only_sequence_gets_one_event_with_everything(tiny_engine):
-    from core.request import TokenEvent
+    from sluice.core.request import TokenEvent
 
     actor = tiny_engine._scheduler_actor
     send, recv = anyio.create_memory_object_stream(16)

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+from sluice.core.models import fused  # noqa: E402
+from sluice.core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, enable_fused_kernels  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-from core.models import fused  # noqa: E402
-from core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, enable_fused_kernels  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -79,9 +78,9 @@ def test_rope_in_place_matches_layer(dtype):
 
 
 def test_model_with_fused_kernels_gives_the_same_logits():
-    from core.models.layers import ForwardContext
-    from core.models.loader import load_model, resolve_model
-    from kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
+    from sluice.core.models.layers import ForwardContext
+    from sluice.core.models.loader import load_model, resolve_model
+    from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
 
     source = resolve_model("dummy:tiny")
     model = load_model(source, torch.float32, DEVICE, max_position=64)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sluice.core import LLM, SamplingParams
 
-from core import LLM, SamplingParams
 from tests.helpers import assert_greedy_match, chat_prompt_of_length, hf_greedy
 
 pytestmark = pytest.mark.slow

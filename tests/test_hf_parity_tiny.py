@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sluice.core import LLM, SamplingParams
 
-from core import LLM, SamplingParams
 from tests.helpers import (
     LLAMA3_ROPE,
     assert_greedy_match,
@@ -138,7 +138,7 @@ def test_references_are_not_trivial(references):
 def test_layer_features_are_transformers_hidden_states(arch, engines, tiny_checkpoints, prompts):
     """An EAGLE-3 head's features: the hidden states after chosen decoder layers, as `target_features`
     (training) and the model's forward (serving) return them, are transformers' decoder-layer outputs."""
-    from spec.train import target_features
+    from sluice.spec.train import target_features
 
     model = engines[arch].engine._executor.runner.model
     _, ref = tiny_checkpoints[arch]

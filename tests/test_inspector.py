@@ -12,20 +12,21 @@ from typing import Literal
 import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
+from sluice.app.bench.workloads import shared_prefix
+from sluice.app.cache_sim import SimConfig, simulate
+from sluice.app.cli import main
+from sluice.app.inspector.trace import load_trace, step_dict
+from sluice.app.inspector.web import build_trace_app
+from sluice.app.server import build_app
+from sluice.core import AsyncEngine, EngineArgs, SamplingParams
+from sluice.core.errors import InvalidRequestError
+from sluice.core.inspector import StepRecorder
+from sluice.core.request_actor import RequestLimits, make_requests
+from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.step import ModelOutput
+from sluice.kv.manager import KVCacheManager
 from starlette.testclient import TestClient
 
-from app.bench.workloads import shared_prefix
-from app.cache_sim import SimConfig, simulate
-from app.cli import main
-from app.inspector.trace import load_trace, step_dict
-from app.inspector.web import build_trace_app
-from app.server import build_app
-from core import AsyncEngine, EngineArgs, SamplingParams
-from core.errors import InvalidRequestError
-from core.inspector import StepRecorder
-from core.request_actor import RequestLimits, make_requests
-from core.scheduler import ModelOutput, Scheduler, SchedulerConfig
-from kv.manager import KVCacheManager
 from tests.server_helpers import ServerThread, assert_openai_error, read_sse_events
 
 KEY = "inspector-key"

@@ -13,9 +13,9 @@ import threading
 
 import openai
 import pytest
+from sluice.app.server import build_app
+from sluice.core import AsyncEngine, EngineArgs
 
-from app.server import build_app
-from core import AsyncEngine, EngineArgs
 from tests.server_helpers import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,9 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kv.attention import fp8  # noqa: E402
-from kv.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from sluice.kv.attention import fp8  # noqa: E402
+from sluice.kv.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+
 from tests.helpers import random_paged_batch  # noqa: E402
 
 SCALE = torch.tensor([[0.03, 0.05], [0.02, 0.04]])  # [K/V, head]: random N(0, 1) caches fit without saturating
@@ -109,11 +110,11 @@ def _triton_backend(**kw):
 
     if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunction):
         pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-    from kv.attention import triton_kernels as tk
+    from sluice.kv.attention import triton_kernels as tk
 
     if not ON_GPU and not isinstance(tk._decode_kernel, InterpretedFunction):
         importlib.reload(tk)
-    from kv.attention.triton_backend import TritonAttentionBackend
+    from sluice.kv.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(**kw)
 
@@ -198,9 +199,9 @@ def test_triton_fp8_scales_apply_per_head_and_per_tensor(seq_lens, q_lens, split
 
 
 def _runner(**kw):
-    from core.args import EngineArgs
-    from core.model_runner import ModelRunner
-    from core.models.loader import resolve_model
+    from sluice.core.args import EngineArgs
+    from sluice.core.model_runner import ModelRunner
+    from sluice.core.models.loader import resolve_model
 
     args = EngineArgs(model="dummy:tiny", device="cpu", max_model_len=256, **kw)
     return ModelRunner(args, resolve_model(args.model), 256)
@@ -223,7 +224,7 @@ def test_fp8_pool_holds_twice_the_tokens_of_bf16_in_the_same_memory(caplog):
 
 
 def test_calibration_sets_per_head_scales_that_cover_the_calibration_activations():
-    from core.models.quant import calibrate_kv_scales
+    from sluice.core.models.quant import calibrate_kv_scales
 
     r = _runner(kv_cache_dtype="fp8", num_kv_blocks=32)
     layers = [layer.self_attn for layer in r.model.model.layers]
@@ -237,8 +238,8 @@ def test_calibration_sets_per_head_scales_that_cover_the_calibration_activations
 
 
 def test_engine_args_reject_unknown_kv_cache_dtype_and_quantization():
-    from core.args import EngineArgs
-    from core.errors import InvalidRequestError
+    from sluice.core.args import EngineArgs
+    from sluice.core.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="fp16")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from sluice.core import LLM, SamplingParams
+from sluice.core.args import EngineArgs
+from sluice.core.cuda_graphs import graph_batch_sizes
+from sluice.core.model_runner import ModelRunner
+from sluice.core.models.loader import resolve_model
+from sluice.core.step import ScheduledRequest
 
-from core import LLM, SamplingParams
-from core.args import EngineArgs
-from core.cuda_graphs import graph_batch_sizes
-from core.model_runner import ModelRunner
-from core.models.loader import resolve_model
-from core.scheduler import ScheduledRequest
 from tests.graph_helpers import EagerReplay
 
 
@@ -103,10 +103,9 @@ def test_decode_through_the_graph_path_matches_eager():
 
 def test_requests_submitted_together_share_their_first_step():
     import anyio
-
-    from app.bench.common import drive_engine
-    from app.bench.datasets import sample_random
-    from core import AsyncEngine
+    from sluice.app.bench.common import drive_engine
+    from sluice.app.bench.datasets import sample_random
+    from sluice.core import AsyncEngine
 
     async def go() -> int:
         async with AsyncEngine(model="dummy:tiny", device="cpu", num_kv_blocks=64) as engine:

@@ -12,8 +12,8 @@ import dataclasses
 
 import pytest
 import torch
+from sluice.kv.attention import TorchAttentionBackend, get_attention_backend, torch_ref
 
-from kv.attention import TorchAttentionBackend, get_attention_backend, torch_ref
 from tests.helpers import random_paged_batch
 
 BACKEND = TorchAttentionBackend()

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 
 import anyio
 import pytest
-
-import kv.prefix_cache
-from app.bench.prefix import run_engine
-from app.bench.workloads import shared_prefix, shared_prefix_optimum
-from app.cache_sim import SimConfig, simulate
-from core import AsyncEngine, EngineArgs, SamplingParams
-from core.request import Request, RequestStatus
-from core.request_actor import RequestLimits, make_requests
-from core.scheduler import ModelOutput, Scheduler, SchedulerConfig
-from kv.manager import KVCacheManager
+from sluice.app.bench.prefix import run_engine
+from sluice.app.bench.workloads import shared_prefix, shared_prefix_optimum
+from sluice.app.cache_sim import SimConfig, simulate
+from sluice.core import AsyncEngine, EngineArgs, SamplingParams
+from sluice.core.request import Request, RequestStatus
+from sluice.core.request_actor import RequestLimits, make_requests
+from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.step import ModelOutput
+from sluice.kv import prefix_cache
+from sluice.kv.manager import KVCacheManager
 
 BS = 16
 
@@ -57,7 +57,7 @@ def test_forced_collision_never_reuses_a_block_computed_under_another_prefix(mon
     """Every hash equal. c's block 1 holds tokens X computed at positions 16..31 behind Q, and it ends up as
     the one cached entry; d starts with X, so it matches that entry on hash and tokens alone, and must
     still not get it (its KV belongs to another prefix, at other positions)."""
-    monkeypatch.setattr(kv.prefix_cache, "hash_block_tokens", lambda parent, tokens, extra=None: b"h")
+    monkeypatch.setattr(prefix_cache, "hash_block_tokens", lambda parent, tokens, extra=None: b"h")
     mgr = KVCacheManager(num_blocks=16, block_size=BS)
     P, Q, X = block(100), block(200), block(300)
     run_alone(mgr, FakeReq("a", P + [1]), free=False)  # a's block 0 takes the only entry

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from app.bench.workloads import load_trace, multi_turn, shared_prefix, write_trace
-from app.cache_sim import SimConfig, simulate
-from app.cli import build_parser, main
+from sluice.app.bench.workloads import load_trace, multi_turn, shared_prefix, write_trace
+from sluice.app.cache_sim import SimConfig, simulate
+from sluice.app.cli import build_parser, main
 
 
 def test_shared_prefix_prompts_share_exactly_their_system_prompt():
@@ -54,7 +53,7 @@ def test_trace_round_trip_and_errors(tmp_path):
 
 
 def test_trace_messages_go_through_the_chat_template(tmp_path, default_tokenizer):
-    from core.tokenizer import apply_chat_template
+    from sluice.core.tokenizer import apply_chat_template
 
     msgs = [{"role": "user", "content": "Name three rivers."}]
     path = tmp_path / "t.jsonl"

@@ -29,8 +29,8 @@ NEAR_TIE_LOGITS = 0.75
 
 
 def _runner(source, **kw):
-    from core.args import EngineArgs
-    from core.model_runner import ModelRunner
+    from sluice.core.args import EngineArgs
+    from sluice.core.model_runner import ModelRunner
 
     args = EngineArgs(model="smollm2-135m-instruct", device="cpu", num_kv_blocks=16, max_model_len=256, **kw)
     return ModelRunner(args, source, 256)
@@ -39,8 +39,8 @@ def _runner(source, **kw):
 @pytest.fixture(scope="module")
 def reference(default_source, default_tokenizer, default_llm):
     """The unquantized model's greedy continuations (through the engine) and its logits along them."""
-    from app.bench.perplexity import window_logits
-    from core import SamplingParams
+    from sluice.app.bench.perplexity import window_logits
+    from sluice.core import SamplingParams
 
     outs = default_llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     base = _runner(default_source)
@@ -58,7 +58,7 @@ def reference(default_source, default_tokenizer, default_llm):
 def _teacher_forced(runner, reference) -> tuple[float, float]:
     """(share of positions where ``runner`` predicts the reference's greedy token, the largest reference
     top-2 margin among the positions where it does not)."""
-    from app.bench.perplexity import window_logits
+    from sluice.app.bench.perplexity import window_logits
 
     agree = total = 0
     worst = 0.0
@@ -101,7 +101,7 @@ def test_int4_requantized_at_load_time_stays_close(default_source, reference):
     "options", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}, {"quantization": "int4"}], ids=str
 )
 def test_engine_greedy_generation_matches_up_to_a_near_tie(default_source, default_tokenizer, reference, options):
-    from core import LLM, SamplingParams
+    from sluice.core import LLM, SamplingParams
 
     llm = LLM(model="smollm2-135m-instruct", device="cpu", num_kv_blocks=64, max_model_len=256, **options)
     try:

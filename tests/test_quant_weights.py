@@ -14,7 +14,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from core.models.quant import (  # noqa: E402
+from sluice.core.models.quant import (  # noqa: E402
     MIN_GEMV_BLOCK_N,
     QuantizedLinear,
     dequantize_int4,
@@ -35,7 +35,7 @@ def _kernels():
 
     if not ON_GPU and not isinstance(triton.language.standard.cdiv, InterpretedFunction):
         pytest.skip("triton was imported without TRITON_INTERPRET=1 (tests/conftest.py sets it)")
-    from core.models import quant_kernels as qk
+    from sluice.core.models import quant_kernels as qk
 
     if not ON_GPU and not isinstance(qk._int4_gemv_kernel, InterpretedFunction):
         importlib.reload(qk)
@@ -190,8 +190,8 @@ def test_kernels_take_bf16_activations(m):
 
 
 def _tiny_model(tie: bool = True):
-    from core.models.loader import load_model, resolve_model
-    from core.models.registry import DUMMY_SHAPES
+    from sluice.core.models.loader import load_model, resolve_model
+    from sluice.core.models.registry import DUMMY_SHAPES
 
     src = resolve_model("dummy:tiny")
     if not tie:
@@ -236,7 +236,7 @@ def test_quantize_model_can_keep_the_head_dense():
 def test_gguf_q4_1_blocks_load_as_is_and_equal_the_dense_weights(default_source):
     """The default model's Q4_1 projections become int4 without passing through 16 bits: dequantized, they
     are bit for bit the weights transformers' GGUF reader produced (q/k row order included)."""
-    from core.models.loader import load_model
+    from sluice.core.models.loader import load_model
 
     model = load_model(default_source, torch.float32, torch.device("cpu"), 64)
     dense = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -251,7 +251,7 @@ def test_gguf_q4_1_blocks_load_as_is_and_equal_the_dense_weights(default_source)
 def test_bench_perplexity_compares_every_option_on_the_same_text(tmp_path):
     import json
 
-    from app.cli import main
+    from sluice.app.cli import main
 
     out = tmp_path / "ppl.json"
     argv = ["bench", "perplexity", "--model", "dummy:tiny", "--device", "cpu", "--num-tokens", "192"]
@@ -325,7 +325,7 @@ def test_int4_gemv_config_splits_k_only_while_the_grid_is_short():
 
 def test_pdl_only_on_a_cuda_gpu_of_compute_capability_9_and_not_when_turned_off(monkeypatch):
     """The PDL constexprs compile only for sm_90+ (and not in the interpreter); SLUICE_PDL is the A/B switch."""
-    from core.models.pdl import pdl_enabled
+    from sluice.kv.attention.pdl import pdl_enabled
 
     monkeypatch.setenv("SLUICE_PDL", "1")
     pdl_enabled.cache_clear()  # it answers once per device and process; each case below is a new "process"

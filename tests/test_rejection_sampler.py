@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 
 import pytest
+import sluice.spec.rejection as rej
 import torch
+from sluice.spec.rejection import rejection_sample, sample_from_probs
 
-import spec.rejection as rej
-from spec.rejection import rejection_sample, sample_from_probs
 from tests.helpers import chi2_sf, chi2_test
 
 # --------------------------------------------------------------------------- chi-square helpers

@@ -8,9 +8,8 @@ import math
 
 import pytest
 import torch
-
-from core import LLM, SamplingParams
-from core.sampler import (
+from sluice.core import LLM, SamplingParams
+from sluice.core.sampler import (
     SamplingBatch,
     apply_min_p,
     apply_penalties,
@@ -18,6 +17,7 @@ from core.sampler import (
     process_logits,
     sample,
 )
+
 from tests.helpers import chi2_test
 
 NEG = float("-inf")
@@ -297,16 +297,16 @@ def test_logprobs_are_the_raw_log_softmax():
 
 @pytest.fixture(scope="module")
 def runner():
-    from core.args import EngineArgs
-    from core.model_runner import ModelRunner
-    from core.models.loader import resolve_model
+    from sluice.core.args import EngineArgs
+    from sluice.core.model_runner import ModelRunner
+    from sluice.core.models.loader import resolve_model
 
     args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=8)
     return ModelRunner(args, resolve_model("dummy:tiny"), max_model_len=64)
 
 
 def _step(runner, params: SamplingParams, eos=(), num_output_tokens=0):
-    from core.scheduler import ScheduledRequest, SchedulerOutput
+    from sluice.core.step import ScheduledRequest, SchedulerOutput
 
     req = ScheduledRequest(
         "r", list(range(100, 120)), 0, [3, 5], True, params, num_output_tokens=num_output_tokens, eos_token_ids=eos

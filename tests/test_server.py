@@ -12,12 +12,12 @@ import time
 import httpx
 import openai
 import pytest
+from sluice.app.server import build_app
+from sluice.core import AsyncEngine, EngineArgs
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Mount, Route
 
-from app.server import build_app
-from core import AsyncEngine, EngineArgs
 from tests.server_helpers import ServerThread, assert_openai_error, check_chat_stream, metric_value, parse_sse
 
 KEY = "test-key-123"

@@ -27,9 +27,20 @@ def _free_port() -> int:
 def test_serve_streams_then_shuts_down_gracefully_on_sigterm():
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--model", "dummy:tiny", "--device", "cpu", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.app.cli",
+        "serve",
+        "--model",
+        "dummy:tiny",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+    ]
     cmd += ["--num-kv-blocks", "64", "--max-model-len", "512", "--api-key", "k", "--shutdown-timeout", "60"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

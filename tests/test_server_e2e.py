@@ -10,9 +10,9 @@ import json
 import httpx
 import openai
 import pytest
+from sluice.app.server import build_app
+from sluice.core import AsyncEngine, EngineArgs, SamplingParams
 
-from app.server import build_app
-from core import AsyncEngine, EngineArgs, SamplingParams
 from tests.server_helpers import ServerThread, check_chat_stream, metric_value, parse_sse
 
 pytestmark = pytest.mark.slow

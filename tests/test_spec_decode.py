@@ -9,16 +9,16 @@ import random
 import anyio
 import pytest
 import torch
+from sluice.core import LLM, AsyncEngine, EngineArgs, SamplingParams
+from sluice.core.errors import InvalidRequestError
+from sluice.core.models.loader import resolve_model
+from sluice.core.scheduler import Scheduler
+from sluice.kv.attention import allocate_kv_cache, get_attention_backend
+from sluice.kv.attention.torch_ref import TorchAttentionBackend
+from sluice.kv.prefix_cache import block_hashes
+from sluice.spec.eagle import DraftHeadError, load_draft_head, new_draft_head, save_draft_head
+from sluice.spec.proposer import paged_metadata
 
-from core import LLM, AsyncEngine, EngineArgs, SamplingParams
-from core.errors import InvalidRequestError
-from core.models.loader import resolve_model
-from core.scheduler import Scheduler
-from kv.attention import allocate_kv_cache, get_attention_backend
-from kv.attention.torch_ref import TorchAttentionBackend
-from kv.prefix_cache import block_hashes
-from spec.eagle import DraftHeadError, load_draft_head, new_draft_head, save_draft_head
-from spec.proposer import paged_metadata
 from tests.graph_helpers import EagerReplay
 from tests.spec_helpers import copy_head_dir, tiny_config
 
@@ -260,7 +260,7 @@ def _dense_kv(model, tokens: list[int], block_size: int) -> list[torch.Tensor]:
         len(model.model.layers), nb, block_size, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
     )
     positions, meta = paged_metadata([0], [len(tokens)], [list(range(nb))], block_size, torch.device("cpu"))
-    from core.models.layers import ForwardContext
+    from sluice.core.models.layers import ForwardContext
 
     with torch.inference_mode():
         model(torch.tensor(tokens), positions, ForwardContext(meta, caches, get_attention_backend("torch")))
@@ -353,8 +353,8 @@ async def aenumerate(it):
 
 
 def test_metrics_export_the_spec_counters():
-    from app.metrics import ServerMetrics
-    from core.scheduler_actor import EngineStats
+    from sluice.app.metrics import ServerMetrics
+    from sluice.core.scheduler_actor import EngineStats
 
     class Engine:
         def __init__(self, stats):

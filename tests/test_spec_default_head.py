@@ -4,9 +4,9 @@ those without it, alone and batched, with and without prefix-cache hits."""
 from __future__ import annotations
 
 import pytest
+from sluice.core import LLM, SamplingParams
+from sluice.spec.eagle import load_draft_head, resolve_draft_head
 
-from core import LLM, SamplingParams
-from spec.eagle import load_draft_head, resolve_draft_head
 from tests.helpers import assert_greedy_match, chat_prompt_of_length
 
 pytestmark = pytest.mark.slow

@@ -11,12 +11,12 @@ first-draft rejection (with its draft KV catch-up). A deliberately broken residu
 from __future__ import annotations
 
 import pytest
+import sluice.spec.rejection as rej
 import torch
+from sluice.core.models.loader import ModelSource
+from sluice.core.request import Request
+from sluice.core.sampling_params import SamplingParams
 
-import spec.rejection as rej
-from core.models.loader import ModelSource
-from core.request import Request
-from core.sampling_params import SamplingParams
 from tests.spec_helpers import StepLoop, dense_logits, random_head_dir, tiny_config
 from tests.test_rejection_sampler import chi2_test
 

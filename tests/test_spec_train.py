@@ -7,16 +7,16 @@ import json
 
 import pytest
 import torch
+from sluice.app.cli import main as cli_main
+from sluice.app.train_cli import chat_pairs, load_conversations
+from sluice.core import LLM, SamplingParams
+from sluice.core.models.layers import ForwardContext
+from sluice.core.models.loader import load_model, resolve_model
+from sluice.kv.attention import allocate_kv_cache, get_attention_backend
+from sluice.spec.eagle import load_draft_head, new_draft_head, save_draft_head
+from sluice.spec.proposer import paged_metadata
+from sluice.spec.train import Example, TrainConfig, target_features, train_draft_head, unrolled_forward
 
-from app.cli import main as cli_main
-from core import LLM, SamplingParams
-from core.models.layers import ForwardContext
-from core.models.loader import load_model, resolve_model
-from kv.attention import allocate_kv_cache, get_attention_backend
-from spec.eagle import load_draft_head, new_draft_head, save_draft_head
-from spec.proposer import paged_metadata
-from spec.train import Example, TrainConfig, target_features, train_draft_head, unrolled_forward
-from spec.train_cli import chat_pairs, load_conversations
 from tests.spec_helpers import tiny_config
 
 
@@ -195,7 +195,7 @@ def test_cli_extends_cached_data_with_only_the_missing_prompts(tmp_path):
 
 
 def test_later_turns_follow_the_first_turns_with_their_context(default_tokenizer):
-    from core.tokenizer import apply_chat_template
+    from sluice.core.tokenizer import apply_chat_template
 
     convs = [["hi there", "hello!", "tell me a joke", "why did...", "another", "sure"], ["what is 2+2?", "4"]]
     first = chat_pairs(default_tokenizer, convs, 10, 512, 0)
@@ -227,7 +227,7 @@ def test_time_limit_follows_steps_that_keep_getting_faster(tmp_path, tiny_target
     step 107; re-planning from the recent pace at the planned end fills the 100 s (~60 + 400 steps)."""
     import types
 
-    import spec.train as st
+    import sluice.spec.train as st
 
     source, model = tiny_target
     clock = {"t": 0.0, "steps": 0}

@@ -16,10 +16,10 @@ import sys
 import time
 
 import pytest
+from sluice.core import LLM, AsyncEngine, EngineArgs, SamplingParams
+from sluice.core.errors import EngineDeadError, InvalidRequestError, ModelLoadError, WorkerDiedError
+from sluice.core.models.parallel import plan_heads, shard_range
 
-from core import LLM, AsyncEngine, EngineArgs, SamplingParams
-from core.errors import EngineDeadError, InvalidRequestError, ModelLoadError, WorkerDiedError
-from core.models.parallel import plan_heads, shard_range
 from tests.helpers import prompt_of_length, save_tiny_hf_model, tiny_hf_config
 
 NEW_TOKENS = 24
@@ -93,7 +93,7 @@ def test_engine_args_validate_tensor_parallel_fields():
         EngineArgs(tensor_parallel_size=2, tensor_parallel_local_size=3)
     with pytest.raises(InvalidRequestError, match="speculative_model"):
         EngineArgs(tensor_parallel_size=2, speculative_model="default")
-    from app.cli import build_parser, engine_args_from
+    from sluice.app.cli import build_parser, engine_args_from
 
     ns = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2"])
     assert engine_args_from(ns).tensor_parallel_size == 2
@@ -140,9 +140,8 @@ def test_each_rank_loads_only_its_shard(tiny_dirs):
     """Rank models built in this process (loading needs no collective): their shards put back together
     are the checkpoint, padding slots are zero, and each rank's KV heads are the ones its plan names."""
     import torch
-
-    from core.models.loader import iter_safetensors, load_model, resolve_model
-    from core.models.parallel import TensorParallel
+    from sluice.core.models.loader import iter_safetensors, load_model, resolve_model
+    from sluice.core.models.parallel import TensorParallel
 
     source = resolve_model(tiny_dirs["qwen2-9q3kv"])
     cfg = source.config
@@ -191,14 +190,16 @@ def test_two_ranks_give_the_tokens_of_one(name, tiny_dirs, prompts):
 
 
 def test_a_rank_from_another_host_joins_through_the_rendezvous(tiny_dirs, prompts, monkeypatch):
-    """Rank 1 started like a rank on a second host (`python -m core.tp_worker` with the torchrun
+    """Rank 1 started like a rank on a second host (`python -m sluice.core.tp_worker` with the torchrun
     variables); the engine runs only rank 0. Here both are on one host, over loopback."""
-    from core.distributed import free_port
+    from sluice.core.distributed import free_port
 
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK="1")
-    env.update(LOCAL_RANK="0", SLUICE_TP_DEVICE="cpu", PYTHONPATH=os.getcwd())
-    remote = subprocess.Popen([sys.executable, "-m", "core.tp_worker"], env=env, stderr=subprocess.PIPE, text=True)
+    env.update(LOCAL_RANK="0", SLUICE_TP_DEVICE="cpu")
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "sluice.core.tp_worker"], env=env, stderr=subprocess.PIPE, text=True
+    )
     try:
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("MASTER_PORT", str(port))
@@ -220,8 +221,7 @@ def test_a_rank_from_another_host_joins_through_the_rendezvous(tiny_dirs, prompt
 
 async def test_a_killed_worker_fails_the_request_in_flight_and_the_engine():
     import httpx
-
-    from app.server import build_app
+    from sluice.app.server import build_app
 
     args = EngineArgs(model="dummy:tiny", tensor_parallel_size=2, **ENGINE)
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -271,7 +271,7 @@ async def test_a_worker_that_dies_between_steps_makes_the_engine_unhealthy():
 def test_throughput_compares_tensor_parallel_sizes_in_one_run(tmp_path, capsys):
     import json
 
-    from app.cli import main as sluice
+    from sluice.app.cli import main as sluice
 
     out = tmp_path / "tp.json"
     argv = ["bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--dataset", "random"]
@@ -293,7 +293,7 @@ def test_throughput_compares_tensor_parallel_sizes_in_one_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_default_model_two_ranks_give_the_tokens_of_one(default_llm, default_tokenizer):
     """The default model's 9 query heads over 3 KV heads: KV head 1 on both ranks (fp32, gloo)."""
-    from core.tokenizer import apply_chat_template
+    from sluice.core.tokenizer import apply_chat_template
 
     ps = [prompt_of_length(default_tokenizer, n, f"Story {n}:") for n in (7, 33)]
     ps.append(apply_chat_template(default_tokenizer, [{"role": "user", "content": "Name three rivers."}]))

@@ -26,13 +26,13 @@ if not ON_GPU:
 
 triton = pytest.importorskip("triton")
 
+from sluice.kv.attention import get_attention_backend  # noqa: E402
+from sluice.kv.attention import triton_kernels as tk  # noqa: E402
+from sluice.kv.attention.base import AttentionBackend  # noqa: E402
+from sluice.kv.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from sluice.kv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kv.attention import get_attention_backend  # noqa: E402
-from kv.attention import triton_kernels as tk  # noqa: E402
-from kv.attention.base import AttentionBackend  # noqa: E402
-from kv.attention.torch_ref import TorchAttentionBackend  # noqa: E402
-from kv.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.helpers import random_paged_batch  # noqa: E402
 
 # triton's own jit library was decorated for the interpreter (or there is a GPU): kernels run in-process

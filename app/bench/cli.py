@@ -7,11 +7,11 @@ import importlib
 import sys
 
 BENCHMARKS = (
-    "app.bench.throughput",
-    "app.bench.latency",
-    "app.bench.serve",
-    "app.bench.prefix",
-    "app.bench.perplexity",
+    "sluice.app.bench.throughput",
+    "sluice.app.bench.latency",
+    "sluice.app.bench.serve",
+    "sluice.app.bench.prefix",
+    "sluice.app.bench.perplexity",
 )
 
 
@@ -23,8 +23,8 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m app.bench.cli throughput ...` (the same as `sluice bench throughput ...`)."""
-    from app.cli import main as sluice_main
+    """`python -m sluice.app.bench.cli throughput ...` (the same as `sluice bench throughput ...`)."""
+    from sluice.app.cli import main as sluice_main
 
     return sluice_main(["bench", *(argv if argv is not None else sys.argv[1:])])
 

@@ -9,7 +9,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from app.bench.datasets import BenchRequest, load_requests, sample_random, sample_sharegpt, save_requests, summarize
+from sluice.app.bench.datasets import (
+    BenchRequest,
+    load_requests,
+    sample_random,
+    sample_sharegpt,
+    save_requests,
+    summarize,
+)
 
 
 def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int = 1000) -> None:
@@ -94,8 +101,7 @@ async def drive_engine(
     """Submit every request at once (greedy, EOS ignored, forced output lengths) and wait for all. With
     ``final_only`` each request yields only its final output, so its first-token time is its finish time."""
     import anyio
-
-    from core import SamplingParams
+    from sluice.core import SamplingParams
 
     n = len(requests)
     lens = [0] * n
@@ -125,7 +131,7 @@ def engine_args_for(ns: argparse.Namespace, num_requests: int, longest: int):
     context long enough for the longest one."""
     from dataclasses import replace
 
-    from app.cli import engine_args_from
+    from sluice.app.cli import engine_args_from
 
     args = engine_args_from(ns)
     args = replace(args, max_waiting_requests=max(args.max_waiting_requests, num_requests))

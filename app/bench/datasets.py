@@ -1,7 +1,7 @@
 """Benchmark datasets: ShareGPT (single- and multi-turn views, held-out split) and fixed-length random
 prompts.
 
-The ShareGPT reader itself lives in `spec.data` (draft-head training uses it too) and is re-exported here.
+The ShareGPT reader itself lives in `sharegpt.py` beside this module and is re-exported here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spec.data import (  # noqa: F401  (re-exported)
+from sluice.app.bench.sharegpt import (  # noqa: F401  (re-exported)
     HOLDOUT_FRACTION,
     SHAREGPT_DISTRIBUTION,
     SHAREGPT_FILENAME,

@@ -13,11 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-
-from app.bench.datasets import BenchRequest
-from core.models.loader import resolve_model
-from core.models.registry import DEFAULT_MODEL
-from core.tokenizer import load_tokenizer
+from sluice.app.bench.datasets import BenchRequest
+from sluice.core.models.loader import resolve_model
+from sluice.core.models.registry import DEFAULT_MODEL
+from sluice.core.tokenizer import load_tokenizer
 
 DUMMY_INIT_STD = 0.02
 DUMMY_SEED = 0

@@ -14,7 +14,7 @@ import argparse
 import statistics
 import time
 
-from app.bench.common import (
+from sluice.app.bench.common import (
     EngineRun,
     drive_engine,
     engine_args_for,
@@ -22,12 +22,12 @@ from app.bench.common import (
     print_figures,
     release_device_memory,
 )
-from app.bench.datasets import BenchRequest, sample_random
-from app.bench.results import command_line, machine_line, write_result
+from sluice.app.bench.datasets import BenchRequest, sample_random
+from sluice.app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
-    from app.cli import add_engine_args
+    from sluice.app.cli import add_engine_args
 
     p = sub.add_parser("latency", help="end-to-end latency of one fixed batch; per-step time and ms/token")
     p.add_argument("--batch-size", type=int, default=8)
@@ -61,8 +61,7 @@ def _batch(ns: argparse.Namespace, vocab: int, seed: int) -> list[BenchRequest]:
 
 def engine_latency(args, ns: argparse.Namespace, vocab: int) -> tuple[list[EngineRun], dict]:
     import anyio
-
-    from core import AsyncEngine
+    from sluice.core import AsyncEngine
 
     async def go() -> tuple[list[EngineRun], dict]:
         runs = []
@@ -103,7 +102,7 @@ def summarize_runs(runs: list[EngineRun], ns: argparse.Namespace, flops: float) 
 
 
 def peer_latency(ns: argparse.Namespace, model: str, device, dtype, vocab: int) -> dict:
-    from app.bench.hf_peer import load_hf_model, run_hf_generate
+    from sluice.app.bench.hf_peer import load_hf_model, run_hf_generate
 
     hf = load_hf_model(model, device=device, dtype=dtype)
     try:
@@ -118,7 +117,7 @@ def peer_latency(ns: argparse.Namespace, model: str, device, dtype, vocab: int) 
 
 
 def main(ns: argparse.Namespace) -> int:
-    from core.models.loader import resolve_model
+    from sluice.core.models.loader import resolve_model
 
     if min(ns.batch_size, ns.input_len, ns.output_len, ns.num_iters) < 1:
         raise ValueError("batch_size, input_len, output_len and num_iters must be >= 1")

@@ -1,6 +1,6 @@
 """Run the Hugging Face continuous-batching peer once on ShareGPT and print its figures.
 
-python -m app.bench.peer_smoke --num-prompts 64 [--model smollm2-135m-instruct] [--out result.json]
+python -m sluice.app.bench.peer_smoke --num-prompts 64 [--model smollm2-135m-instruct] [--out result.json]
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import argparse
 import time
 
 import torch
-
-from app.bench.datasets import sample_sharegpt, summarize
-from app.bench.hf_peer import DEFAULT_MODEL, load_hf_model, load_hf_tokenizer, run_hf_continuous_batching
-from app.bench.results import command_line, machine_info, print_table, write_result
+from sluice.app.bench.datasets import sample_sharegpt, summarize
+from sluice.app.bench.hf_peer import DEFAULT_MODEL, load_hf_model, load_hf_tokenizer, run_hf_continuous_batching
+from sluice.app.bench.results import command_line, machine_info, print_table, write_result
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -35,7 +35,7 @@ VARIANTS = {
 
 
 def register(sub) -> None:
-    from app.cli import add_engine_args
+    from sluice.app.cli import add_engine_args
 
     p = sub.add_parser("perplexity", help="perplexity on held-out ShareGPT text: each quantization option vs none")
     p.add_argument("--variants", default="base,fp8-kv,int8,int4,int4-requant", help=f"from {', '.join(VARIANTS)}")
@@ -49,7 +49,7 @@ def register(sub) -> None:
 def heldout_windows(tokenizer, num_tokens: int, seq_len: int, min_len: int = 64) -> list[list[int]]:
     """Windows of up to ``seq_len`` tokens (at least ``min_len``) from the held-out ShareGPT conversations, in
     file order, until ``num_tokens`` tokens are taken."""
-    from app.bench.datasets import sharegpt_conversations
+    from sluice.app.bench.datasets import sharegpt_conversations
 
     windows: list[list[int]] = []
     total = 0
@@ -72,10 +72,9 @@ def window_logits(runner, ids: list[int]):
     """Logits ``[len(ids), vocab]`` (fp32) of every position of ``ids``, prefilled as one sequence from block 0
     of ``runner``'s KV pool (which must hold ``len(ids)`` tokens)."""
     import torch
-
-    from core.models.layers import ForwardContext
-    from kv.attention import AttentionMetadata
-    from kv.manager import cdiv
+    from sluice.core.models.layers import ForwardContext
+    from sluice.kv.attention import AttentionMetadata
+    from sluice.kv.manager import cdiv
 
     dev = runner.device
     n = len(ids)
@@ -112,10 +111,10 @@ def score(runner, windows: list[list[int]]) -> tuple[float, int]:
 def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[int]]) -> dict:
     import gc
 
-    from app.cli import engine_args_from
-    from core.model_runner import ModelRunner
-    from core.models.quant import weight_bytes
-    from kv.manager import cdiv
+    from sluice.app.cli import engine_args_from
+    from sluice.core.model_runner import ModelRunner
+    from sluice.core.models.quant import weight_bytes
+    from sluice.kv.manager import cdiv
 
     args = replace(engine_args_from(ns), **VARIANTS[name], num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
     src = replace(source, gguf_file=None) if name == "int4-requant" else source
@@ -141,10 +140,10 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 
 
 def main(ns: argparse.Namespace) -> int:
-    from app.bench.common import print_figures
-    from app.bench.results import command_line, machine_line, print_table, write_result
-    from core.models.loader import resolve_model
-    from core.tokenizer import load_tokenizer
+    from sluice.app.bench.common import print_figures
+    from sluice.app.bench.results import command_line, machine_line, print_table, write_result
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.tokenizer import load_tokenizer
 
     names = [v.strip() for v in ns.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]

@@ -18,8 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
-
-from app.bench.workloads import FIRST_TOKEN_ID, Workload, WorkloadRequest
+from sluice.app.bench.workloads import FIRST_TOKEN_ID, Workload, WorkloadRequest
 
 WARMUP_PROMPT = [FIRST_TOKEN_ID - 1] * 48  # no workload prompt starts with this id
 
@@ -60,7 +59,7 @@ async def run_workload(engine, workload: Workload, max_concurrency: int | None =
     """Replay ``workload`` on a running engine: each request starts at its arrival time, after the request
     it depends on (a previous turn) has finished, and when fewer than ``max_concurrency`` are in flight
     (first come, first served). Returns per-request TTFTs and the totals."""
-    from core.sampling_params import SamplingParams
+    from sluice.core.sampling_params import SamplingParams
 
     reqs = workload.requests
     done = [anyio.Event() for _ in reqs]
@@ -109,8 +108,8 @@ async def run_engine(
     args, workload: Workload, round_: int, max_concurrency: int | None = None, warmup: bool = True
 ) -> RunFigures:
     """One fresh engine with ``args``: warm up, replay the workload, and measure."""
-    from core import AsyncEngine
-    from core.sampling_params import SamplingParams
+    from sluice.core import AsyncEngine
+    from sluice.core.sampling_params import SamplingParams
 
     async with AsyncEngine(args) as engine:
         if warmup:
@@ -193,11 +192,11 @@ async def bench_prefix(
 
 
 def cmd_bench_prefix(ns: argparse.Namespace) -> int:
-    from app.bench.results import command_line, machine_info, print_table, versions, write_result
-    from app.bench.workloads import build_workload, shared_prefix_optimum
-    from app.cli import engine_args_from
-    from core.models.loader import resolve_model
-    from core.tokenizer import load_tokenizer
+    from sluice.app.bench.results import command_line, machine_info, print_table, versions, write_result
+    from sluice.app.bench.workloads import build_workload, shared_prefix_optimum
+    from sluice.app.cli import engine_args_from
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.tokenizer import load_tokenizer
 
     args = engine_args_from(ns)
     source = resolve_model(args.model)
@@ -252,8 +251,8 @@ def cmd_bench_prefix(ns: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    from app.bench.workloads import add_workload_args
-    from app.cli import add_engine_args
+    from sluice.app.bench.workloads import add_workload_args
+    from sluice.app.cli import add_engine_args
 
     p = subparsers.add_parser(
         "prefix",

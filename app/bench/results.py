@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-SLUICE_VERSION = "0.1.0"
+from sluice.core import __version__
 
 
 def _cpu_model() -> str:
@@ -83,7 +83,7 @@ def versions() -> dict[str, str | None]:
             out[mod] = __import__(mod).__version__
         except Exception:
             out[mod] = None
-    out["sluice"] = SLUICE_VERSION
+    out["sluice"] = __version__
     return out
 
 

@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from app.bench.common import add_dataset_args, load_bench_requests, percentiles, print_figures
-from app.bench.datasets import BenchRequest
-from app.bench.results import command_line, machine_info, versions, write_result
+from sluice.app.bench.common import add_dataset_args, load_bench_requests, percentiles, print_figures
+from sluice.app.bench.datasets import BenchRequest
+from sluice.app.bench.results import command_line, machine_info, versions, write_result
 
 
 @dataclass(slots=True)
@@ -188,10 +188,9 @@ def _server_model(base_url: str) -> str:
 
 def main(ns: argparse.Namespace) -> int:
     import anyio
-
-    from core.models.loader import resolve_model
-    from core.models.registry import DEFAULT_MODEL
-    from core.tokenizer import load_tokenizer
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.models.registry import DEFAULT_MODEL
+    from sluice.core.tokenizer import load_tokenizer
 
     model = ns.model or _server_model(ns.base_url)
     source = resolve_model(ns.tokenizer or DEFAULT_MODEL)

@@ -1,6 +1,6 @@
 """Speculative decoding against our own engine without it, on the same requests, in one run.
 
-    python -m app.bench.spec --head default --concurrency 1 --num-prompts 8 --max-new-tokens 256
+    python -m sluice.app.bench.spec --head default --concurrency 1 --num-prompts 8 --max-new-tokens 256
 
 Prompts are held-out ShareGPT chat prompts (never used to train the shipped head), decoded greedily
 with their natural stop (EOS or ``--max-new-tokens``): greedy speculation emits exactly the plain
@@ -18,8 +18,7 @@ import gc
 import time
 
 import anyio
-
-from app.bench.results import command_line, machine_info, print_table, versions, write_result
+from sluice.app.bench.results import command_line, machine_info, print_table, versions, write_result
 
 
 async def _serve(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, list[list[int]]]:
@@ -77,7 +76,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
     at 64 concurrent requests on the CPU) falls where the allocation count says, which with the same
     sequence of rounds every run is the same rounds of the same side. Without it the second engine named
     was 3-7% slower in every run, two identical engines included; with it the pair reads within ~3%."""
-    from core import AsyncEngine
+    from sluice.core import AsyncEngine
 
     order = list(engine_args)
     half = (len(prompt_rounds) + 1) // 2  # one round: all of it in the first half
@@ -128,11 +127,11 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from core import EngineArgs, SamplingParams
-    from core.models.loader import resolve_model
-    from core.models.registry import DEFAULT_MODEL
-    from core.tokenizer import load_tokenizer
-    from spec.train_cli import chat_pairs, load_conversations
+    from sluice.app.train_cli import chat_pairs, load_conversations
+    from sluice.core import EngineArgs, SamplingParams
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.models.registry import DEFAULT_MODEL
+    from sluice.core.tokenizer import load_tokenizer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from app.bench.common import (
+from sluice.app.bench.common import (
     EngineRun,
     add_dataset_args,
     drive_engine,
@@ -24,12 +24,12 @@ from app.bench.common import (
     print_figures,
     release_device_memory,
 )
-from app.bench.datasets import BenchRequest, sample_random
-from app.bench.results import command_line, machine_line, write_result
+from sluice.app.bench.datasets import BenchRequest, sample_random
+from sluice.app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
-    from app.cli import add_engine_args
+    from sluice.app.cli import add_engine_args
 
     p = sub.add_parser("throughput", help="offline throughput (ShareGPT or random), optionally beside the HF peer")
     add_dataset_args(p)
@@ -57,8 +57,7 @@ def register(sub) -> None:
 def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -> tuple[EngineRun, dict]:
     """Run ``requests`` through a fresh engine; returns the run and engine facts (KV pool, steps)."""
     import anyio
-
-    from core import AsyncEngine
+    from sluice.core import AsyncEngine
 
     async def go():
         async with AsyncEngine(args) as engine:
@@ -96,7 +95,7 @@ def _sse_encode_s(recorder) -> float:
     """Seconds to encode the buffered records as /inspect/steps does: the cost of one page following."""
     import json
 
-    from app.inspector.trace import step_dict
+    from sluice.app.inspector.trace import step_dict
 
     t = time.perf_counter()
     for rec in recorder.steps:
@@ -223,7 +222,7 @@ def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], datas
 
 
 def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s: float, max_batch_tokens):
-    from app.bench.hf_peer import load_hf_model, run_hf_continuous_batching
+    from sluice.app.bench.hf_peer import load_hf_model, run_hf_continuous_batching
 
     hf = load_hf_model(model, device=device, dtype=dtype)
     try:
@@ -234,8 +233,8 @@ def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from core.models.loader import resolve_model
-    from core.tokenizer import load_tokenizer
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.tokenizer import load_tokenizer
 
     source = resolve_model(ns.model)
     tokenizer = load_tokenizer(source.tokenizer_dir)

@@ -150,7 +150,7 @@ def multi_turn(
     turns and the k - 1 dataset replies between them; its output length is the token count of reply k
     (at most ``max_output_len``, at least 1), and it starts when turn k - 1 has finished. A
     conversation stops before a turn whose prompt would exceed ``max_prompt_len``. ``conversations``
-    hold turn texts, user first (`app.bench.datasets.sharegpt_conversations`)."""
+    hold turn texts, user first (`sluice.app.bench.datasets.sharegpt_conversations`)."""
     encode_text = encode_text or (lambda text: encode_chat([{"role": "assistant", "content": text}]))
     reqs: list[WorkloadRequest] = []
     for turns in conversations:
@@ -185,8 +185,8 @@ def sharegpt_multi_turn(
 ) -> Workload:
     """`multi_turn` over ShareGPT conversations with at least two turns, sampled with ``seed``, encoded
     with ``tokenizer``'s chat template."""
-    from app.bench.datasets import sharegpt_conversations
-    from core.tokenizer import apply_chat_template
+    from sluice.app.bench.datasets import sharegpt_conversations
+    from sluice.core.tokenizer import apply_chat_template
 
     convs = sharegpt_conversations(min_turns=2)
     if num_conversations > len(convs):
@@ -260,7 +260,7 @@ def _trace_prompt(obj: dict, tokenizer, where: str) -> list[int]:
         if tokenizer is None:
             raise ValueError(f"{where}: messages and prompt need a tokenizer (give --model)")
         if "messages" in obj:
-            from core.tokenizer import apply_chat_template
+            from sluice.core.tokenizer import apply_chat_template
 
             return apply_chat_template(tokenizer, obj["messages"])
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:

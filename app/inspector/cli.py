@@ -8,8 +8,7 @@ import argparse
 
 def cmd_inspect(ns: argparse.Namespace) -> int:
     import uvicorn
-
-    from app.inspector.web import build_trace_app
+    from sluice.app.inspector.web import build_trace_app
 
     try:
         app = build_trace_app(ns.trace)

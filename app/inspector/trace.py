@@ -12,8 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
-
-from core.inspector import StepRecord, StepRequest
+from sluice.core.inspector import StepRecord, StepRequest
 
 TRACE_VERSION = 1
 

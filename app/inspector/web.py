@@ -20,15 +20,14 @@ from importlib import resources
 from typing import Any
 
 import anyio
+from sluice.app.errors import APIError
+from sluice.app.inspector.trace import Trace, load_trace, step_dict
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from app.inspector.trace import Trace, load_trace, step_dict
-from app.server import APIError
 
 _STATIC = {
     "/inspect": ("index.html", "text/html; charset=utf-8"),

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from core.models.pdl import pdl_launch, wait_then_release
+from sluice.kv.attention.pdl import pdl_launch, wait_then_release
 
 
 @triton.jit
@@ -39,7 +38,7 @@ def _add_rmsnorm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_then_release(PDL)  # core/models/pdl.py
+    wait_then_release(PDL)  # kv/attention/pdl.py
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
 from torch import nn
-
-from kv.attention.base import AttentionBackend, AttentionMetadata
 
 
 @dataclass(slots=True)
@@ -96,7 +95,7 @@ class RotaryEmbedding(nn.Module):
 def enable_fused_kernels(model: nn.Module) -> int:
     """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
     shapes allow (rotary needs ``head_dim / 2`` a power of two); returns how many modules switched."""
-    from core.models import fused
+    from sluice.core.models import fused
 
     kernels = {RMSNorm: fused.add_rmsnorm, SiluAndMul: fused.silu_and_mul, RotaryEmbedding: fused.rope_}
     n = 0

@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, SiluAndMul
+from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 from torch import nn
-
-from core.errors import ModelLoadError
-from core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, SiluAndMul
-from core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 
 # checkpoint suffix -> (our suffix, shard index)
 _STACKED = {

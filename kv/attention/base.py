@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kv.attention import fp8
+from sluice.kv.attention import fp8
 
 
 @dataclass(slots=True)

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from kv.attention import fp8
-from kv.attention.base import AttentionBackend, AttentionMetadata
+from sluice.kv.attention import fp8
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
 
 # Query lengths up to this are batched across sequences (padding costs little at these lengths).
 MAX_BATCHED_QUERY_LEN = 17

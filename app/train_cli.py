@@ -80,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _common(p: argparse.ArgumentParser, split: str = "train", num_prompts: int = 4096) -> None:
-    from core.models.registry import DEFAULT_MODEL
+    from sluice.core.models.registry import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON file of conversations")
@@ -98,7 +98,7 @@ def _common(p: argparse.ArgumentParser, split: str = "train", num_prompts: int =
 
 def load_conversations(data: str, split: str) -> list[list[str]]:
     if data == "sharegpt":
-        from spec.data import sharegpt_conversations
+        from sluice.app.bench.sharegpt import sharegpt_conversations
 
         convs = sharegpt_conversations(split=split)
         if split == "heldout":
@@ -127,7 +127,7 @@ def chat_pairs(
     conversation before it (the data's replies) as context, while the prompt fits."""
     import random
 
-    from core.tokenizer import apply_chat_template
+    from sluice.core.tokenizer import apply_chat_template
 
     order = list(range(len(conversations)))
     random.Random(seed).shuffle(order)
@@ -191,9 +191,8 @@ def regenerate(
     """Greedy responses of the target to ``prompts``, in chunks so a time limit can stop early. A chunk of
     several batches keeps the batch full until its last requests (one batch per chunk idled on its longest
     response)."""
+    from sluice.core import SamplingParams
     from tqdm.auto import tqdm
-
-    from core import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     out: list[list[int]] = []
@@ -231,9 +230,8 @@ def given_reply(llm, reply: str, max_new_tokens: int) -> list[int]:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     import torch
-
-    from core import LLM
-    from spec.train import Example, TrainConfig, train_draft_head
+    from sluice.core import LLM
+    from sluice.spec.train import Example, TrainConfig, train_draft_head
 
     if ns.smoke:
         ns.model, ns.device, ns.num_prompts, ns.max_new_tokens = "dummy:tiny", "cpu", 16, 16
@@ -330,7 +328,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def evaluate(llm, prompts: list[list[int]], max_new_tokens: int, temperature: float) -> dict:
     """Run ``prompts`` through an engine with speculation; acceptance counters of that run."""
-    from core import SamplingParams
+    from sluice.core import SamplingParams
 
     before = llm.engine.stats()
     t = time.perf_counter()
@@ -353,7 +351,7 @@ def evaluate(llm, prompts: list[list[int]], max_new_tokens: int, temperature: fl
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from core import LLM
+    from sluice.core import LLM
 
     llm = LLM(
         **_engine_kwargs(

@@ -1,0 +1,114 @@
+"""The wheel as a user installs it: one top-level name, `sluice`, that never clashes with a project's own
+`app/` or `core/` packages."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import tomllib
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+USER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+
+    import anyio
+
+    import app  # the user's own packages, not sluice's
+    import core
+    from sluice.app import build_app
+    from sluice.core import AsyncEngine, EngineArgs, SamplingParams
+    import sluice.core
+
+    here = Path.cwd().resolve()
+    assert app.WHO == "user" and core.WHO == "user", (app.__file__, core.__file__)
+    assert Path(sluice.core.__file__).resolve().is_relative_to(Path(sys.prefix).resolve()), sluice.core.__file__
+    assert callable(build_app)
+
+
+    async def main():
+        args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_model_len=256)
+        async with AsyncEngine(args) as engine:
+            ids = []
+            async for out in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)):
+                ids = out.token_ids
+        print("generated", len(ids), sluice.core.__version__)
+
+
+    anyio.run(main)
+    """
+)
+
+
+@pytest.mark.slow
+def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
+    # Build from a copy, so the source tree gets no build/ or *.egg-info.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("app", "core", "kv", "spec"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            wheels,
+            src,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("*.whl")
+    assert wheel.name.startswith("sluice_llm-")
+    with zipfile.ZipFile(wheel) as z:
+        top = {n.split("/")[0] for n in z.namelist()}
+        names = set(z.namelist())
+    assert {t for t in top if not t.endswith(".dist-info")} == {"sluice"}
+    assert "sluice/__init__.py" not in names  # an implicit namespace package
+    assert {"sluice/core/engine.py", "sluice/app/inspector/index.html"} <= names
+    assert any(n.startswith("sluice/spec/heads/") and n.endswith(".safetensors") for n in names)
+
+    # A fresh environment that sees this one's dependencies (torch, ...) but not its editable sluice.
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    site = Path(
+        subprocess.check_output(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
+    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site, wheel],
+        check=True,
+        capture_output=True,
+    )
+
+    project = tmp_path / "project"
+    for pkg in ("app", "core"):
+        (project / pkg).mkdir(parents=True)
+        (project / pkg / "__init__.py").write_text('WHO = "user"\n')
+    (project / "main.py").write_text(USER_SCRIPT)
+    run = subprocess.run([py, "main.py"], cwd=project, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert f"generated 5 {version}" in run.stdout  # the version comes from the installed metadata

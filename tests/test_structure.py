@@ -1,0 +1,195 @@
+"""The package's structure: one import namespace (`sluice.*`), the declared package list, and the floor plan
+of `../shared/docs/architecture.md` (app above the engine, above the draft head and the models, above kv)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("app", "core", "kv", "spec")
+SOURCE_DIRS = (*PARTS, "tests", "scripts")
+
+# Who may import whom (a layer may always import itself).
+ALLOWED = {
+    "app": {"core", "models", "spec", "kv"},
+    "core": {"models", "spec", "kv"},  # the engine: actors, scheduler, executor, sampler
+    "spec": {"models", "kv"},
+    "models": {"kv"},
+    "kv": set(),
+}
+
+
+def python_files(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every absolute module name `path` imports (at any depth, lazy imports too), relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    rel = path.relative_to(ROOT).with_suffix("")
+    package = ["sluice", *rel.parts[:-1]] if rel.parts[0] in PARTS else list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            # `from sluice.core import models` imports the submodule (its package is being imported anyway)
+            subs = [f"{name}.{a.name}" for a in node.names if module_path(f"{name}.{a.name}") is not None]
+            out += [(node.lineno, n) for n in subs] if len(subs) == len(node.names) else [(node.lineno, name)]
+    return out
+
+
+def module_path(name: str) -> Path | None:
+    """The file of module ``sluice.X...`` in this tree (a package's ``__init__.py``), or None."""
+    parts = name.split(".")
+    if parts[0] != "sluice" or len(parts) < 2:
+        return None
+    base = ROOT.joinpath(*parts[1:])
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def layer_of_module(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] != "sluice" or len(parts) < 2 or parts[1] not in PARTS:
+        return None
+    if parts[1] == "core" and len(parts) > 2 and parts[2] == "models":
+        return "models"
+    return parts[1]
+
+
+def layer_of_file(path: Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    return "models" if rel[:2] == ("core", "models") else rel[0]
+
+
+def test_no_bare_imports_of_the_parts():
+    """`import core` beside `import sluice.core` would load every module twice (and split its exception
+    classes): every import names the namespace."""
+    bare = re.compile(r"^(app|core|kv|spec)(\.|$)")
+    found = [
+        f"{p.relative_to(ROOT)}:{line}: {name}"
+        for p in python_files(*SOURCE_DIRS)
+        for line, name in imported_modules(p)
+        if bare.match(name)
+    ]
+    assert not found, "bare imports (use sluice.*):\n" + "\n".join(found)
+
+
+def test_declared_packages_are_the_folders_that_hold_an_init():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    tool = project["tool"]["setuptools"]
+    assert tool["package-dir"] == {f"sluice.{p}": p for p in PARTS}
+    on_disk = sorted(
+        "sluice." + ".".join(init.parent.relative_to(ROOT).parts)
+        for p in PARTS
+        for init in (ROOT / p).rglob("__init__.py")
+    )
+    assert sorted(tool["packages"]) == on_disk
+    assert project["project"]["name"] == "sluice-llm"
+    assert project["project"]["scripts"]["sluice"] == "sluice.app.cli:main"
+
+
+def test_imports_follow_the_floor_plan():
+    wrong = []
+    for p in python_files(*PARTS):
+        here = layer_of_file(p)
+        for line, name in imported_modules(p):
+            there = layer_of_module(name)
+            if there is not None and there != here and there not in ALLOWED[here]:
+                wrong.append(f"{p.relative_to(ROOT)}:{line}: {here} -> {there} ({name})")
+    assert not wrong, "imports against the floor plan:\n" + "\n".join(wrong)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the modules of this tree it imports (lazy imports too)."""
+    mods = {}
+    for p in python_files(*PARTS):
+        rel = p.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(("sluice", *(rel[:-1] if rel[-1] == "__init__" else rel)))] = p
+    return {m: {n for _, n in imported_modules(p) if n in mods and n != m} for m, p in mods.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    return cycles
+
+
+def test_no_import_cycles():
+    """Modules that import each other (even lazily) are one concept split in two, or a type in the wrong place."""
+    assert import_cycles(module_graph()) == []
+
+
+def test_the_step_contract_is_not_the_schedulers():
+    """The executor side (runner, TP workers, speculative steps) reads the step contract from its own module:
+    only the engine's wiring, its scheduler actor, the step recorder (it snapshots the queues and the KV pool)
+    and the cache simulator know the policy."""
+    users = {m for m, deps in module_graph().items() if "sluice.core.scheduler" in deps}
+    assert users <= {
+        "sluice.core.engine",
+        "sluice.core.scheduler_actor",
+        "sluice.core.inspector",
+        "sluice.app.cache_sim",
+    }
+
+
+def test_the_floor_plan_check_sees_a_forbidden_arrow():
+    """The checkers themselves: a kv module importing the engine is caught, relative imports resolved, and a
+    cycle is found."""
+    probe = ROOT / "kv" / "_floor_plan_probe.py"
+    probe.write_text("from ..core import scheduler\nfrom .block_pool import BlockPool\nfrom .. import core\n")
+    try:
+        names = [n for _, n in imported_modules(probe)]
+    finally:
+        probe.unlink()
+    assert names == ["sluice.core.scheduler", "sluice.kv.block_pool", "sluice.core"]
+    assert [layer_of_module(n) for n in names] == ["core", "kv", "core"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
