@@ -8,12 +8,12 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import tomllib
 import venv
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,8 @@ USER_SCRIPT = textwrap.dedent(
         args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_model_len=256)
         async with AsyncEngine(args) as engine:
             ids = []
-            async for out in engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)):
+            params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+            async for out in engine.generate([1, 2, 3, 4], params):
                 ids = out.token_ids
         print("generated", len(ids), sluice.core.__version__)
 
