@@ -12,6 +12,7 @@ BENCHMARKS = (
     "sluice.app.bench.serve",
     "sluice.app.bench.prefix",
     "sluice.app.bench.perplexity",
+    "sluice.app.bench.host",
 )
 
 
