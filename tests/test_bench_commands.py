@@ -42,6 +42,42 @@ def test_throughput_random_with_peer(tmp_path, capsys):
     assert "output_tokens_per_s" in printed and "ratio (output tok/s, sluice / peer)" in printed
 
 
+def test_throughput_without_a_finished_peer_has_no_ratio(tmp_path, capsys):
+    r = _run(
+        tmp_path,
+        "bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--dataset", "random",
+        "--num-prompts", "3", "--input-len", "8", "--output-len", "2", "--peer", "hf", "--peer-timeout", "0",
+        "--num-kv-blocks", "32",
+    )  # fmt: skip
+    assert r["num_finished"] == 3 and r["peer"]["num_finished"] == 0 and r["peer"]["timed_out"] is True
+    assert r["ratio_vs_peer"] is None
+    assert r["no_ratio_reason"] == "the peer did not finish every request: 0 of 3 finished within the 0 s limit"
+    printed = capsys.readouterr().out
+    assert "no ratio: the peer did not finish every request" in printed and "ratio (output tok/s" not in printed
+
+
+def test_peer_comparison_gives_a_ratio_only_for_a_peer_that_finished_everything():
+    from sluice.app.bench.datasets import sample_random
+    from sluice.app.bench.hf_peer import PeerResult
+    from sluice.app.bench.throughput import peer_comparison
+
+    reqs = sample_random(4, 5, 3, 100)
+    engine = {"output_tokens_per_s": 4787.0}
+    whole = peer_comparison(engine, PeerResult.build("hf", reqs, [3] * 4, [True] * 4, 2.0))
+    assert whole["ratio_vs_peer"] == pytest.approx(4787.0 / 6.0) and "no_ratio_reason" not in whole
+    failed = PeerResult.build("hf", reqs, [0] * 4, [False] * 4, 1.0, error="RuntimeError: Inplace update")
+    f = peer_comparison(engine, failed)
+    assert f["ratio_vs_peer"] is None and f["peer"]["error"] == "RuntimeError: Inplace update"
+    assert f["no_ratio_reason"].endswith("0 of 4 finished: RuntimeError: Inplace update")
+    cut = PeerResult.build("hf", reqs, [3, 3, 3, 0], [True] * 3 + [False], 240.0, timed_out=True, timeout_s=240.0)
+    f = peer_comparison(engine, cut)
+    assert f["ratio_vs_peer"] is None and f["peer_num_finished"] == 3
+    assert f["no_ratio_reason"].endswith("3 of 4 finished within the 240 s limit")
+    f = peer_comparison(engine, None, "OSError: no weights")
+    assert f["ratio_vs_peer"] is None and f["peer_error"] == "OSError: no weights"
+    assert f["no_ratio_reason"] == "the peer failed: OSError: no weights"
+
+
 def test_throughput_sharegpt_and_replayed_requests_file(tmp_path):
     saved = tmp_path / "reqs.json"
     common = ["bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "256"]
