@@ -109,6 +109,47 @@ def test_latency_reports_steps_and_prefill_share(tmp_path):
     assert r["output_tokens_per_s"] == pytest.approx(8 / (r["latency_median_ms"] / 1000))
 
 
+PREFIX_ON_OFF = (
+    "bench", "prefix", "--groups", "2", "--prompts-per-group", "2", "--system-len", "32", "--question-len", "8",
+    "--output-len", "2",
+)  # fmt: skip
+INSPECTOR_OFF_ON = (
+    "bench", "throughput", "--inspector", "--repeats", "1", "--dataset", "random", "--num-prompts", "2",
+    "--input-len", "8", "--output-len", "2",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [PREFIX_ON_OFF, INSPECTOR_OFF_ON], ids=["prefix", "throughput-inspector"])
+def test_each_engine_is_freed_before_the_next_is_built(tmp_path, monkeypatch, command):
+    """Benchmarks that build engines one after another: the earlier engine's model and KV tensors must be gone
+    when the next engine loads, or a GPU holds two models and two KV pools at once (an 8B model ran out of
+    memory). The engine is held after it closes only by reference cycles (anyio's cancellation tracebacks), so
+    automatic collection is off here, as it may well be between two engines of a real run."""
+    import gc
+    import weakref
+
+    from sluice.core.model_runner import ModelRunner
+
+    earlier_tensors: list[weakref.ref] = []
+    alive_at_each_build: list[int] = []
+    init = ModelRunner.__init__
+
+    def tracking_init(self, *args, **kwargs) -> None:
+        alive_at_each_build.append(sum(ref() is not None for ref in earlier_tensors))
+        init(self, *args, **kwargs)
+        earlier_tensors.extend(weakref.ref(t) for t in (*self.model.parameters(), *self.kv_caches))
+
+    monkeypatch.setattr(ModelRunner, "__init__", tracking_init)
+    engine = ("--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "32")
+    gc.collect()
+    gc.disable()
+    try:
+        _run(tmp_path, *command, *engine)
+    finally:
+        gc.enable()
+    assert alive_at_each_build == [0, 0]
+
+
 def test_prefill_flops_of_llama3_8b():
     from sluice.app.bench.latency import prefill_flops
     from sluice.core.models.loader import resolve_model

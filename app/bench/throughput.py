@@ -94,7 +94,11 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
                 facts["sse_encode_s"] = _sse_encode_s(recorder)
         return run, facts
 
-    return anyio.run(go)
+    result = anyio.run(go)
+    # The closed engine lingers in reference cycles (anyio's cancellation tracebacks hold its actors' frames): free
+    # its model and KV pool now, before another engine or the peer loads.
+    release_device_memory()
+    return result
 
 
 def _sse_encode_s(recorder) -> float:
@@ -215,7 +219,6 @@ def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], datas
         t = time.perf_counter()
         runs[str(tp)] = engine_figures(replace(args, tensor_parallel_size=tp), requests)
         print_figures(f"sluice TP={tp} ({time.perf_counter() - t:.1f}s with start-up)", runs[str(tp)])
-        release_device_memory()
     first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
     ratio = last["output_tokens_per_s"] / max(first["output_tokens_per_s"], 1e-9)
     figures = {"tensor_parallel": runs, "ratio_tp": ratio}
@@ -285,7 +288,6 @@ def main(ns: argparse.Namespace) -> int:
     t = time.perf_counter()
     figures = engine_figures(args, requests)
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)
-    release_device_memory()
     if ns.out and ns.peer:  # the engine's figures survive a peer that is killed at a time limit
         write_result(ns.out, command_line(), ns.model, dataset, figures)
     if ns.peer == "hf":
