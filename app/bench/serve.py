@@ -5,6 +5,9 @@ streamed ``/v1/completions`` call (greedy, ``ignore_eos``, forced ``max_tokens``
 (time to the first streamed text), ITL (gaps between streamed chunks), TPOT ((latency - TTFT) /
 (output tokens - 1)) and end-to-end latency; output tokens come from the stream's usage chunk when the
 server sends one (``stream_options.include_usage``), else from the number of chunks with text.
+
+With ``--requests-file`` the saved prompts are sent as token ids (``/v1/completions`` takes a list of ids), so
+the run replays exactly the saved requests and needs no tokenizer, nor the model package that holds one.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="online benchmark: Poisson arrivals against a running OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
-    p.add_argument("--tokenizer", default=None, help="model source whose tokenizer samples the dataset")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model source whose tokenizer samples the dataset (none is needed with --requests-file)",
+    )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
@@ -109,7 +116,7 @@ async def run_benchmark(
     base_url: str,
     model: str,
     requests: Sequence[BenchRequest],
-    prompts: Sequence[str],
+    prompts: Sequence[str | list[int]],
     request_rate: float,
     seed: int = 0,
     max_concurrency: int | None = None,
@@ -193,10 +200,13 @@ def main(ns: argparse.Namespace) -> int:
     from sluice.core.tokenizer import load_tokenizer
 
     model = ns.model or _server_model(ns.base_url)
-    source = resolve_model(ns.tokenizer or DEFAULT_MODEL)
-    tokenizer = load_tokenizer(source.tokenizer_dir)
-    requests, dataset = load_bench_requests(ns, tokenizer, len(tokenizer))
-    prompts = [r.prompt_text or tokenizer.decode(r.prompt_token_ids) for r in requests]
+    if ns.requests_file:
+        requests, dataset = load_bench_requests(ns, tokenizer=None, vocab_size=0)
+        prompts: list[str | list[int]] = [r.prompt_text or r.prompt_token_ids for r in requests]
+    else:
+        tokenizer = load_tokenizer(resolve_model(ns.tokenizer or DEFAULT_MODEL).tokenizer_dir)
+        requests, dataset = load_bench_requests(ns, tokenizer, len(tokenizer))
+        prompts = [r.prompt_text or tokenizer.decode(r.prompt_token_ids) for r in requests]
     print(
         f"serve: {len(requests)} requests at {ns.request_rate} req/s to {ns.base_url} (model {model}); "
         f"mean prompt {dataset['mean_prompt_len']:.1f}, mean output {dataset['mean_output_len']:.1f} tokens"
