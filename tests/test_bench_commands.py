@@ -4,10 +4,12 @@ against a small fake OpenAI-style SSE server, since it only needs the HTTP API).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from sluice.app.cli import main as sluice
@@ -164,8 +166,9 @@ def test_prefill_flops_of_llama3_8b():
 # ------------------------------------------------------------------------------------------------ serve
 
 
-def _fake_server(delay_first: float, gap: float):
-    """An OpenAI-style /v1/completions SSE endpoint streaming one word per "token" after fixed delays."""
+def _fake_server(delay_first: float, gap: float, word: str = " w{i}", error_after: int | None = None):
+    """An OpenAI-style /v1/completions SSE endpoint streaming one word per "token" after fixed delays (``word``
+    formatted with the token's index), then the usage; or, after ``error_after`` tokens, an error event."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
@@ -183,7 +186,11 @@ def _fake_server(delay_first: float, gap: float):
             for i in range(n):
                 if i:
                     await asyncio.sleep(gap)
-                chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]}
+                if i == error_after:
+                    yield f"data: {json.dumps({'error': {'message': 'engine died', 'type': 'server_error'}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                chunk = {"choices": [{"index": 0, "text": word.format(i=i), "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
             usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -198,10 +205,10 @@ def _fake_server(delay_first: float, gap: float):
     return app, seen
 
 
-@pytest.fixture
-def fake_server():
+@contextlib.contextmanager
+def _serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a thread; yields its base URL."""
     uvicorn = pytest.importorskip("uvicorn")
-    app, seen = _fake_server(delay_first=0.05, gap=0.01)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -212,9 +219,18 @@ def fake_server():
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield f"http://127.0.0.1:{port}", seen
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake_server():
+    app, seen = _fake_server(delay_first=0.05, gap=0.01)
+    with _serving(app) as url:
+        yield url, seen
 
 
 def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
@@ -230,6 +246,22 @@ def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
     assert r["e2e_median_ms"] >= r["ttft_median_ms"] + 4 * 8
     assert len(seen) == 6 and all(b["stream"] and b["max_tokens"] == 5 and b["ignore_eos"] for b in seen)
     assert r["request_throughput"] == pytest.approx(6 / r["duration_s"])
+
+
+def test_serve_counts_requests_by_their_usage_not_their_text(tmp_path):
+    """Tokens that decode to no text still complete a request (the usage reports them); an error event fails
+    one even after text streamed."""
+    flags = ("--dataset", "random", "--num-prompts", "2", "--input-len", "4", "--output-len", "3")
+    no_text, _ = _fake_server(0.0, 0.0, word="")
+    with _serving(no_text) as url:
+        r = _run(tmp_path, "bench", "serve", "--base-url", url, *flags)
+    assert r["completed"] == 2 and r["failed"] == 0 and r["output_tokens"] == 6 and r["ttft_median_ms"] > 0
+    failing, _ = _fake_server(0.0, 0.0, error_after=2)
+    out = tmp_path / "failing.json"
+    with _serving(failing) as url:
+        assert sluice(["bench", "serve", "--base-url", url, *flags, "--out", str(out)]) == 1  # nothing completed
+    r = json.loads(out.read_text())
+    assert r["completed"] == 0 and r["failed"] == 2 and r["first_error"] == "error event: engine died"
 
 
 def test_serve_replays_a_requests_file_without_a_tokenizer(tmp_path, fake_server, monkeypatch):
