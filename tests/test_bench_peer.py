@@ -1,3 +1,9 @@
+"""The Hugging Face peer and result files.
+
+The GPU machine has transformers 5.17 (this one a later 5.x); to run these tests against 5.17 here:
+``pip download --no-deps transformers==5.17.0 "huggingface-hub<2"``, ``pip install --no-deps --target DIR`` both
+wheels and psutil, then ``PYTHONPATH=DIR .venv/bin/python -m pytest tests/test_bench_peer.py``."""
+
 import json
 
 import pytest
@@ -50,6 +56,46 @@ def test_hf_continuous_batching_forced_lengths(tiny_model):
     assert res.prompt_tokens == sum(len(r.prompt_token_ids) for r in reqs)
     assert res.elapsed_s > 0 and res.output_tokens_per_s > 0
     assert res.total_tokens_per_s > res.output_tokens_per_s
+
+
+def test_hf_continuous_batching_with_its_loop_outside_inference_mode(tiny_model, monkeypatch):
+    """transformers 5.17 (the GPU machine's) runs the generation thread outside inference mode, whatever the caller
+    is in (later versions copy the caller's mode into the thread); its first step resets the batch processor that
+    `warmup` built. Starting the thread that way here reproduces 5.17: every request must still finish."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    start = ContinuousBatchingManager.start
+
+    def start_outside_inference_mode(self) -> None:
+        with torch.inference_mode(False):
+            start(self)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "start", start_outside_inference_mode)
+    reqs = _requests()
+    res = run_hf_continuous_batching(tiny_model, reqs, timeout_s=120)
+    assert res.error is None and res.incomplete_reason is None
+    assert res.num_finished == 4 and res.output_lens == [r.output_len for r in reqs]
+
+
+def test_hf_continuous_batching_failure_is_reported(tiny_model, monkeypatch):
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+    def broken_step(self, model) -> None:
+        raise RuntimeError("step exploded")
+
+    monkeypatch.setattr(ContinuousBatchProcessor, "_generation_step", broken_step)
+    res = run_hf_continuous_batching(tiny_model, _requests(), timeout_s=60)
+    assert res.num_finished == 0 and res.output_tokens == 0 and not res.timed_out
+    assert "step exploded" in res.error
+    assert "0 of 4 finished" in res.incomplete_reason and "step exploded" in res.incomplete_reason
+    assert res.figures()["error"] == res.error
+
+
+def test_hf_continuous_batching_time_limit_is_reported(tiny_model):
+    res = run_hf_continuous_batching(tiny_model, _requests(), timeout_s=0.0)
+    assert res.timed_out and res.error is None and res.num_finished == 0
+    assert res.incomplete_reason == "0 of 4 finished within the 0 s limit"
+    assert res.figures()["timeout_s"] == 0.0 and res.figures()["timed_out"] is True
 
 
 def test_hf_generate_forced_lengths(tiny_model):

@@ -141,7 +141,8 @@ def engine_args_for(ns: argparse.Namespace, num_requests: int, longest: int):
 
 
 def release_device_memory() -> None:
-    """Give cached GPU memory back after an engine is gone, before a peer loads its own model."""
+    """Free a closed engine (or a peer's model) and give its cached GPU memory back, before the next one loads. A
+    closed engine lingers in reference cycles until a full collection, so its model and KV pool stay allocated."""
     import gc
 
     import torch

@@ -20,6 +20,10 @@ from sluice.core.tokenizer import load_tokenizer
 
 DUMMY_INIT_STD = 0.02
 DUMMY_SEED = 0
+# Tokens per forward step of the continuous-batching peer on a CPU when not given: what transformers 5.25 picks
+# there. 5.17 instead solves it from host RAM (tens of thousands, and a step's attention mask grows with its
+# square: a run of four tiny requests took 50 s instead of 2).
+CPU_MAX_BATCH_TOKENS = 8192
 
 
 # ------------------------------------------------------------------------------------------------ loading
@@ -76,6 +80,22 @@ class PeerResult:
     prompt_tokens: int = 0
     # per request, in input order: output tokens produced (0 when the request did not finish)
     output_lens: list[int] = field(default_factory=list, repr=False)
+    error: str | None = None  # why requests failed: the generation loop's fatal error, else the first request's
+    timed_out: bool = False  # the time limit ended the run before every request finished
+    timeout_s: float | None = None
+
+    @property
+    def incomplete_reason(self) -> str | None:
+        """None when every request finished; otherwise why not. A peer that did not finish every request ran a
+        different workload, so its throughput stands beside no other run's."""
+        if self.num_finished == self.num_requests and self.error is None:
+            return None
+        done = f"{self.num_finished} of {self.num_requests} finished"
+        if self.error is not None:
+            return f"{done}: {self.error}"
+        if self.timed_out and self.timeout_s is not None:
+            return f"{done} within the {self.timeout_s:g} s limit"
+        return done
 
     @classmethod
     def build(
@@ -85,6 +105,10 @@ class PeerResult:
         output_lens: list[int],
         finished: list[bool],
         elapsed_s: float,
+        *,
+        error: str | None = None,
+        timed_out: bool = False,
+        timeout_s: float | None = None,
     ) -> PeerResult:
         out = sum(output_lens)
         prompt = sum(len(r.prompt_token_ids) for r, f in zip(requests, finished, strict=True) if f)
@@ -101,6 +125,9 @@ class PeerResult:
             total_tokens_per_s=(prompt + out) / el,
             prompt_tokens=prompt,
             output_lens=output_lens,
+            error=error,
+            timed_out=timed_out,
+            timeout_s=timeout_s,
         )
 
     def figures(self) -> dict:
@@ -143,10 +170,12 @@ def run_hf_continuous_batching(
     """Run `requests` through transformers' continuous batching manager with forced output lengths (EOS
     disabled, greedy). Wall time runs from the first `add_request` to the last result (the cache is allocated
     and the loop started before). Requests not finished within `timeout_s` count as unfinished (their tokens
-    are not counted, and the elapsed time runs to the timeout).
+    are not counted, the elapsed time runs to the timeout, and the result says `timed_out`); a failed request
+    or a dead generation loop leaves its message in `error`.
 
-    `max_batch_tokens` caps the tokens per forward step (transformers' default, 8192, when None); `num_blocks`
-    defaults to room for every request at once (on GPU, pass it to bound the cache)."""
+    `max_batch_tokens` caps the tokens per forward step (None: transformers sizes it on a GPU, and on a CPU it is
+    `CPU_MAX_BATCH_TOKENS`); `num_blocks` defaults to room for every request at once on a CPU (on a GPU, pass it
+    to bound the cache)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -155,6 +184,8 @@ def run_hf_continuous_batching(
     max_out = max(r.output_len for r in requests)
     gen_cfg = GenerationConfig(max_new_tokens=max_out, eos_token_id=-1, do_sample=False)
     on_cpu = model.device.type == "cpu"
+    if on_cpu and max_batch_tokens is None:
+        max_batch_tokens = CPU_MAX_BATCH_TOKENS
     cb_cfg = _cb_config(
         ContinuousBatchingConfig,
         page_size=page_size,
@@ -175,7 +206,11 @@ def run_hf_continuous_batching(
     index = {rid: i for i, rid in enumerate(ids)}
     output_lens = [0] * len(requests)
     finished = [False] * len(requests)
-    with torch.inference_mode():
+    first_error: str | None = None
+    # No inference mode here: transformers 5.17 runs its generation thread outside it (later versions copy the
+    # caller's mode into the thread), and the thread's first act resets, in place, the batch processor `warmup`
+    # built: tensors made under inference mode cannot be updated outside it.
+    with torch.no_grad():
         manager.warmup()  # allocates the cache (and captures graphs on GPU) before the clock starts
         manager.start()
         try:
@@ -211,12 +246,21 @@ def run_hf_continuous_batching(
                 if res.error is None:
                     finished[i] = True
                     output_lens[i] = len(res.generated_tokens)
+                elif first_error is None:
+                    first_error = str(res.error)
             # all done: first add to last result; otherwise (timeout, dead loop) until we gave up
             elapsed = (t_last if not remaining else time.perf_counter()) - t0
+            timed_out = bool(remaining) and time.perf_counter() >= deadline
         finally:
             manager.stop(block=True, timeout=30.0, hard_stop=True)
             manager.destroy()
-    return PeerResult.build(name, requests, output_lens, finished, elapsed)
+    fatal = getattr(manager.background_thread_status, "fatal_error", None)
+    error = f"{type(fatal).__name__}: {fatal}" if fatal is not None else first_error
+    if error is None and remaining and not timed_out:
+        error = "the generation loop stopped before every request finished"
+    return PeerResult.build(
+        name, requests, output_lens, finished, elapsed, error=error, timed_out=timed_out, timeout_s=timeout_s
+    )
 
 
 def run_hf_generate(

@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     figures = result.figures()
     print_table([figures])
     print(f"finished {result.num_finished}/{result.num_requests}, exact forced lengths {exact}/{len(requests)}")
+    if result.incomplete_reason is not None:
+        print(f"incomplete: {result.incomplete_reason}")
     if args.out:
         dataset = {"name": "sharegpt", "seed": args.seed, **data}
         write_result(args.out, command_line(), args.model, dataset, {"peer": figures, "dtype": args.dtype})

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
+from sluice.app.bench.common import release_device_memory
 from sluice.app.bench.workloads import FIRST_TOKEN_ID, Workload, WorkloadRequest
 
 WARMUP_PROMPT = [FIRST_TOKEN_ID - 1] * 48  # no workload prompt starts with this id
@@ -179,6 +180,7 @@ async def bench_prefix(
                 max_waiting_requests=max(engine_args.max_waiting_requests, len(workload.requests)),
             )
             fig = await run_engine(args, workload, k, max_concurrency)
+            release_device_memory()  # the closed engine lingers in reference cycles: free it before the next loads
             log(
                 f"round {k} cache {'on ' if flag else 'off'}: {fig.duration_s:.1f}s, hit rate "
                 f"{100 * fig.hit_rate:.1f}%, {fig.total_tokens_per_s:.0f} tok/s, TTFT p50 {fig.ttft_p50_s:.2f}s"

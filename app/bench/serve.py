@@ -2,9 +2,14 @@
 
 Requests arrive as a Poisson process at ``--request-rate`` per second (``inf``: all at once), each a
 streamed ``/v1/completions`` call (greedy, ``ignore_eos``, forced ``max_tokens``). Per request: TTFT
-(time to the first streamed text), ITL (gaps between streamed chunks), TPOT ((latency - TTFT) /
-(output tokens - 1)) and end-to-end latency; output tokens come from the stream's usage chunk when the
-server sends one (``stream_options.include_usage``), else from the number of chunks with text.
+(time to the first streamed chunk), ITL (gaps between streamed chunks), TPOT ((latency - TTFT) /
+(output tokens - 1)) and end-to-end latency. A chunk counts whether or not it carries text (tokens may
+decode to nothing, as vLLM's client also counts them). Output tokens come from the stream's usage chunk when
+the server sends one (``stream_options.include_usage``), else from the number of chunks with text; a request
+completed when it produced output tokens and its stream ended without an error event.
+
+With ``--requests-file`` the saved prompts are sent as token ids (``/v1/completions`` takes a list of ids), so
+the run replays exactly the saved requests and needs no tokenizer, nor the model package that holds one.
 """
 
 from __future__ import annotations
@@ -36,7 +41,11 @@ def register(sub) -> None:
     p = sub.add_parser("serve", help="online benchmark: Poisson arrivals against a running OpenAI-compatible server")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
-    p.add_argument("--tokenizer", default=None, help="model source whose tokenizer samples the dataset")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model source whose tokenizer samples the dataset (none is needed with --requests-file)",
+    )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
@@ -66,7 +75,7 @@ async def one_request(client, url: str, payload: dict, timeout: float) -> Reques
     res = RequestTiming()
     t0 = time.perf_counter()
     last = None
-    chunks = 0
+    text_chunks = 0
     usage_tokens = None
     try:
         async with client.stream("POST", url, json=payload, timeout=timeout) as resp:
@@ -81,11 +90,15 @@ async def one_request(client, url: str, payload: dict, timeout: float) -> Reques
                 if data == "[DONE]":
                     break
                 msg = json.loads(data)
+                if msg.get("error"):  # a failure mid-stream (OpenAI's shape), before [DONE]
+                    err = msg["error"]
+                    res.error = f"error event: {err.get('message', err) if isinstance(err, dict) else err}"
+                    return res
                 if msg.get("usage"):
                     usage_tokens = msg["usage"].get("completion_tokens")
                     res.prompt_tokens = msg["usage"].get("prompt_tokens", 0) or 0
                 choices = msg.get("choices") or []
-                if not choices or not choices[0].get("text"):
+                if not choices:
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -93,15 +106,15 @@ async def one_request(client, url: str, payload: dict, timeout: float) -> Reques
                 else:
                     res.itl_s.append(now - last)
                 last = now
-                chunks += 1
+                text_chunks += bool(choices[0].get("text"))
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency_s = time.perf_counter() - t0
-    res.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    res.ok = last is not None
+    res.output_tokens = usage_tokens if usage_tokens is not None else text_chunks
+    res.ok = res.output_tokens > 0 and last is not None
     if not res.ok:
-        res.error = "no text streamed"
+        res.error = "no chunk streamed" if last is None else "no output tokens reported"
     return res
 
 
@@ -109,7 +122,7 @@ async def run_benchmark(
     base_url: str,
     model: str,
     requests: Sequence[BenchRequest],
-    prompts: Sequence[str],
+    prompts: Sequence[str | list[int]],
     request_rate: float,
     seed: int = 0,
     max_concurrency: int | None = None,
@@ -193,10 +206,13 @@ def main(ns: argparse.Namespace) -> int:
     from sluice.core.tokenizer import load_tokenizer
 
     model = ns.model or _server_model(ns.base_url)
-    source = resolve_model(ns.tokenizer or DEFAULT_MODEL)
-    tokenizer = load_tokenizer(source.tokenizer_dir)
-    requests, dataset = load_bench_requests(ns, tokenizer, len(tokenizer))
-    prompts = [r.prompt_text or tokenizer.decode(r.prompt_token_ids) for r in requests]
+    if ns.requests_file:
+        requests, dataset = load_bench_requests(ns, tokenizer=None, vocab_size=0)
+        prompts: list[str | list[int]] = [r.prompt_text or r.prompt_token_ids for r in requests]
+    else:
+        tokenizer = load_tokenizer(resolve_model(ns.tokenizer or DEFAULT_MODEL).tokenizer_dir)
+        requests, dataset = load_bench_requests(ns, tokenizer, len(tokenizer))
+        prompts = [r.prompt_text or tokenizer.decode(r.prompt_token_ids) for r in requests]
     print(
         f"serve: {len(requests)} requests at {ns.request_rate} req/s to {ns.base_url} (model {model}); "
         f"mean prompt {dataset['mean_prompt_len']:.1f}, mean output {dataset['mean_output_len']:.1f} tokens"

@@ -25,6 +25,7 @@ from sluice.app.bench.common import (
     release_device_memory,
 )
 from sluice.app.bench.datasets import BenchRequest, sample_random
+from sluice.app.bench.hf_peer import PeerResult
 from sluice.app.bench.results import command_line, machine_line, write_result
 
 
@@ -34,7 +35,12 @@ def register(sub) -> None:
     p = sub.add_parser("throughput", help="offline throughput (ShareGPT or random), optionally beside the HF peer")
     add_dataset_args(p)
     p.add_argument("--peer", choices=("hf",), default=None, help="also run the transformers peer on the same requests")
-    p.add_argument("--peer-timeout", type=float, default=600.0, help="seconds the peer may take (unfinished: counted)")
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=600.0,
+        help="seconds the peer may take (if it leaves requests unfinished: no ratio, and the JSON says why)",
+    )
     p.add_argument("--peer-max-batch-tokens", type=int, default=None)
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--only-save-requests", action="store_true", help="write --save-requests and stop (no run)")
@@ -88,7 +94,11 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
                 facts["sse_encode_s"] = _sse_encode_s(recorder)
         return run, facts
 
-    return anyio.run(go)
+    result = anyio.run(go)
+    # The closed engine lingers in reference cycles (anyio's cancellation tracebacks hold its actors' frames): free
+    # its model and KV pool now, before another engine or the peer loads.
+    release_device_memory()
+    return result
 
 
 def _sse_encode_s(recorder) -> float:
@@ -209,7 +219,6 @@ def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], datas
         t = time.perf_counter()
         runs[str(tp)] = engine_figures(replace(args, tensor_parallel_size=tp), requests)
         print_figures(f"sluice TP={tp} ({time.perf_counter() - t:.1f}s with start-up)", runs[str(tp)])
-        release_device_memory()
     first, last = runs[str(sizes[0])], runs[str(sizes[-1])]
     ratio = last["output_tokens_per_s"] / max(first["output_tokens_per_s"], 1e-9)
     figures = {"tensor_parallel": runs, "ratio_tp": ratio}
@@ -219,6 +228,27 @@ def compare_tp(ns: argparse.Namespace, args, requests: list[BenchRequest], datas
         write_result(ns.out, command_line(), ns.model, dataset, figures)
         print(f"wrote {ns.out}")
     return 0
+
+
+def peer_comparison(figures: dict, peer: PeerResult | None, peer_error: str | None = None) -> dict:
+    """The peer's figures to add to the engine's ``figures``, and the ratio of output throughputs: only when the
+    peer finished every request (a partial run is a different workload, and a failed one has no throughput);
+    otherwise ``ratio_vs_peer`` is None and ``no_ratio_reason`` says why."""
+    if peer is None:
+        return {"peer_error": peer_error, "ratio_vs_peer": None, "no_ratio_reason": f"the peer failed: {peer_error}"}
+    pf = peer.figures()
+    out = {
+        "peer": pf,
+        "peer_output_tokens_per_s": pf["output_tokens_per_s"],
+        "peer_requests_per_s": pf["requests_per_s"],
+        "peer_num_finished": pf["num_finished"],
+    }
+    reason = peer.incomplete_reason
+    if reason is None:
+        out["ratio_vs_peer"] = figures["output_tokens_per_s"] / pf["output_tokens_per_s"]
+    else:
+        out.update(ratio_vs_peer=None, no_ratio_reason=f"the peer did not finish every request: {reason}")
+    return out
 
 
 def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s: float, max_batch_tokens):
@@ -258,26 +288,20 @@ def main(ns: argparse.Namespace) -> int:
     t = time.perf_counter()
     figures = engine_figures(args, requests)
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)
-    release_device_memory()
     if ns.out and ns.peer:  # the engine's figures survive a peer that is killed at a time limit
         write_result(ns.out, command_line(), ns.model, dataset, figures)
     if ns.peer == "hf":
         try:
             peer = run_peer(ns.model, device, dtype, requests, ns.peer_timeout, ns.peer_max_batch_tokens)
-            pf = peer.figures()
-            figures["peer"] = pf
-            figures["peer_output_tokens_per_s"] = pf["output_tokens_per_s"]
-            figures["peer_requests_per_s"] = pf["requests_per_s"]
-            figures["peer_num_finished"] = pf["num_finished"]
-            figures["ratio_vs_peer"] = figures["output_tokens_per_s"] / max(pf["output_tokens_per_s"], 1e-9)
-            print_figures(f"peer {pf['name']} (limit {ns.peer_timeout:.0f}s)", pf)
-            print(
-                f"ratio (output tok/s, sluice / peer): {figures['ratio_vs_peer']:.2f}x "
-                f"(peer finished {pf['num_finished']}/{pf['num_requests']})"
-            )
         except Exception as e:  # the engine's figures still count; say why the peer has none
-            figures["peer_error"] = f"{type(e).__name__}: {e}"
-            print(f"peer failed: {figures['peer_error']}")
+            figures.update(peer_comparison(figures, None, f"{type(e).__name__}: {e}"))
+        else:
+            figures.update(peer_comparison(figures, peer))
+            print_figures(f"peer {peer.name} (limit {ns.peer_timeout:g}s)", figures["peer"])
+        if figures["ratio_vs_peer"] is not None:
+            print(f"ratio (output tok/s, sluice / peer): {figures['ratio_vs_peer']:.2f}x")
+        else:
+            print(f"no ratio: {figures['no_ratio_reason']}")
     print(machine_line())
     if ns.out:
         write_result(ns.out, command_line(), ns.model, dataset, figures)
