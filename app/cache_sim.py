@@ -134,23 +134,23 @@ def simulate(workload: Workload, cfg: SimConfig, trace: str | None = None, model
         if recorder is not None:
             mark = recorder.begin()
         so = sched.schedule()
-        if not so.requests:
+        if not so.req_ids:
             # As the engine does: the head request can never fit, even in an empty pool.
             head: Request = sched.waiting[0]
             sched.abort(head.request_id)
             in_flight -= 1
             settle(index_of.pop(head.request_id), ok=False)
             continue
-        sampled: dict[str, int] = {}
-        for sr in so.requests:
-            computed += len(sr.token_ids)
-            if sr.sample:
-                for x in (sr, *sr.forks):
-                    reply = replies.get(x.request_id)
-                    n = x.num_output_tokens
-                    sampled[x.request_id] = reply[n] if reply is not None and n < len(reply) else FILLER_TOKEN
+        out = ModelOutput(so.step_id)
+        computed += so.num_tokens
+        for rid, sample in zip(so.req_ids, so.samples):
+            if sample:
+                for x in (rid, *so.forks.get(rid, ())):
+                    reply = replies.get(x)
+                    n = sched.requests[x].num_output_tokens
+                    out.req_ids.append(x)
+                    out.token_ids.append(reply[n] if reply is not None and n < len(reply) else FILLER_TOKEN)
         clock += cfg.step_s + cfg.token_s * so.num_tokens
-        out = ModelOutput(so.step_id, sampled)
         events = sched.update_from_output(so, out)
         if recorder is not None:
             writer.write(writer.step_lines([recorder.record(mark, so, out, events)]))

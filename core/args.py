@@ -58,6 +58,9 @@ class EngineArgs:
     tensor_parallel_local_size: int | None = None
     # Record per-step metadata and KV snapshots for the /inspect page (`core.inspector`); off costs nothing.
     enable_inspector: bool = False
+    # Schedule and prepare step N+1 while the device runs step N (its tokens feed N+1 on the device); off:
+    # each step waits for the last one's tokens (for tests and debugging). Steps that speculate always wait.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

@@ -13,7 +13,7 @@ with one call. What makes a step replayable:
   is graph-safe (the torch reference loops over host lists);
 * the plain decode graph ends with the LM head, so its output is the logits of every row; sampling runs
   eagerly after it (per-request generators and penalties do not fit a fixed graph). The speculative graph
-  (`core/spec_decode.py`) goes on through greedy verification and the draft chain.
+  (`core/drafter.py`) goes on through greedy verification and the draft chain.
 
 Graphs share one memory pool, captured largest first so the smaller ones reuse its blocks.
 """
@@ -41,9 +41,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class StepBuffers:
     """Preallocated step inputs: pinned host staging (filled with numpy through views) and device tensors.
 
-    Host -> device copies are asynchronous from pinned memory; they are safe to refill on the next step
-    because each step ends with the one host sync that returns the sampled tokens. On the CPU the
-    "device" tensors are the host tensors themselves."""
+    Host -> device copies are asynchronous from pinned memory: the next step refills the pinned side only
+    once they have left (`wait_uploaded`; with a step in flight they may not have, while the device still
+    works through the step before). On the CPU the "device" tensors are the host tensors themselves."""
 
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks: int, device: torch.device) -> None:
         self.on_host = device.type == "cpu"
@@ -65,6 +65,13 @@ class StepBuffers:
         # sampling parameters, one row each: temperature, top_p, min_p, presence, frequency, repetition
         self.h_sampling_f, self.sampling_f_np, self.sampling_f = pair((6, max_seqs), torch.float32)
         self.h_top_k, self.top_k_np, self.top_k = pair(max_seqs, torch.int64)
+        self._uploaded: torch.cuda.Event | None = None
+
+    def wait_uploaded(self) -> None:
+        """Block until the last `upload` (and `upload_sampling` before it) has been copied to the device."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+            self._uploaded = None
 
     def upload(self, num_tokens: int, num_seqs: int, table_width: int, num_logit_rows: int) -> None:
         """Copy the filled prefixes to the device (asynchronously). Block tables go as whole rows when
@@ -80,6 +87,8 @@ class StepBuffers:
         self.block_tables[:num_seqs].copy_(self.h_block_tables[:num_seqs], non_blocking=nb)
         if num_logit_rows:
             self.logit_rows[:num_logit_rows].copy_(self.h_logit_rows[:num_logit_rows], non_blocking=nb)
+        self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
 
     def upload_sampling(self, num_rows: int, with_penalties: bool) -> None:
         if self.on_host:

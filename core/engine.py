@@ -17,6 +17,7 @@ import anyio
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
 from sluice.core.errors import EngineDeadError, InvalidRequestError, SluiceError
 from sluice.core.executor import ExecutorActor
+from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import RequestOutput
@@ -84,8 +85,9 @@ class AsyncEngine:
                     max_num_batched_tokens=self.args.max_num_batched_tokens,
                     max_model_len=self.max_model_len,
                     max_waiting_requests=self.args.max_waiting_requests,
-                    num_speculative_tokens=self.args.num_speculative_tokens if runner.spec is not None else 0,
+                    num_speculative_tokens=self.args.num_speculative_tokens if runner.drafter is not None else 0,
                     speculative_disable_batch_size=self.args.speculative_disable_batch_size,
+                    async_scheduling=self.args.async_scheduling and self._executor.overlaps_steps,
                 ),
                 kv,
             ),
@@ -146,6 +148,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._scheduler_actor.stats
+
+    def host_profile(self) -> HostProfile:
+        """Where the steps' host time went so far, by phase (cumulative; `HostProfile.since` for a window)."""
+        return self._scheduler_actor.profile.merged(self._executor.profile)
 
     @property
     def inspector(self) -> StepRecorder | None:

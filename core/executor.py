@@ -1,17 +1,30 @@
-"""ExecutorActor: owns the model runner (model, KV tensors, sampler) and runs each step off the event loop."""
+"""ExecutorActor: owns the model runner (model, KV tensors, persistent batch, sampler) and runs each step off
+the event loop.
+
+Its inbox carries steps (`SchedulerOutput`) and `FLUSH`. A step is launched at once; the oldest launched
+step is collected, and its `ModelOutput` sent back, when a second step is launched behind it (asynchronous
+scheduling: the device goes straight on to the next step while the host processes this one's tokens) or
+when `FLUSH` asks for it (the scheduler needs the tokens before it can go on). So at most two steps are in
+flight, and outputs come back in step order.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.args import EngineArgs
-from sluice.core.model_runner import ModelRunner
+from sluice.core.host_profile import HostProfile
+from sluice.core.model_runner import LaunchedStep, ModelRunner
 from sluice.core.models.loader import ModelSource
 from sluice.core.step import ModelOutput, SchedulerOutput
 
 logger = logging.getLogger("sluice")
+
+FLUSH = "flush"  # collect the oldest step in flight
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -23,6 +36,7 @@ def is_fatal(exc: BaseException) -> bool:
 class ExecutorActor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self.profile = HostProfile()  # prepare, launch, wait (and the device's time per step)
 
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, max_model_len: int) -> ExecutorActor:
@@ -39,20 +53,67 @@ class ExecutorActor:
         """Set when worker processes died, even between steps (the engine is then unhealthy)."""
         return getattr(self.runner, "failure", None)
 
-    async def run(self, steps: ObjectReceiveStream[SchedulerOutput], results: ObjectSendStream[ModelOutput]) -> None:
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether a step may be launched before the last one is collected (its runner feeds tokens on the
+        device); tensor-parallel ranks take every step whole."""
+        return hasattr(self.runner, "launch")
+
+    async def run(
+        self, inbox: ObjectReceiveStream[SchedulerOutput | str], results: ObjectSendStream[ModelOutput]
+    ) -> None:
         # Worker processes: a step waiting on them may be left behind at shutdown (stopping them ends it).
         out_of_process = hasattr(self.runner, "close")
+        inflight: deque[LaunchedStep | ModelOutput] = deque()
         try:
-            async with steps, results:
-                async for so in steps:
-                    try:
-                        # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving.
-                        out = await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
-                    except Exception as e:
-                        logger.exception("step %d failed", so.step_id)
-                        out = ModelOutput(so.step_id, {}, error=e, fatal=is_fatal(e))
-                    await results.send(out)
+            async with inbox, results:
+                async for msg in inbox:
+                    if msg is not FLUSH:
+                        inflight.append(await self._launch(msg, out_of_process))
+                        if len(inflight) < 2:
+                            continue
+                    await results.send(await self._collect(inflight.popleft()))
         finally:
             if out_of_process:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.runner.close)
+
+    async def _launch(self, so: SchedulerOutput, out_of_process: bool) -> LaunchedStep | ModelOutput:
+        try:
+            if not self.overlaps_steps:
+                # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving.
+                return await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
+            return await anyio.to_thread.run_sync(self._timed_launch, so)
+        except Exception as e:
+            logger.exception("step %d failed", so.step_id)
+            return ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
+
+    async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
+        if isinstance(step, ModelOutput):
+            return step
+        try:
+            return await anyio.to_thread.run_sync(self._timed_collect, step)
+        except Exception as e:
+            logger.exception("step %d failed", step.so.step_id)
+            return ModelOutput(step.so.step_id, error=e, fatal=is_fatal(e))
+
+    def _timed_launch(self, so: SchedulerOutput) -> LaunchedStep:
+        t0 = time.perf_counter()
+        step = self.runner.launch(so)
+        p = self.profile
+        p.steps += 1
+        p.prepare += step.prepared_at - t0 if step.prepared_at else 0.0
+        p.launch += time.perf_counter() - (step.prepared_at or t0)
+        return step
+
+    def _timed_collect(self, step: LaunchedStep) -> ModelOutput:
+        t0 = time.perf_counter()
+        out = self.runner.collect(step)
+        p = self.profile
+        p.wait += step.waited_s
+        p.collect += time.perf_counter() - t0 - step.waited_s
+        gpu_s = step.gpu_seconds()
+        if gpu_s is not None:
+            p.gpu += gpu_s
+            p.gpu_steps += 1
+        return out

@@ -80,6 +80,7 @@ class StepRecorder:
         self.origin = clock()
         self.cost_s = 0.0
         self._arrival: dict[str, float] = {}
+        self._prompt_len: dict[str, int] = {}
         self._last_output: dict[str, float] = {}
         self._reported: set[str] = set()  # finishes already recorded, until the scheduler reports them done
         self._new: anyio.Event | None = None
@@ -88,6 +89,7 @@ class StepRecorder:
     def admitted(self, requests: Iterable[Request]) -> None:
         for r in requests:
             self._arrival[r.request_id] = r.arrival_time
+            self._prompt_len[r.request_id] = r.num_prompt_tokens
 
     def begin(self) -> StepMark:
         """Before ``schedule()``: what the step's record compares against."""
@@ -107,21 +109,22 @@ class StepRecorder:
         running = mark.running
         reqs = []
         # Positional arguments, in field order: this loop runs for every request of every step.
-        for sr in so.requests:
-            rid, nd = sr.request_id, sr.num_draft_tokens
-            n = len(sr.token_ids) - nd
+        for rid, q, start, sample in zip(so.req_ids, so.num_scheduled_tokens, so.num_computed_tokens, so.samples):
+            nd = so.num_draft_tokens.get(rid, 0)
+            n = q - nd
             ev = emitted.get(rid)
+            decode = n == 1 and sample and start >= self._prompt_len.get(rid, 0)
             reqs.append(
                 StepRequest(
                     rid,
-                    "decode" if n == 1 and sr.sample and sr.num_output_tokens > 0 else "prefill",
+                    "decode" if decode else "prefill",
                     n,
                     nd,
                     len(spec[rid]) - 1 if nd and rid in spec else 0,
-                    sr.start_pos,
-                    0 if rid in running else sr.start_pos,
+                    start,
+                    0 if rid in running else start,
                     len(ev.token_ids) if ev is not None else 0,
-                    [f.request_id for f in sr.forks] if sr.forks else [],
+                    so.forks.get(rid, []),
                 )
             )
         ttft, itl = [], []
@@ -173,6 +176,7 @@ class StepRecorder:
 
     def _forget(self, rid: str) -> None:
         self._arrival.pop(rid, None)
+        self._prompt_len.pop(rid, None)
         self._last_output.pop(rid, None)
 
     # -- readers (the server) ----------------------------------------------------------------------------

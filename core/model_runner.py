@@ -1,29 +1,38 @@
-"""Turns a `SchedulerOutput` into device tensors, runs one forward over the flattened batch, samples.
+"""The one model runner: applies a step's changes to the persistent batch, builds the step's inputs, runs
+one forward over the flattened batch, samples, and (with a draft head) verifies and drafts.
 
-It knows nothing of how steps are scheduled: any mix of prefill chunks and decodes, in any order.
-Only the last position of each request that samples is projected through the LM head.
+It knows nothing of how steps are scheduled: any mix of prefill chunks, decodes and verifications, in
+any order. Only the positions that sample are projected through the LM head.
 
-Hot path (per step, not per token): step inputs are written with numpy into preallocated (pinned, on
-the GPU) buffers and copied to the device asynchronously (`core/cuda_graphs.py: StepBuffers`); pure
-decode steps replay a captured CUDA graph; the one host sync is reading the sampled tokens back.
+A step is launched, then collected. `launch` enqueues the device work (inputs copied from pinned buffers,
+a CUDA graph replayed for uniform decode steps, sampling) and starts copying the sampled tokens back;
+`collect` waits for them. Between the two the host is free: the executor launches the next step first
+(asynchronous scheduling), whose decodes take their input token from this step's samples on the device.
+Steps that speculate are computed whole in `launch` (their drafts decide the next step).
+
+One step-input builder (`InputBatch.build`) and one sampling-batch builder (`_sampling_batch`) serve every
+step, the speculative ones and the memory profile included.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from sluice.core.args import EngineArgs
 from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.input_batch import InputBatch, StepRows, index_tensor
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
-from sluice.core.sampler import SamplingBatch, min_tokens_bans, sample, token_logprobs
-from sluice.core.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from sluice.core.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
+from sluice.core.sampling_params import SamplingParams
+from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
 from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.kv.attention.fp8 import kv_cache_torch_dtype
@@ -41,9 +50,37 @@ GRAPH_POOL_RESERVE = GiB // 2
 GPU_SWITCH_INTERVAL_S = 0.0005
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is enqueued; `ModelRunner.collect` turns it into a `ModelOutput`."""
+
+    so: SchedulerOutput
+    output: ModelOutput | None = None  # already complete (no sampling rows, speculative steps)
+    req_ids: list[str] = field(default_factory=list)  # sampling rows, forks included
+    slots: np.ndarray | None = None
+    tokens: torch.Tensor | None = None  # [R] on the device
+    host_tokens: torch.Tensor | None = None  # pinned, filled asynchronously
+    ready: torch.cuda.Event | None = None
+    sampler_out: SamplerOutput | None = None  # logprobs
+    read: bool = False  # the host has the tokens (`ModelRunner._read_back`)
+    token_list: list[int] = field(default_factory=list)
+    # for the host profile: when the inputs were ready, how long the host waited for the tokens, and events
+    # around the step's device work
+    prepared_at: float = 0.0
+    waited_s: float = 0.0
+    started: torch.cuda.Event | None = None
+
+    def gpu_seconds(self) -> float | None:
+        """The device's time on this step (once collected)."""
+        if self.started is None or self.ready is None:
+            return None
+        return self.started.elapsed_time(self.ready) / 1e3
+
+
 class ModelRunner:
     """With ``tp`` (tensor parallel, one runner per rank in its own process, `core/tp_worker.py`): this
-    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples."""
+    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples and
+    broadcasts the tokens, so every rank's persistent batch knows them."""
 
     def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
         self.args = args
@@ -87,20 +124,29 @@ class ModelRunner:
             )
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.max_num_seqs = args.max_num_seqs
         self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        self.drafter = None  # speculative decoding: the draft head and its steps
+        k = 0
+        if args.speculative_model is not None:
+            from sluice.core.drafter import Drafter
+
+            self.drafter = Drafter(self, source)
+            k = self.drafter.k
+        # draft lookahead slots may reach past max_model_len
+        self.max_blocks_per_seq = -(-(max_model_len + 2 * k + 1) // self.block_size)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
+        # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
+        self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
+        self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
+        self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
+        self._host_bufs = [torch.empty(0, dtype=torch.long) for _ in range(2)]
+        self._host_turn = 0
         if self.device.type == "cuda":
             interval = float(os.environ.get("SLUICE_GPU_SWITCH_INTERVAL_S", GPU_SWITCH_INTERVAL_S))
             sys.setswitchinterval(min(sys.getswitchinterval(), interval))
-        self.spec = None  # speculative decoding: the draft head and its steps
-        if args.speculative_model is not None:
-            from sluice.core.spec_decode import SpecDecodeRunner
-
-            self.spec = SpecDecodeRunner(self, source)
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
         if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
@@ -113,8 +159,8 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
-        if self.spec is not None:
-            self.spec.allocate_kv(self.num_kv_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate_kv(self.num_kv_blocks)
         logger.info(
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             weight_bytes(self.model) / GiB,
@@ -135,13 +181,13 @@ class ModelRunner:
                     with torch.inference_mode():
                         graphs.capture()
                     self.graphs = graphs
-                    if self.spec is not None:
-                        self.spec.capture_graphs()
+                    if self.drafter is not None:
+                        self.drafter.capture_graphs()
                 except Exception:  # slower, still correct: serve every step eagerly
                     logger.exception("CUDA graph capture failed; decode steps run eagerly")
                     self.graphs = None
-                    if self.spec is not None:
-                        self.spec.graphs = None
+                    if self.drafter is not None:
+                        self.drafter.graphs = None
                     del graphs
                     torch.cuda.synchronize(self.device)
                     torch.cuda.empty_cache()
@@ -150,7 +196,7 @@ class ModelRunner:
 
     # -- memory --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        draft = self.spec.kv_bytes_per_block() if self.spec is not None else 0
+        draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return draft + kv_bytes_per_block(
             self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
         )
@@ -182,30 +228,38 @@ class ModelRunner:
         )
         tmp_bytes = sum(t.numel() * t.element_size() for t in tmp_cache)
         g = torch.Generator(device="cpu").manual_seed(0)
-        reqs, next_block = [], 0
+        so, next_block = SchedulerOutput(0), 0
         for i, n in enumerate(lens):
             nb = -(-n // self.block_size)
             ids = torch.randint(0, self.vocab_size, (n,), generator=g).tolist()
-            reqs.append(ScheduledRequest(f"profile-{i}", ids, 0, list(range(next_block, next_block + nb)), True))
+            rid = f"profile-{i}"
+            so.new_requests.append(NewRequest(rid, ids, n, list(range(next_block, next_block + nb)), _PROFILE_PARAMS))
+            so.req_ids.append(rid)
+            so.num_scheduled_tokens.append(n)
+            so.num_computed_tokens.append(0)
+            so.samples.append(True)
             next_block += nb
-        n_rows = self._prepare(reqs, self.buffers, graph_bs=None)
+        batch = InputBatch(n_seq, self.max_blocks_per_seq, self.block_size)  # the one builder, on its own slots
+        batch.apply(so)
         b = self.buffers
-        meta = self._metadata(reqs, b, len(reqs))
+        rows = batch.build(so, b)
+        b.upload(rows.num_tokens, n_seq, b.max_blocks, 0)
+        meta = self._metadata(rows, b)
         hidden = self.model(b.input_ids[:n_tok], b.positions[:n_tok], ForwardContext(meta, tmp_cache, self.backend))
         del hidden
-        rows = min(self.max_num_seqs, n_tok)
+        n_rows = min(self.max_num_seqs, n_tok)
         logits = self.model.compute_logits(
-            torch.randn(rows, self.model.config.hidden_size, device=dev, dtype=self.dtype)
+            torch.randn(n_rows, self.model.config.hidden_size, device=dev, dtype=self.dtype)
         )
-        batch = SamplingBatch(
-            temperature=torch.ones(rows, device=dev),
-            top_k=torch.full((rows,), 50, dtype=torch.long, device=dev),
-            top_p=torch.full((rows,), 0.9, device=dev),
-            min_p=torch.full((rows,), 0.05, device=dev),
-            generators=[None] * rows,
+        sampling = SamplingBatch(
+            temperature=torch.ones(n_rows, device=dev),
+            top_k=torch.full((n_rows,), 50, dtype=torch.long, device=dev),
+            top_p=torch.full((n_rows,), 0.9, device=dev),
+            min_p=torch.full((n_rows,), 0.05, device=dev),
+            generators=[None] * n_rows,
         )
-        sample(logits, batch).token_ids.tolist()
-        del logits, n_rows
+        sample(logits, sampling).token_ids.tolist()
+        del logits
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         del tmp_cache
@@ -224,7 +278,7 @@ class ModelRunner:
             weights / GiB,
             activations / GiB,
             n_tok,
-            rows,
+            n_rows,
             non_torch / GiB,
             reserve / GiB,
             budget / GiB,
@@ -249,192 +303,258 @@ class ModelRunner:
             if fp8.is_fp8(kv):
                 kv = kv.view(torch.uint8)  # index_put has no fp8 kernel on every device
             kv[:, dst] = kv[:, src]
-        if self.spec is not None:
-            self.spec.proposer.copy_blocks(src, dst)
+        if self.drafter is not None:
+            self.drafter.proposer.copy_blocks(src, dst)
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        """Launch and collect one step (callers that do not overlap steps)."""
+        return self.collect(self.launch(so))
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelOutput:
-        for rid in so.finished_request_ids:
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        for rid in self.batch.apply(so):
             self.generators.pop(rid, None)
-        if self.spec is not None:
-            self.spec.forget(so.finished_request_ids)
-            # A step without drafts to verify or draft work (speculation off above
-            # speculative_disable_batch_size) is a plain step: CUDA graphs, no speculative overhead.
-            if any(r.spec or r.num_draft_tokens for r in so.requests):
-                return self.spec.execute(so)
-        reqs = so.requests
-        if not reqs:
-            return ModelOutput(so.step_id, {})
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
+        if not so.req_ids:
+            return LaunchedStep(so, ModelOutput(so.step_id))
         self.copy_blocks(so.block_copies)
-        n = len(reqs)
-        sampling_idx = [i for i, r in enumerate(reqs) if r.sample]
-        graph_bs = None
-        if self.graphs is not None and all(len(r.token_ids) == 1 for r in reqs):
-            graph_bs = self.graphs.padded_size(n)
+        if self.drafter is not None and (so.drafting or so.num_draft_tokens):
+            # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
+            self._read_back(self._inflight)
+            return LaunchedStep(so, self.drafter.step(so))
+        n = len(so.req_ids)
+        num_tokens = so.num_tokens
         b = self.buffers
-        num_tokens = sum(len(r.token_ids) for r in reqs)
+        graph_bs = self.graphs.padded_size(n) if self.graphs is not None and num_tokens == n else None
         if num_tokens > b.max_tokens or n > b.max_seqs:
             # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
             b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
             graph_bs = None
-        self._prepare(reqs, b, graph_bs, sampling_idx)
+        b.wait_uploaded()  # the last step's inputs have left the pinned buffers
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        rows = self.batch.build(so, b, graph_bs)
+        sample_rows, req_ids = self._sampling_rows(so)
+        num_rows = len(req_ids)
+        if so.forks:  # a fork samples with its own parameters (its own slot) from its parent's row
+            slots = np.fromiter(map(self.batch.slot_of.__getitem__, req_ids), np.int64, num_rows)
+        else:
+            slots = rows.slots if num_rows == n else rows.slots[sample_rows]
+        positions = rows.starts[sample_rows] + rows.q_lens[sample_rows] - 1
+        rank0 = self.tp is None or self.tp.rank == 0
+        if self.batch.penalized[slots].any():
+            self._read_back(self._inflight)  # penalties count every output token: the one in flight too
+        sampling = self._sampling_batch(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
+        whole = graph_bs is not None and num_rows == n and not so.forks  # every row samples, in order
+        if graph_bs is not None:
+            if not whole and num_rows:
+                b.logit_rows_np[:num_rows] = sample_rows
+            b.upload(graph_bs, graph_bs, b.max_blocks, 0 if whole else num_rows)
+        else:
+            if num_rows:
+                b.logit_rows_np[:num_rows] = rows.query_start_loc[1:][sample_rows] - 1
+            b.upload(rows.num_tokens, n, b.max_blocks, num_rows)
+        self._gather_pending(rows, b)
+        prepared_at = time.perf_counter()
         if graph_bs is not None:
             logits = self.graphs.replay(graph_bs)
-            logits = logits[:n] if len(sampling_idx) == n else logits[b.logit_rows[: len(sampling_idx)]]
+            if num_rows == 0:
+                return LaunchedStep(so, ModelOutput(so.step_id))
+            logits = logits[:n] if whole else logits[b.logit_rows[:num_rows]]
         else:
-            meta = self._metadata(reqs, b, n)
+            meta = self._metadata(rows, b)
             ctx = ForwardContext(meta, self.kv_caches, self.backend)
-            hidden = self.model(b.input_ids[:num_tokens], b.positions[:num_tokens], ctx)
-            if not sampling_idx:
-                return ModelOutput(so.step_id, {})
-            logits = self.model.compute_logits(hidden[b.logit_rows[: len(sampling_idx)]])
-        if not sampling_idx or (self.tp is not None and self.tp.rank != 0):
-            return ModelOutput(so.step_id, {})
-        sampling = [reqs[i] for i in sampling_idx]
-        if any(r.forks for r in sampling):
-            # n > 1: each fork samples from its parent's last-prompt-token row (one prefill for all).
-            logits = logits[[i for i, r in enumerate(sampling) for _ in range(1 + len(r.forks))]]
-            sampling = [s for r in sampling for s in (r, *r.forks)]
-        batch = self._sampling_batch(sampling, b)
-        if batch is None:  # every row greedy, no penalties, bans or logprobs
-            tokens = logits.argmax(-1).tolist()  # the step's one host sync
-            return ModelOutput(so.step_id, {r.request_id: t for r, t in zip(sampling, tokens)})
-        out = sample(logits, batch)
-        tokens = out.token_ids.tolist()  # the step's one host sync
-        sampled = {r.request_id: t for r, t in zip(sampling, tokens)}
-        logprobs = token_logprobs(sampling, tokens, out)
-        return ModelOutput(so.step_id, sampled, logprobs)
+            hidden = self.model(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], ctx)
+            if num_rows == 0:
+                return LaunchedStep(so, ModelOutput(so.step_id))
+            logits = self.model.compute_logits(hidden[b.logit_rows[:num_rows]])
+        step = LaunchedStep(so, req_ids=req_ids, slots=slots, prepared_at=prepared_at, started=started)
+        if not rank0:
+            tokens = torch.empty(num_rows, dtype=torch.long, device=self.device)
+        elif sampling is None:  # every row greedy, no penalties, bans or logprobs
+            tokens = logits.argmax(-1)
+        else:
+            step.sampler_out = sample(logits, sampling)
+            tokens = step.sampler_out.token_ids
+        if self.tp is not None:
+            self.tp.broadcast(tokens)
+        self.batch.sampled(slots, so.step_id, np.arange(num_rows))
+        step.tokens = tokens
+        if self.device.type == "cuda":
+            step.host_tokens = self._host_tokens(num_rows)
+            step.host_tokens.copy_(tokens, non_blocking=True)
+            step.ready = torch.cuda.Event(enable_timing=True)
+            step.ready.record()
+        self._last_sampled = tokens
+        self._inflight = step
+        return step
+
+    def _host_tokens(self, n: int) -> torch.Tensor:
+        """Pinned room for a step's sampled tokens; two in turn, as two steps may be in flight."""
+        self._host_turn ^= 1
+        buf = self._host_bufs[self._host_turn]
+        if buf.numel() < n:
+            buf = self._host_bufs[self._host_turn] = torch.empty(n, dtype=torch.long, pin_memory=True)
+        return buf[:n]
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        """Wait for a launched step's tokens; its output for the scheduler."""
+        if step.output is not None:
+            return step.output
+        self._read_back(step)
+        if self.tp is not None and self.tp.rank != 0:
+            return ModelOutput(step.so.step_id)
+        logprobs = None
+        if step.sampler_out is not None and step.sampler_out.logprobs is not None:
+            logprobs = token_logprobs(self.batch.num_logprobs[step.slots].tolist(), step.token_list, step.sampler_out)
+        return ModelOutput(step.so.step_id, step.req_ids, step.token_list, logprobs)
+
+    def _read_back(self, step: LaunchedStep | None) -> None:
+        """The host side of a step's samples: the persistent batch learns its tokens (once)."""
+        if step is None or step.read or step.output is not None:
+            return
+        step.read = True
+        if step.ready is not None:
+            t0 = time.perf_counter()
+            step.ready.synchronize()
+            step.waited_s = time.perf_counter() - t0
+            host = step.host_tokens.numpy()
+        else:
+            host = step.tokens.numpy()
+        self.batch.read_back(step.slots, step.so.step_id, host)
+        step.token_list = host.tolist()
+        ib = self.batch
+        if ib.penalized[step.slots].any():
+            for slot, t in zip(step.slots.tolist(), step.token_list):
+                out = ib.output_tokens[slot]
+                if out is not None:
+                    out.append(t)
+        if self._inflight is step:
+            self._inflight = None
+
+    def _sampling_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
+        """The rows that sample (their indices in the step) and the request of each sampled token: a row's
+        own, then with n > 1 its forks', which sample from the same row."""
+        n = len(so.req_ids)
+        if not so.forks:
+            if all(so.samples):
+                return np.arange(n), so.req_ids
+            idx = [i for i, s in enumerate(so.samples) if s]
+            return np.asarray(idx, np.int64), [so.req_ids[i] for i in idx]
+        idx, req_ids = [], []
+        for i, (rid, s) in enumerate(zip(so.req_ids, so.samples)):
+            if s:
+                for r in (rid, *so.forks.get(rid, ())):
+                    idx.append(i)
+                    req_ids.append(r)
+        return np.asarray(idx, np.int64), req_ids
+
+    def _gather_pending(self, rows: StepRows, b: StepBuffers) -> None:
+        """Decodes whose input token the step in flight sampled: copied from its samples on the device."""
+        if not rows.gather_dst.size:
+            return
+        src = index_tensor(rows.gather_src, self.device)
+        dst = index_tensor(rows.gather_dst, self.device)
+        b.input_ids[dst] = self._last_sampled[src]
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The captured part of a decode step: embedding to logits of every row."""
         hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
         return self.model.compute_logits(hidden)
 
-    def _prepare(
-        self,
-        reqs: list[ScheduledRequest],
-        b: StepBuffers,
-        graph_bs: int | None,
-        sampling_idx: list[int] | None = None,
-    ) -> int:
-        """Write the step's inputs into ``b`` (host side, vectorized) and start their copies to the device.
-        With ``graph_bs`` (a graph's batch size; every request then computes the same number of tokens q),
-        sequences ``len(reqs)..graph_bs`` are padding of q tokens each that write and read no KV. Returns
-        the number of logit rows."""
-        bs = self.block_size
-        n = len(reqs)
-        q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=n)
-        starts = np.fromiter((r.start_pos for r in reqs), dtype=np.int64, count=n)
-        qsl = b.query_start_loc_np[: n + 1]
-        qsl[0] = 0
-        np.cumsum(q_lens, out=qsl[1:])
-        t = int(qsl[n])
-        seq_lens = starts + q_lens
-        b.seq_lens_np[:n] = seq_lens
-        b.input_ids_np[:t] = np.fromiter(itertools.chain.from_iterable(r.token_ids for r in reqs), np.int64, t)
-        positions = b.positions_np[:t]
-        if t == n:
-            positions[:] = starts
-            req_idx = np.arange(n)
-        else:
-            req_idx = np.repeat(np.arange(n), q_lens)
-            positions[:] = np.arange(t) - np.repeat(qsl[:n].astype(np.int64) - starts, q_lens)
-        # block tables: whole rows, only the prefix each request owns is written (the rest is never read)
-        bt_lens = np.fromiter((len(r.block_table) for r in reqs), dtype=np.int64, count=n)
-        np.minimum(bt_lens, b.max_blocks, out=bt_lens)
-        total = int(bt_lens.sum())
-        flat = np.fromiter(
-            itertools.chain.from_iterable(r.block_table[: b.max_blocks] for r in reqs), dtype=np.int32, count=total
-        )
-        rows = np.repeat(np.arange(n), bt_lens)
-        cols = np.arange(total) - np.repeat(np.cumsum(bt_lens) - bt_lens, bt_lens)
-        tables = b.block_tables_np
-        tables[rows, cols] = flat
-        b.slot_mapping_np[:t] = tables[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        num_rows = 0
-        if sampling_idx is None:
-            sampling_idx = [i for i, r in enumerate(reqs) if r.sample]
-        if graph_bs is not None:
-            q = t // n
-            pad = slice(t, graph_bs * q)
-            b.input_ids_np[pad] = 0
-            b.positions_np[pad] = 0
-            b.slot_mapping_np[pad] = -1
-            b.seq_lens_np[n:graph_bs] = 0
-            b.query_start_loc_np[n + 1 : graph_bs + 1] = np.arange(n + 1, graph_bs + 1) * q
-            if len(sampling_idx) != n:
-                num_rows = len(sampling_idx)
-                b.logit_rows_np[:num_rows] = sampling_idx
-            t, n = graph_bs * q, graph_bs
-        else:
-            num_rows = len(sampling_idx)
-            b.logit_rows_np[:num_rows] = qsl[1:][sampling_idx] - 1
-        b.upload(t, n, b.max_blocks, num_rows)
-        return num_rows
-
-    def _metadata(self, reqs: list[ScheduledRequest], b: StepBuffers, n: int) -> AttentionMetadata:
-        qsl = b.query_start_loc_np[: n + 1]
+    def _metadata(self, rows: StepRows, b: StepBuffers) -> AttentionMetadata:
+        n = len(rows.slots)
+        qsl = rows.query_start_loc
         seq_lens = b.seq_lens_np[:n]
         return AttentionMetadata(
-            slot_mapping=b.slot_mapping[: int(qsl[n])],
+            slot_mapping=b.slot_mapping[: rows.num_tokens],
             query_start_loc=b.query_start_loc[: n + 1],
             seq_lens=b.seq_lens[:n],
             block_tables=b.block_tables[:n],
-            max_query_len=int((qsl[1:] - qsl[:-1]).max()),
+            max_query_len=int(rows.q_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
         )
 
     # -- sampling ----------------------------------------------------------------------------------
-    def _generator(self, r: ScheduledRequest) -> torch.Generator | None:
-        seed = r.sampling_params.seed
-        if seed is None or r.sampling_params.temperature == 0:
-            return None
-        g = self.generators.get(r.request_id)
+    def _generator(self, slot: int) -> torch.Generator:
+        rid = self.batch.req_ids[slot]
+        g = self.generators.get(rid)
         if g is None:
-            g = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[r.request_id] = g
+            g = torch.Generator(device=self.device).manual_seed(self.batch.params[slot].seed)
+            self.generators[rid] = g
         return g
 
-    def _sampling_batch(self, reqs: list[ScheduledRequest], b: StepBuffers) -> SamplingBatch | None:
-        """The sampler's per-row parameters, or None when plain argmax serves every row."""
-        sps = [r.sampling_params for r in reqs]
-        any_pen = any(r.output_token_ids is not None for r in reqs)
-        banned = min_tokens_bans(reqs)
-        any_banned = any(banned)
-        nlp = [p.logprobs for p in sps if p.logprobs is not None]
-        all_greedy = all(p.temperature == 0 for p in sps)
-        if all_greedy and not any_pen and not any_banned and not nlp:
+    def _sampling_batch(
+        self,
+        slots: np.ndarray,
+        num_outputs: np.ndarray,
+        b: StepBuffers,
+        extra_outputs: list[list[int]] | None = None,
+    ) -> SamplingBatch | None:
+        """The sampler's per-row parameters, or None when plain argmax serves every row. Row ``i`` belongs to
+        slot ``slots[i]`` and samples after ``num_outputs[i]`` output tokens: its own so far, then (a
+        verification row) ``extra_outputs[i]``, the drafts before it."""
+        ib = self.batch
+        k = len(slots)
+        temperature = ib.temperature[slots]
+        any_pen = bool(ib.penalized[slots].any())
+        early = num_outputs < ib.min_tokens[slots]
+        any_banned = bool(early.any())
+        nlp = int(ib.num_logprobs[slots].max()) if k else -1
+        all_greedy = not temperature.any()
+        if all_greedy and not any_pen and not any_banned and nlp < 0:
             return None
-        k = len(reqs)
         if k > b.max_seqs:
             b = StepBuffers(1, k, 1, self.device)
         f = b.sampling_f_np
-        f[0, :k] = [p.temperature for p in sps]
-        f[1, :k] = [p.top_p for p in sps]
-        f[2, :k] = [p.min_p for p in sps]
+        f[0, :k] = temperature
+        f[1, :k] = ib.top_p[slots]
+        f[2, :k] = ib.min_p[slots]
         if any_pen:
-            f[3, :k] = [p.presence_penalty for p in sps]
-            f[4, :k] = [p.frequency_penalty for p in sps]
-            f[5, :k] = [p.repetition_penalty for p in sps]
-        b.top_k_np[:k] = [max(p.top_k, 0) for p in sps]
+            f[3, :k] = ib.presence[slots]
+            f[4, :k] = ib.frequency[slots]
+            f[5, :k] = ib.repetition[slots]
+        top_k = ib.top_k[slots]
+        b.top_k_np[:k] = top_k
         b.upload_sampling(k, any_pen)
+        slot_list = slots.tolist()
+        seeded = ib.seeded[slots]
+        generators = [self._generator(s) if g else None for s, g in zip(slot_list, seeded)]
+        banned = None
+        if any_banned:
+            banned = [
+                list(ib.eos[s]) + list(ib.params[s].stop_token_ids) if e else [] for s, e in zip(slot_list, early)
+            ]
+        outputs = prompts = None
+        if any_pen:
+            outputs = []
+            for i, s in enumerate(slot_list):
+                out = ib.output_tokens[s] or []
+                outputs.append(out + extra_outputs[i] if extra_outputs is not None else out)
+            prompts = [ib.tokens[s][: ib.num_prompt[s]] if ib.penalized[s] else [] for s in slot_list]
         dev = b.sampling_f
         return SamplingBatch(
             temperature=dev[0, :k],
             top_k=b.top_k[:k],
             top_p=dev[1, :k],
             min_p=dev[2, :k],
-            generators=[self._generator(r) for r in reqs],
+            generators=generators,
             presence_penalty=dev[3, :k] if any_pen else None,
             frequency_penalty=dev[4, :k] if any_pen else None,
             repetition_penalty=dev[5, :k] if any_pen else None,
-            output_token_ids=[r.output_token_ids or [] for r in reqs] if any_pen else None,
-            prompt_token_ids=[r.prompt_token_ids or [] for r in reqs] if any_pen else None,
-            banned_token_ids=banned if any_banned else None,
-            num_logprobs=max(nlp) if nlp else -1,
+            output_token_ids=outputs,
+            prompt_token_ids=prompts,
+            banned_token_ids=banned,
+            num_logprobs=nlp,
             all_greedy=all_greedy,
-            any_top_k_top_p=any(p.top_k > 0 or p.top_p < 1 for p in sps),
-            any_min_p=any(p.min_p > 0 for p in sps),
+            any_top_k_top_p=bool((top_k > 0).any() or (ib.top_p[slots] < 1).any()),
+            any_min_p=bool((ib.min_p[slots] > 0).any()),
         )
+
+
+_PROFILE_PARAMS = SamplingParams(temperature=0)

@@ -35,9 +35,21 @@ class Request:
     # the draft head's KV has kept up with every computed position (it stops once a step skips it).
     spec_token_ids: list[int] = field(default_factory=list)
     draft_synced: bool = True
+    # Asynchronous scheduling: tokens sampled by steps still in flight (the next step is scheduled before the
+    # last one's token is known, and computes it from the device); whether the executor holds this request
+    # (it is sent in full once, then only changes), and how many of its blocks the executor knows.
+    num_pending: int = 0
+    in_batch: bool = False
+    num_blocks_sent: int = 0
+    # The caller wants only the final output: no event per token, one with every token at the end.
+    final_only: bool = False
+    output_logprobs: list[TokenLogprob] | None = None  # final-only requests that asked for logprobs
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop_token_ids)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        sp = self.sampling_params
+        self.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

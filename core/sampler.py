@@ -33,6 +33,30 @@ class SamplingBatch:
     any_top_k_top_p: bool = True
     any_min_p: bool = True
 
+    def select(self, start: int, end: int) -> SamplingBatch:
+        """Rows ``start..end`` (the flags stay those of the whole batch: still right, at worst slower)."""
+
+        def cut(x):
+            return None if x is None else x[start:end]
+
+        return SamplingBatch(
+            self.temperature[start:end],
+            self.top_k[start:end],
+            self.top_p[start:end],
+            self.min_p[start:end],
+            self.generators[start:end],
+            cut(self.presence_penalty),
+            cut(self.frequency_penalty),
+            cut(self.repetition_penalty),
+            cut(self.output_token_ids),
+            cut(self.prompt_token_ids),
+            cut(self.banned_token_ids),
+            self.num_logprobs,
+            self.all_greedy,
+            self.any_top_k_top_p,
+            self.any_min_p,
+        )
+
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -148,28 +172,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return out
 
 
-def min_tokens_bans(rows) -> list[list[int]]:
-    """Per row (a `ScheduledRequest`): the token ids it may not sample yet, EOS (unless ignored) and its stop
-    token ids while it has fewer than ``min_tokens`` outputs; empty lists otherwise."""
-    bans = []
-    for r in rows:
-        p = r.sampling_params
-        early = r.num_output_tokens < p.min_tokens
-        bans.append(list(r.eos_token_ids) * (not p.ignore_eos) + list(p.stop_token_ids) if early else [])
-    return bans
-
-
-def token_logprobs(rows, tokens: list[int], out: SamplerOutput) -> dict[str, TokenLogprob] | None:
-    """The sampled token's logprob and the top ``logprobs`` alternatives of each row that asked for them."""
-    if out.logprobs is None:
-        return None
+def token_logprobs(num_logprobs: list[int], tokens: list[int], out: SamplerOutput) -> list[TokenLogprob | None]:
+    """Per row: the sampled token's logprob and its top ``num_logprobs[i]`` alternatives, or None (not asked)."""
     lp = out.logprobs.tolist()
     top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
     top_id = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-    res = {}
-    for i, r in enumerate(rows):
-        n = r.sampling_params.logprobs
-        if n is not None:
-            top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
-            res[r.request_id] = TokenLogprob(tokens[i], lp[i], top)
+    res: list[TokenLogprob | None] = []
+    for i, n in enumerate(num_logprobs):
+        if n < 0:
+            res.append(None)
+            continue
+        top = list(zip(top_id[i][:n], top_lp[i][:n])) if top_id is not None and n > 0 else []
+        res.append(TokenLogprob(tokens[i], lp[i], top))
     return res

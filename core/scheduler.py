@@ -19,6 +19,14 @@ With the prefix cache on, a waiting request whose next uncached block is being c
 another request waits for it instead of computing it a second time (it hits a step later); the
 requests behind it are still admitted. Parallel sampling (``n > 1``) computes the prompt once and
 forks: see `Scheduler.add_request`.
+
+Asynchronous scheduling: the next step may be scheduled while the last one still runs, before its sampled
+tokens are known. A request that samples in a step counts that token as pending (``num_pending``) until
+its output is processed: it still decodes the next position in the next step (the executor feeds the
+token from the device), is not scheduled past ``max_tokens`` or ``max_model_len`` counting its pending
+tokens, and is not resumed after a preemption while a token is pending. A request that stops on a token
+(EOS, a stop token) costs the step after it one wasted row: its output is dropped, never appended. Steps
+that speculate are scheduled only on known tokens (`needs_sync`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sluice.core.request import Request, RequestStatus, TokenEvent
-from sluice.core.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
 from sluice.kv.manager import KVCacheManager
 
 
@@ -40,6 +48,7 @@ class SchedulerConfig:
     max_waiting_requests: int
     num_speculative_tokens: int = 0  # 0 = no speculative decoding
     speculative_disable_batch_size: int = 1 << 30
+    async_scheduling: bool = False  # may schedule a step before the last one's tokens are known
 
 
 @dataclass(slots=True)
@@ -59,7 +68,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_generation_tokens = 0
         self._finished_ids: list[str] = []
+        self._preempted_ids: list[str] = []
         self.spec_stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
 
         self._pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings not yet forked
@@ -100,6 +111,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def needs_sync(self) -> bool:
+        """Whether the next step must be scheduled on known tokens only: asynchronous scheduling is off, or
+        the step may speculate (how many drafts to verify depends on the last step's acceptance)."""
+        if not self.config.async_scheduling:
+            return True
+        k = self.config.num_speculative_tokens
+        return k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -122,18 +141,23 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step. One without rows (nothing can run now) changes nothing the executor must know: the
+        requests dropped meanwhile wait for the next step that has rows."""
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        copies: list[tuple[int, int]] = []
+        so = SchedulerOutput(self.step_id + 1)
         k = self.config.num_speculative_tokens
         spec_on = k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
+        max_len = self.config.max_model_len
         forked: list[Request] = []  # siblings forked this step; they run from the next step on
         # 1. running requests, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
+            pending = req.num_pending
+            known = len(req.all_token_ids) + pending
+            n = min(known - req.num_computed_tokens, budget)
+            # nothing to compute yet, or every further token would be past the request's end
+            if n <= 0 or known - req.num_prompt_tokens >= req.max_tokens or known >= max_len:
                 i += 1
                 continue
             if spec_on and req.draft_synced:
@@ -141,8 +165,8 @@ class Scheduler:
                 reaches_end = req.num_computed_tokens + n == req.num_tokens
                 got = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=k - 1 if reaches_end else 0)
                 if got is not None:
-                    copies.extend(got)
-                    scheduled.append(self._scheduled(req, n, forked, drafts, spec=True))
+                    so.block_copies.extend(got)
+                    self._scheduled(so, req, n, forked, drafts, spec=True, cow=bool(got))
                     budget -= n + len(drafts)
                     i += 1
                     continue
@@ -157,8 +181,8 @@ class Scheduler:
                     break
             if got is None:
                 break  # req itself was preempted: nothing after it is left either
-            copies.extend(got)
-            scheduled.append(self._scheduled(req, n, forked))
+            so.block_copies.extend(got)
+            self._scheduled(so, req, n, forked, cow=bool(got))
             budget -= n
             i += 1
         # 2. waiting requests, in arrival order (preempted ones were put back at the front)
@@ -169,7 +193,9 @@ class Scheduler:
             group = 1 + len(self._pending_forks.get(req.request_id, ()))
             if seats > 0 and seats + group > max_seqs:
                 break
-            if self.kv.still_awaiting_prefix(req):
+            # preempted with a token still in flight: resumed once it is known; or its next block is being
+            # computed by another request: it hits a step later
+            if req.num_pending or self.kv.still_awaiting_prefix(req):
                 deferred.append(self.waiting.popleft())
                 continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
@@ -185,20 +211,22 @@ class Scheduler:
             if got is None:
                 break
             self.waiting.popleft()
-            copies.extend(got)
+            so.block_copies.extend(got)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:  # first admission: what the hit rate counts
                 req.num_cached_tokens = num_hit
                 self.kv.record_prefix_query(req.num_prompt_tokens, num_hit)
             self.running.append(req)
-            scheduled.append(self._scheduled(req, n, forked, spec=spec))
+            self._scheduled(so, req, n, forked, spec=spec)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         self.running.extend(forked)
-        self.step_id += 1
-        finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(self.step_id, scheduled, copies, finished)
+        if so.req_ids:
+            self.step_id += 1
+            so.finished_request_ids, self._finished_ids = self._finished_ids, []
+            so.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
+        return so
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """The pending drafts this step can verify: only after the last token, within the token budget and
@@ -217,43 +245,69 @@ class Scheduler:
         return len(self.running) + pending
 
     def _scheduled(
-        self, req: Request, n: int, forked: list[Request], drafts: Sequence[int] = (), spec: bool = False
-    ) -> ScheduledRequest:
+        self,
+        so: SchedulerOutput,
+        req: Request,
+        n: int,
+        forked: list[Request],
+        drafts: Sequence[int] = (),
+        spec: bool = False,
+        cow: bool = False,
+    ) -> None:
+        """Add ``req``'s row to the step: ``n`` of its tokens from ``num_computed_tokens`` on, then ``drafts``."""
+        rid = req.request_id
         start = req.num_computed_tokens
-        sample = start + n == req.num_tokens
-        req.num_computed_tokens += n + len(drafts)  # optimistic: the executor computes them this step
-        req.spec_token_ids = []
-        if not spec:
+        sample = start + n == len(req.all_token_ids) + req.num_pending
+        if cow or not req.in_batch or len(self.kv.req_block_ids[rid]) > req.num_blocks_sent:
+            self._sync_blocks(so, req, cow)
+        so.req_ids.append(rid)
+        so.num_scheduled_tokens.append(n + len(drafts))
+        so.num_computed_tokens.append(start)
+        so.samples.append(sample)
+        if drafts:
+            so.num_draft_tokens[rid] = len(drafts)
+        if spec:
+            so.drafting.add(rid)
+        else:
             req.draft_synced = False  # positions computed without the draft head: its KV has a gap now
-        sr = self._sampling_request(req, req.all_token_ids[start : start + n] + list(drafts), start, sample)
-        sr.num_draft_tokens = len(drafts)
-        sr.spec = spec
-        sr.next_token_id = req.all_token_ids[start + n] if spec and not sample else -1
-        if sample and req.request_id in self._pending_forks:
-            for sib in self._pending_forks.pop(req.request_id):
-                self.kv.fork(req.request_id, sib.request_id)
+        req.num_computed_tokens = start + n + len(drafts)  # optimistic: the executor computes them this step
+        req.spec_token_ids = []
+        if not sample:
+            return
+        req.num_pending += 1
+        if rid in self._pending_forks:
+            siblings = self._pending_forks.pop(rid)
+            so.forks[rid] = [sib.request_id for sib in siblings]
+            for sib in siblings:
+                self.kv.fork(rid, sib.request_id)
                 sib.status = RequestStatus.RUNNING
                 sib.num_computed_tokens = req.num_computed_tokens
                 sib.num_cached_tokens = max(req.num_cached_tokens, 0)
+                sib.num_pending = 1  # its first token is sampled from the parent's row this step
+                self._sync_blocks(so, sib)
                 forked.append(sib)
-                sr.forks.append(self._sampling_request(sib, [], sib.num_computed_tokens, True))
-        return sr
 
-    def _sampling_request(self, req: Request, token_ids: list[int], start: int, sample: bool) -> ScheduledRequest:
-        sp = req.sampling_params
-        penalties = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
-        return ScheduledRequest(
-            request_id=req.request_id,
-            token_ids=token_ids,
-            start_pos=start,
-            block_table=self.kv.block_table(req.request_id) if token_ids else [],
-            sample=sample,
-            sampling_params=sp if sample else None,
-            num_output_tokens=req.num_output_tokens,
-            eos_token_ids=req.eos_token_ids,
-            output_token_ids=list(req.output_token_ids) if sample and penalties else None,
-            prompt_token_ids=list(req.prompt_token_ids) if sample and sp.repetition_penalty != 1 else None,
-        )
+    def _sync_blocks(self, so: SchedulerOutput, req: Request, replaced: bool = False) -> None:
+        """Tell the executor what it lacks of ``req``: all of it the first time, else the blocks its table
+        gained (or its whole table, when copy-on-write replaced a shared block)."""
+        table = self.kv.req_block_ids.get(req.request_id, ())
+        if not req.in_batch:
+            so.new_requests.append(
+                NewRequest(
+                    req.request_id,
+                    list(req.all_token_ids),
+                    req.num_prompt_tokens,
+                    list(table),
+                    req.sampling_params,
+                    req.eos_token_ids,
+                )
+            )
+            req.in_batch = True
+        elif replaced:
+            so.block_updates[req.request_id] = (0, list(table))
+        elif len(table) > req.num_blocks_sent:
+            so.block_updates[req.request_id] = (req.num_blocks_sent, table[req.num_blocks_sent :])
+        req.num_blocks_sent = len(table)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -265,60 +319,104 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
+        if req.in_batch:  # the executor drops it (and takes it again in full when it resumes)
+            req.in_batch = False
+            self._preempted_ids.append(req.request_id)
+        req.num_blocks_sent = 0
         self.waiting.appendleft(req)
 
     # -- results -----------------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, out: ModelOutput) -> list[TokenEvent]:
+        """Append the step's tokens; return the events for the callers (per token, or at the end for final-only
+        requests). With asynchronous scheduling the next step has been scheduled already: a request that
+        finishes here has a row in it, whose token is dropped."""
         events: list[TokenEvent] = []
         if out.error is not None:
-            for sr in so.requests:
-                for x in (sr, *sr.forks):
-                    req = self.requests.get(x.request_id)
-                    if req is None:
-                        continue
-                    for sib in self._pending_forks.pop(x.request_id, ()):  # never forked: fails with it
-                        self._finish(sib)
-                        events.append(TokenEvent(sib.request_id, [], finish_reason="abort", error=out.error))
-                    self._finish(req)
-                    events.append(TokenEvent(x.request_id, [], finish_reason="abort", error=out.error))
+            for rid in (*so.req_ids, *(sib for sibs in so.forks.values() for sib in sibs)):
+                req = self.requests.get(rid)
+                if req is None:
+                    continue
+                for sib in self._pending_forks.pop(rid, ()):  # never forked: fails with it
+                    self._finish(sib)
+                    events.append(TokenEvent(sib.request_id, [], finish_reason="abort", error=out.error))
+                self._finish(req)
+                events.append(TokenEvent(rid, [], finish_reason="abort", error=out.error))
             return events
-        for x in (x for sr in so.requests for x in (sr, *sr.forks)):
-            req = self.requests.get(x.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            if x.num_draft_tokens:
-                tokens = out.spec_token_ids[x.request_id]
-                self._roll_back(req, x.num_draft_tokens, len(tokens) - 1)
-            else:
-                token = out.sampled.get(x.request_id)
-                tokens = None if token is None else [token]
-            if out.draft_token_ids:
-                req.spec_token_ids = out.draft_token_ids.get(x.request_id, [])
-            if tokens is None:
-                self.kv.cache_blocks(req, req.num_computed_tokens)
-                continue  # a prefill chunk that does not reach the end yet
-            reason = stop_reason = None
-            for n, token in enumerate(tokens, 1):
-                req.append_output(token)
+        bs = self.kv.block_size
+        requests = self.requests
+        # prefill chunks that sample nothing: publish the blocks they filled
+        if not all(so.samples):
+            for rid, sample in zip(so.req_ids, so.samples):
+                req = requests.get(rid)
+                if not sample and req is not None and req.status is RequestStatus.RUNNING:
+                    self.kv.cache_blocks(req, req.num_computed_tokens)
+        spec = out.spec_token_ids
+        drafts = out.draft_token_ids
+        logprobs = out.logprobs
+        for row, (rid, token) in enumerate(zip(out.req_ids, out.token_ids)):
+            req = requests.get(rid)
+            if req is None:
+                continue  # finished or aborted while the step ran
+            req.num_pending -= 1
+            if spec is not None and rid in spec:
+                tokens = spec[rid]
+                self._roll_back(req, so.num_draft_tokens[rid], len(tokens) - 1)
+                for n, t in enumerate(tokens, 1):
+                    req.append_output(t)
+                    reason, stop_reason = self._check_stop(req, t)
+                    if reason is not None:
+                        tokens = tokens[:n]
+                        break
+            else:  # one token: the common case, without a list per row
+                tokens = None
+                req.output_token_ids.append(token)
+                req.all_token_ids.append(token)
                 reason, stop_reason = self._check_stop(req, token)
+            if drafts is not None:
+                req.spec_token_ids = drafts.get(rid, [])
+            self.num_generation_tokens += 1 if tokens is None else len(tokens)
+            # publish the blocks this token completed (its KV is computed by this step or the one in flight)
+            if req.status is RequestStatus.RUNNING and req.num_computed_tokens // bs > self.kv.num_cached_blocks.get(
+                rid, 0
+            ):
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            lp = logprobs[row] if logprobs is not None else None
+            if req.final_only:
+                if lp is not None:
+                    req.output_logprobs = req.output_logprobs or []
+                    req.output_logprobs.append(lp)
                 if reason is not None:
-                    tokens = tokens[:n]
-                    break
-            self.kv.cache_blocks(req, req.num_computed_tokens)
-            lp = out.logprobs.get(x.request_id) if out.logprobs else None
-            events.append(
-                TokenEvent(
-                    req.request_id,
-                    tokens,
-                    logprobs=[lp] if lp is not None else None,
-                    finish_reason=reason,
-                    stop_reason=stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    events.append(self.final_event(req, reason, stop_reason))
+            else:
+                events.append(
+                    TokenEvent(
+                        rid,
+                        [token] if tokens is None else tokens,
+                        logprobs=[lp] if lp is not None else None,
+                        finish_reason=reason,
+                        stop_reason=stop_reason,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                    )
                 )
-            )
             if reason is not None:
                 self._finish(req)
         return events
+
+    def final_event(
+        self, req: Request, reason: str, stop_reason: int | None = None, error: Exception | None = None
+    ) -> TokenEvent:
+        """A request's last event: for a final-only request, with every output token (and logprob) it held."""
+        if not req.final_only:
+            return TokenEvent(req.request_id, [], finish_reason=reason, stop_reason=stop_reason, error=error)
+        return TokenEvent(
+            req.request_id,
+            list(req.output_token_ids),
+            logprobs=req.output_logprobs,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=error,
+        )
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """Rejected drafts were computed optimistically: their KV slots are now past the end, to be
@@ -332,13 +430,10 @@ class Scheduler:
             st.accepted_per_position[j] += 1
 
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return "stop", token
-            if token in sp.stop_token_ids:
-                return "stop", token
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        num_output = len(req.output_token_ids)
+        if token in req.stop_ids and num_output >= req.sampling_params.min_tokens:
+            return "stop", token
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
             return "length", None
         return None, None
 

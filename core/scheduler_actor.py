@@ -1,18 +1,27 @@
 """SchedulerActor: the loop around `Scheduler` that moves messages in and out.
 
 Two tasks share the actor's state (cooperatively, on one thread): the inbox task admits and aborts
-requests at once, even while a step runs; the step loop sends one `SchedulerOutput` at a time to the
-executor and routes the resulting `TokenEvent`s to each request's own stream.
+requests at once, even while a step runs; the step loop sends steps to the executor and routes the
+resulting `TokenEvent`s to each request's own stream.
+
+With asynchronous scheduling the loop keeps two steps in flight: it schedules and sends step N+1 before it
+waits for step N's output, so the executor launches N+1 while the device still runs N, and the host's work
+on N's tokens (updating, delivering) overlaps N+1 on the device. Steps that speculate, and every step when
+the switch is off, go one at a time (`Scheduler.needs_sync`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.errors import EngineDeadError, EngineOverloaded
+from sluice.core.executor import FLUSH
+from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
 from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
 from sluice.core.scheduler import Scheduler
@@ -60,11 +69,10 @@ class SchedulerActor:
         # Step records for the inspector page; None (off) costs the step loop one test per hook.
         self.recorder: StepRecorder | None = StepRecorder(scheduler) if inspector else None
         self.streams: dict[str, ObjectSendStream[TokenEvent]] = {}
-        self.held: dict[str, TokenEvent] = {}  # final-only sequences: their tokens so far
+        self.profile = HostProfile()  # schedule, update, deliver
         self._wakeup = anyio.Event()
         self.dead: Exception | None = None
         self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.stats = EngineStats()
         self._publish()
 
@@ -74,7 +82,7 @@ class SchedulerActor:
             **s.counters(),
             num_steps=s.step_id,
             prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
+            generation_tokens=s.num_generation_tokens,
             healthy=self.dead is None,
             spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
@@ -143,8 +151,7 @@ class SchedulerActor:
             return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
-            if msg.final_only:
-                self.held[req.request_id] = TokenEvent(req.request_id, [])
+            req.final_only = msg.final_only
             self.prompt_tokens += req.num_prompt_tokens
         if self.recorder is not None:
             self.recorder.admitted(msg.requests)
@@ -163,25 +170,14 @@ class SchedulerActor:
         """Abort a request; a caller's id also reaches its n > 1 sequences (``id#i``)."""
         family = [rid for rid in self.streams if rid.startswith(request_id + "#")]
         for rid in (request_id, *family):
-            if self.scheduler.abort(rid) is not None:
-                self._deliver(TokenEvent(rid, [], finish_reason="abort"))
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                self._deliver(self.scheduler.final_event(req, "abort"))
 
     def _deliver(self, ev: TokenEvent) -> None:
         stream = self.streams.get(ev.request_id)
         if stream is None:
             return
-        held = self.held.get(ev.request_id)
-        if held is not None:
-            held.token_ids += ev.token_ids
-            if ev.logprobs is not None:
-                held.logprobs = held.logprobs or []  # the held event's own list: extended, not copied per token
-                held.logprobs.extend(ev.logprobs)
-            held.num_cached_tokens = max(held.num_cached_tokens, ev.num_cached_tokens)
-            if ev.finish_reason is None and ev.error is None:
-                return
-            del self.held[ev.request_id]
-            held.finish_reason, held.stop_reason, held.error = ev.finish_reason, ev.stop_reason, ev.error
-            ev = held
         try:
             stream.send_nowait(ev)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
@@ -189,45 +185,64 @@ class SchedulerActor:
         if ev.finish_reason is not None:
             del self.streams[ev.request_id]
 
-    # -- steps -------------------------------------------------------------------------------------
-    async def _step_loop(self, steps: ObjectSendStream[SchedulerOutput], results: ObjectReceiveStream[ModelOutput]):
+    # -- steps ---------------------------------------------------------------------------------------
+    async def _step_loop(
+        self, steps: ObjectSendStream[SchedulerOutput | str], results: ObjectReceiveStream[ModelOutput]
+    ):
         s = self.scheduler
-        # A step's events are delivered only after the next step has been sent: delivering wakes every
-        # request actor (detokenizing, building outputs), and the executor should start first, so that
-        # work overlaps the GPU instead of delaying it.
-        pending: list[TokenEvent] = []
         rec = self.recorder
+        prof = self.profile
+        overlap = s.config.async_scheduling
+        inflight: deque[tuple[SchedulerOutput, object]] = deque()  # steps sent, with their inspector marks
         async with steps, results:
             while True:
-                if not s.has_work() or self.dead is not None:
-                    pending = self._deliver_all(pending)
+                if self.dead is not None:
+                    inflight.clear()
                     self._publish()
                     await self._wakeup.wait()
                     self._wakeup = anyio.Event()
                     continue
-                if rec is not None:
-                    mark = rec.begin()
-                so = s.schedule()
-                if not so.requests:
-                    pending = self._deliver_all(pending)
-                    self._fail_unschedulable()
+                # Launch what may run now: one step at a time, or a second behind the one in flight.
+                if s.has_work() and (not inflight or (overlap and len(inflight) < 2 and not s.needs_sync())):
+                    mark = rec.begin() if rec is not None else None
+                    t0 = time.perf_counter()
+                    so = s.schedule()
+                    prof.schedule += time.perf_counter() - t0
+                    if so.req_ids:
+                        await steps.send(so)
+                        inflight.append((so, mark))
+                        if len(inflight) < 2:
+                            continue  # the executor sends this step's output when the next one arrives
+                    elif not inflight:
+                        self._fail_unschedulable()
+                        continue
+                    else:
+                        await steps.send(FLUSH)  # nothing can run before the step in flight's tokens
+                elif inflight:
+                    await steps.send(FLUSH)
+                else:
+                    self._publish()
+                    await self._wakeup.wait()
+                    self._wakeup = anyio.Event()
                     continue
-                await steps.send(so)
-                pending = self._deliver_all(pending)
                 out = await results.receive()
-                pending = s.update_from_output(so, out)
+                so, mark = inflight.popleft()
+                t0 = time.perf_counter()
+                events = s.update_from_output(so, out)
+                t1 = time.perf_counter()
+                self._deliver_all(events)
+                prof.deliver += time.perf_counter() - t1
+                prof.update += t1 - t0
+                prof.steps += 1
                 if rec is not None:
-                    rec.record(mark, so, out, pending)
+                    rec.record(mark, so, out, events)
                 if out.fatal:
-                    pending = self._deliver_all(pending)
                     self._die(out.error)
                 self._publish()
 
-    def _deliver_all(self, events: list[TokenEvent]) -> list[TokenEvent]:
+    def _deliver_all(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            self.generation_tokens += len(ev.token_ids)
             self._deliver(ev)
-        return []
 
     def _fail_unschedulable(self) -> None:
         """Nothing fits although the pool is as free as it gets: the head request can never run."""
@@ -236,22 +251,14 @@ class SchedulerActor:
             return
         req: Request = s.waiting[0]
         s.abort(req.request_id)
-        self._deliver(
-            TokenEvent(
-                req.request_id,
-                [],
-                finish_reason="abort",
-                error=RuntimeError(
-                    f"request {req.request_id} needs more KV blocks than the pool has ({s.kv.num_blocks})"
-                ),
-            )
-        )
+        error = RuntimeError(f"request {req.request_id} needs more KV blocks than the pool has ({s.kv.num_blocks})")
+        self._deliver(s.final_event(req, "abort", error=error))
 
     def _die(self, error: Exception | None) -> None:
         self.dead = error or RuntimeError("engine failed")
         logger.error("engine is dead: %s", self.dead)
         for rid in list(self.scheduler.requests):
-            self.scheduler.abort(rid)
+            req = self.scheduler.abort(rid)
             self._deliver(
-                TokenEvent(rid, [], finish_reason="abort", error=EngineDeadError(f"engine failed: {self.dead}"))
+                self.scheduler.final_event(req, "abort", error=EngineDeadError(f"engine failed: {self.dead}"))
             )

@@ -1,6 +1,15 @@
-"""The step contract between the scheduler and the executor: what one step computes (`SchedulerOutput`, one
-`ScheduledRequest` per request) and what comes back (`ModelOutput`). Its own module, so the executor side
-(model runner, TP workers, speculative steps) and the inspector know the contract, not the policy."""
+"""The step contract between the scheduler and the executor: what changed since the last step
+(`SchedulerOutput`) and what the step produced (`ModelOutput`).
+
+The executor keeps a persistent batch (`core/input_batch.py`): every running request's tokens, block
+table and sampling parameters, from the step it was first scheduled in until it is dropped. So a step
+carries only changes: the requests scheduled for the first time (or again, after a preemption) in full,
+and for every request in the step how many tokens it computes from which position, the blocks its table
+gained, and which requests to drop. Tokens the executor sampled itself are never sent back to it.
+
+Its own module, so the executor side (model runner, TP workers) and the inspector know the contract,
+not the policy.
+"""
 
 from __future__ import annotations
 
@@ -11,51 +20,65 @@ from sluice.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute ``token_ids`` at positions ``start_pos...``."""
+class NewRequest:
+    """A request the executor does not hold: scheduled for the first time, or again after a preemption."""
 
     request_id: str
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    sample: bool  # this chunk reaches the last known token: sample the next one
-    sampling_params: SamplingParams | None = None
-    num_output_tokens: int = 0
+    token_ids: list[int]  # every known token: the prompt, then the outputs of an earlier run (resumed)
+    num_prompt_tokens: int
+    block_ids: list[int]  # its whole table so far (a prefix-cache hit's blocks first)
+    sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    # only when the request uses penalties (copies, so nothing mutable crosses actors)
-    output_token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    # speculative decoding: the last num_draft_tokens of token_ids are drafts to verify
-    num_draft_tokens: int = 0
-    spec: bool = False  # run the draft head over this step's verified positions (and propose if sample)
-    next_token_id: int = -1  # spec, chunk that does not sample: the token after the chunk
-    # n > 1: sibling sequences that sample their first token from this request's logits row (no tokens
-    # of their own this step); only on the chunk that computes the last prompt token.
-    forks: list[ScheduledRequest] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step. Rows are the requests computing tokens, in batch order: row ``i`` computes
+    ``num_scheduled_tokens[i]`` tokens from position ``num_computed_tokens[i]`` and, when ``samples[i]``,
+    samples the token after them. A row's tokens are its known ones from that position on; for a row
+    with drafts to verify (``num_draft_tokens``), its last token and then those drafts."""
+
     step_id: int
-    requests: list[ScheduledRequest]
+    req_ids: list[str] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step
+    samples: list[bool] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    # blocks a held request's table gained or replaced: table[start:] = ids (appended blocks; a private copy
+    # replacing a shared block, copy-on-write, with its data copy in block_copies)
+    block_updates: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before attention
-    finished_request_ids: list[str] = field(default_factory=list)  # the executor drops their state
+    finished_request_ids: list[str] = field(default_factory=list)  # finished or aborted: dropped
+    # dropped until they are scheduled again (as new requests); their sampling generators live on
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # n > 1: siblings (in new_requests, computing nothing) that sample their first token from their parent's
+    # row in this step, the one that computes the parent's last prompt token
+    forks: dict[str, list[str]] = field(default_factory=dict)
+    # speculative decoding: drafts each row verifies (the last of its scheduled tokens), and the requests
+    # whose draft head follows this step's positions (and, if they sample, proposes the next drafts)
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    drafting: set[str] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
 
 
 @dataclass(slots=True)
 class ModelOutput:
-    """Executor -> scheduler: the token sampled for each scheduled request with ``sample=True``."""
+    """Executor -> scheduler: one token per sampling row (forks included), in step order."""
 
     step_id: int
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprob] | None = None
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] | None = None  # per row, where asked for
     error: Exception | None = None
     fatal: bool = False
-    # speculative decoding: for requests that verified drafts, the accepted drafts then the
-    # resampled / bonus token (instead of `sampled`); and the next drafts proposed per request
+    # speculative decoding: for rows that verified drafts, the accepted drafts then the resampled / bonus
+    # token (their entry in token_ids is the last of these); and the next drafts proposed per request
     spec_token_ids: dict[str, list[int]] | None = None
     draft_token_ids: dict[str, list[int]] | None = None

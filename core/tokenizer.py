@@ -60,6 +60,14 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.vocab_size = len(tokenizer)
+        # transformers' decode wraps the Rust tokenizer's with per-id Python conversions that cost more than
+        # the decoding; without its clean-up step the Rust tokenizer gives the same text directly.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        clean_up = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend_decode = backend.decode if backend is not None and not clean_up else None
+        # Skipped special tokens add no text: kept out of the window, which otherwise grows without end (and
+        # each token decodes all of it) while a sequence emits nothing but them.
+        self._skipped = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         self.token_ids: list[int] = []
         # Start the window a few prompt tokens back so the first output token decodes in context.
         self.context = [t for t in prompt_token_ids[-5:] if t < self.vocab_size]
@@ -68,14 +76,16 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_token_ids: list[int]) -> str:
         delta = ""
         for t in new_token_ids:
             self.token_ids.append(t)
-            if t >= self.vocab_size:
-                continue  # ids past the tokenizer (random-weight models) carry no text
+            if t >= self.vocab_size or t in self._skipped:
+                continue  # ids past the tokenizer (random-weight models) and skipped special tokens carry no text
             self.context.append(t)
             prefix = self._decode(self.context[self.prefix_offset : self.read_offset])
             full = self._decode(self.context[self.prefix_offset :])

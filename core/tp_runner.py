@@ -41,7 +41,7 @@ STOP_TIMEOUT_S = 10.0
 
 class TPRunner:
     graphs = None  # CUDA graphs are off at tensor_parallel_size > 1
-    spec = None  # so is speculative decoding (EngineArgs refuses it)
+    drafter = None  # so is speculative decoding (EngineArgs refuses it)
 
     def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int) -> None:
         world = args.tensor_parallel_size

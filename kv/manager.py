@@ -167,6 +167,10 @@ class KVCacheManager:
             blocks = []
         start = req.num_computed_tokens + len(computed) * bs
         total = start + num_new_tokens + num_lookahead_tokens
+        # the common case, a decode inside its own last block: nothing to allocate or copy
+        if not computed and total <= len(blocks) * bs and (total - 1) // bs == start // bs:
+            if blocks[start // bs].ref_cnt == 1:
+                return []
         num_needed = -(-total // bs)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed))
         cow: list[int] = []

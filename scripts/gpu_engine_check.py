@@ -137,7 +137,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _profile_steps(runner, so, steps: int) -> dict:
+def _profile_steps(step, steps: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -146,7 +146,7 @@ def _profile_steps(runner, so, steps: int) -> dict:
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         for _ in range(steps):
-            runner.execute(so)
+            step()
         _sync()
         wall = (time.perf_counter() - t) / steps
     classes: dict[str, float] = {}
@@ -177,7 +177,7 @@ def profile(ns: argparse.Namespace) -> dict:
     from sluice.core.model_runner import ModelRunner
     from sluice.core.models.loader import resolve_model
     from sluice.core.sampling_params import SamplingParams
-    from sluice.core.step import ScheduledRequest, SchedulerOutput
+    from sluice.core.step import NewRequest, SchedulerOutput
 
     source = resolve_model(ns.model)
     args = EngineArgs(
@@ -195,23 +195,46 @@ def profile(ns: argparse.Namespace) -> dict:
     bs_tok = runner.block_size
     vocab = source.config.vocab_size
     g = torch.Generator().manual_seed(0)
+    step_ids = iter(range(1, 1 << 30))
 
-    def decode_step(bs: int, ctx: int) -> SchedulerOutput:
-        nb = -(-ctx // bs_tok)
-        reqs = [
-            ScheduledRequest(f"d{i}", [int(torch.randint(vocab, (1,), generator=g))], ctx - 1,
-                             list(range(i * nb, (i + 1) * nb)), True, greedy)
-            for i in range(bs)
-        ]  # fmt: skip
-        return SchedulerOutput(1, reqs)
+    def synthetic(rows: list[tuple[list[int], int, int]], tag: str) -> tuple[SchedulerOutput, SchedulerOutput]:
+        """The step that admits ``rows`` (arrived tokens, start, tokens computed) into the persistent batch,
+        and the same step again for the requests already held (repeatable)."""
+        first, again = SchedulerOutput(0), SchedulerOutput(0)
+        next_block = 0
+        for i, (tokens, start, q) in enumerate(rows):
+            nb = -(-(start + q) // bs_tok)
+            rid = f"{tag}{i}"
+            first.new_requests.append(
+                NewRequest(rid, tokens, len(tokens), list(range(next_block, next_block + nb)), greedy)
+            )
+            next_block += nb
+            for so in (first, again):
+                so.req_ids.append(rid)
+                so.num_computed_tokens.append(start)
+                so.num_scheduled_tokens.append(q)
+                so.samples.append(True)
+        return first, again
 
-    def timed(so, reps: int) -> float:
-        runner.execute(so)
+    def decode_step(bs: int, ctx: int) -> tuple[SchedulerOutput, SchedulerOutput]:
+        # requests that arrived with ctx - 1 tokens decode at position ctx - 1 (their last sampled token)
+        return synthetic([(torch.randint(vocab, (ctx - 1,), generator=g).tolist(), ctx - 1, 1) for _ in range(bs)], "d")
+
+    def run(so: SchedulerOutput):
+        so.step_id = next(step_ids)
+        return runner.execute(so)
+
+    def drop(pair) -> None:
+        run(SchedulerOutput(0, finished_request_ids=list(pair[1].req_ids)))
+
+    def timed(pair, reps: int) -> float:
+        first, again = pair
+        run(first)
         _sync()
         ts = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            runner.execute(so)
+            run(again)
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts) * 1000
 
@@ -219,23 +242,16 @@ def profile(ns: argparse.Namespace) -> dict:
     graphs = runner.graphs
     for bs in ns.batch_sizes:
         for ctx in ns.contexts:
-            so = decode_step(bs, ctx)
-            row = {"batch": bs, "context": ctx, "graph_ms": timed(so, 20) if graphs is not None else None}
+            pair = decode_step(bs, ctx)
+            row = {"batch": bs, "context": ctx, "graph_ms": timed(pair, 20) if graphs is not None else None}
             runner.graphs = None
-            row["eager_ms"] = timed(so, 10)
+            row["eager_ms"] = timed((pair[1], pair[1]), 10)
             runner.graphs = graphs
+            drop(pair)
             print(json.dumps(row))
             out["decode"].append(row)
     # prefill 8 x 2048
-    nb = 2048 // bs_tok
-    pre = SchedulerOutput(
-        1,
-        [
-            ScheduledRequest(f"p{i}", torch.randint(vocab, (2048,), generator=g).tolist(), 0,
-                             list(range(i * nb, (i + 1) * nb)), True, greedy)
-            for i in range(8)
-        ],
-    )  # fmt: skip
+    pre = synthetic([(torch.randint(vocab, (2048,), generator=g).tolist(), 0, 2048) for _ in range(8)], "p")
     ms = timed(pre, 5)
     tflops = prefill_flops(source.config, 8, 2048) / (ms / 1000) / 1e12
     out["prefill_8x2048"] = {"ms": ms, "tflops": tflops, "pct_of_770": 100 * tflops / 770}
@@ -243,12 +259,16 @@ def profile(ns: argparse.Namespace) -> dict:
     # where the time goes (eager, so kernels are visible one by one)
     runner.graphs = None
     out["profile"] = {}
-    for name, so, steps in (
+    for name, pair, steps in (
         ("decode b1 ctx512 eager", decode_step(1, 512), 5),
         (f"decode b{max(ns.batch_sizes)} ctx512 eager", decode_step(max(ns.batch_sizes), 512), 3),
         ("prefill 8x2048", pre, 2),
     ):
-        p = _profile_steps(runner, so, steps)
+        if pair is not pre:
+            run(pair[0])
+        p = _profile_steps(lambda so=pair[1]: run(so), steps)
+        if pair is not pre:
+            drop(pair)
         out["profile"][name] = p
         print(f"-- {name}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU kernels {p['gpu_kernel_ms_per_step']:.2f} ms")
         for k, v in p["by_class_ms"].items():

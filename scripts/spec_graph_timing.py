@@ -57,7 +57,7 @@ def execute_ms(runner, so_for, iters: int) -> float:
 def main() -> None:
     from sluice.app.bench.results import machine_info, versions
     from sluice.core import LLM, SamplingParams
-    from sluice.core.step import ScheduledRequest, SchedulerOutput
+    from sluice.core.step import NewRequest, SchedulerOutput
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -77,25 +77,28 @@ def main() -> None:
         res = {
             "context": args.context,
             "plain_decode_ms": round(replay_ms(runner.graphs, 1, args.iters), 4),
-            "speculative_step_ms": round(replay_ms(runner.spec.graphs, 1, args.iters), 4),
+            "speculative_step_ms": round(replay_ms(runner.drafter.graphs, 1, args.iters), 4),
             "plain_decode_latency_ms": round(replay_latency_ms(runner.graphs, 1, args.iters), 4),
-            "speculative_step_latency_ms": round(replay_latency_ms(runner.spec.graphs, 1, args.iters), 4),
+            "speculative_step_latency_ms": round(replay_latency_ms(runner.drafter.graphs, 1, args.iters), 4),
             "k": k,
         }
         # One request's step, run straight on the (idle) engine's runner: its KV goes to blocks nobody holds.
         table = list(range(-(-(args.context + 2 * k + 2) // runner.block_size)))
         greedy = SamplingParams(temperature=0)
 
+        # "t" arrives with the context (its last token then decodes from the host), held by the runner from then on
+        admit = NewRequest("t", prompt[: args.context], args.context, table, greedy)
+        runner.execute(SchedulerOutput(10**6, ["t"], [1], [args.context - 1], [True], new_requests=[admit]))
+
         def step(i: int, spec: bool) -> SchedulerOutput:
-            ids = [11 + i % 7] * (k + 1 if spec else 1)
-            sr = ScheduledRequest(
-                "t", ids, args.context, table, True, greedy, num_draft_tokens=k if spec else 0, spec=spec
-            )
-            return SchedulerOutput(10**6 + i, [sr])
+            so = SchedulerOutput(10**6 + 1 + i, ["t"], [k + 1 if spec else 1], [args.context], [True])
+            if spec:
+                so.num_draft_tokens, so.drafting = {"t": k}, {"t"}
+            return so
 
         res["plain_execute_ms"] = round(execute_ms(runner, lambda i: step(i, False), args.iters), 4)
         res["speculative_execute_ms"] = round(execute_ms(runner, lambda i: step(i, True), args.iters), 4)
-        res["speculative_graph_replays"] = runner.spec.graphs.num_replays
+        res["speculative_graph_replays"] = runner.drafter.graphs.num_replays
     finally:
         llm.close()
     res.update(model=args.model, machine=machine_info(), versions=versions())

@@ -36,18 +36,6 @@ from sluice.spec.rejection import sample_from_probs
 
 
 @dataclass(slots=True)
-class DraftInput:
-    """The draft's share of one step (host side), one entry per request whose draft is in sync."""
-
-    starts: list[int]  # first position verified this step
-    lens: list[int]  # positions verified this step
-    block_tables: list[list[int]]  # the whole table, lookahead blocks included
-    propose: list[bool]  # draft k tokens after catching up
-    feature_rows: list[int]  # rows of the target's hidden states, sum(lens) in request order
-    next_tokens: list[int]  # the token after each of those positions
-
-
-@dataclass(slots=True)
 class DraftSampling:
     """How the proposing requests (in order) draw their drafts."""
 
@@ -151,24 +139,27 @@ class EagleProposer:
         ctx = ForwardContext(meta, self.kv_caches, self.backend)
         return self.head(self.embed(tokens), features, positions, ctx)
 
-    def propose(self, features: torch.Tensor, inp: DraftInput, sampling: DraftSampling) -> DraftOutput | None:
+    def propose(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        chain_rows: list[int],
+        chain_metadata: Callable[[int], tuple[torch.Tensor, AttentionMetadata]],
+        sampling: DraftSampling,
+    ) -> DraftOutput | None:
         """Catch up on this step's verified pairs, then draft k tokens for the proposing requests.
-        ``features``: the target's features of this step's tokens (final hidden states, or EAGLE-3's)."""
-        if not inp.starts:
+
+        ``features``, ``next_tokens``, ``positions`` and ``meta``: the catch-up's pairs (the target's feature
+        at each verified position, the token after it) and their attention metadata. ``chain_rows``: for
+        each proposing request, the pair its chain starts from (its last verified one). ``chain_metadata(j)``:
+        positions and metadata of draft step ``j + 1`` of the proposing requests (one token each, at the
+        position after step ``j``'s)."""
+        g = self._run(next_tokens, features, positions, meta)
+        if not chain_rows:
             return None
-        dev = self.device
-        positions, meta = paged_metadata(inp.starts, inp.lens, inp.block_tables, self.block_size, dev)
-        rows = torch.tensor(inp.feature_rows, dtype=torch.long, device=dev)
-        nxt = torch.tensor(inp.next_tokens, dtype=torch.long, device=dev)
-        g = self._run(nxt, features[rows], positions, meta)
-        prop = [i for i, p in enumerate(inp.propose) if p]
-        if not prop:
-            return None
-        qsl = meta.query_start_loc_host
-        g = g[torch.tensor([qsl[i + 1] - 1 for i in prop], device=dev)]
-        # Positions of the speculative pairs: the first sits right after the last verified one.
-        pos0 = [inp.starts[i] + inp.lens[i] for i in prop]
-        tables = [inp.block_tables[i] for i in prop]
+        g = g[torch.tensor(chain_rows, device=self.device)]
         ng = [j for j, greedy in enumerate(sampling.greedy) if not greedy]
         ng_gens = [sampling.generators[j] for j in ng]
         tokens, probs = [], []
@@ -180,8 +171,8 @@ class EagleProposer:
                 probs.append(q)
             if step == self.k - 1:
                 break
-            positions, meta = paged_metadata([p + step for p in pos0], [1] * len(prop), tables, self.block_size, dev)
-            g = self._run(tok, g, positions, meta)
+            pos, step_meta = chain_metadata(step)
+            g = self._run(tok, g, pos, step_meta)
         return DraftOutput(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, ng)
 
     def propose_greedy_uniform(

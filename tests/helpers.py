@@ -233,3 +233,17 @@ class EngineInTask:
     async def stop(self) -> None:
         self._stop.set()
         await self._task
+
+
+def fake_output(so, token: int = 7):
+    """A `ModelOutput` that samples ``token`` for every sampling row of ``so`` (forks included): a stand-in
+    executor for scheduler tests."""
+    from sluice.core.step import ModelOutput
+
+    out = ModelOutput(so.step_id)
+    for rid, sample in zip(so.req_ids, so.samples):
+        if sample:
+            for x in (rid, *so.forks.get(rid, ())):
+                out.req_ids.append(x)
+                out.token_ids.append(token)
+    return out

@@ -61,9 +61,16 @@ class StepLoop:
     """Scheduler + ModelRunner in one thread: what the actors do, minus the messaging."""
 
     def __init__(self, source: ModelSource, max_model_len: int, num_blocks: int, max_seqs: int, **engine_args):
-        args = EngineArgs(device="cpu", num_kv_blocks=num_blocks, attention_backend="torch", **engine_args)
+        k = engine_args.get("num_speculative_tokens", 4) if engine_args.get("speculative_model") else 0
+        args = EngineArgs(
+            device="cpu",
+            num_kv_blocks=num_blocks,
+            attention_backend="torch",
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max_seqs * (k + 2) + 64,
+            **engine_args,
+        )
         self.runner = ModelRunner(args, source, max_model_len)
-        k = args.num_speculative_tokens if self.runner.spec is not None else 0
         cfg = SchedulerConfig(
             max_num_seqs=max_seqs,
             max_num_batched_tokens=max_seqs * (k + 2) + 64,

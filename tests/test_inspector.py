@@ -23,10 +23,10 @@ from sluice.core.errors import InvalidRequestError
 from sluice.core.inspector import StepRecorder
 from sluice.core.request_actor import RequestLimits, make_requests
 from sluice.core.scheduler import Scheduler, SchedulerConfig
-from sluice.core.step import ModelOutput
 from sluice.kv.manager import KVCacheManager
 from starlette.testclient import TestClient
 
+from tests.helpers import fake_output
 from tests.server_helpers import ServerThread, assert_openai_error, read_sse_events
 
 KEY = "inspector-key"
@@ -184,7 +184,7 @@ def test_kv_snapshot_shows_the_shared_prefix_blocks():
     for _ in range(2):
         mark = rec.begin()
         so = sched.schedule()
-        out = ModelOutput(so.step_id, {sr.request_id: 7 for sr in so.requests if sr.sample})
+        out = fake_output(so)
         records.append(rec.record(mark, so, out, sched.update_from_output(so, out)))
     # step 1 computes a's prompt; b waits for a's blocks instead of computing them too, and hits in step 2
     assert [(r.request_id, r.kind, r.num_tokens) for r in records[0].requests] == [("a", "prefill", 53)]
@@ -212,7 +212,7 @@ def test_the_ring_buffer_is_bounded_and_since_pages_it():
     while sched.has_work():
         mark = rec.begin()
         so = sched.schedule()
-        out = ModelOutput(so.step_id, {"r": 5})
+        out = fake_output(so, 5)
         rec.record(mark, so, out, sched.update_from_output(so, out))
     assert [r.step_id for r in rec.steps] == [5, 6, 7, 8, 9]
     assert [r.step_id for r in rec.since(0)] == [5, 6, 7, 8, 9]

@@ -9,66 +9,100 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from sluice.core import LLM, SamplingParams
-from sluice.core.args import EngineArgs
-from sluice.core.cuda_graphs import graph_batch_sizes
-from sluice.core.model_runner import ModelRunner
-from sluice.core.models.loader import resolve_model
-from sluice.core.step import ScheduledRequest
+from sluice.core.cuda_graphs import StepBuffers, graph_batch_sizes
+from sluice.core.input_batch import InputBatch
+from sluice.core.step import NewRequest, SchedulerOutput
 
 from tests.graph_helpers import EagerReplay
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=8)
-    return ModelRunner(args, resolve_model("dummy:tiny"), max_model_len=256)
+def step_of(rows, step_id: int = 1) -> SchedulerOutput:
+    """A step whose rows are all new requests: (id, arrived tokens, start, computed, block table, samples)."""
+    so = SchedulerOutput(step_id)
+    for rid, tokens, start, q, table, samples in rows:
+        so.new_requests.append(NewRequest(rid, tokens, len(tokens), table, SamplingParams(temperature=0)))
+        so.req_ids.append(rid)
+        so.num_computed_tokens.append(start)
+        so.num_scheduled_tokens.append(q)
+        so.samples.append(samples)
+    return so
 
 
-def test_prepare_matches_a_plain_reference(runner: ModelRunner):
-    greedy = SamplingParams(temperature=0)
-    reqs = [
-        ScheduledRequest("a", [5, 6, 7, 8, 9], 30, [4, 9, 2], True, greedy),  # chunk after 30 cached tokens
-        ScheduledRequest("b", [11], 16, [7, 3], True, greedy),  # decode at the first slot of its 2nd block
-        ScheduledRequest("c", [1, 2, 3], 0, [12], False),  # prefill chunk that does not sample yet
-        ScheduledRequest("d", [42], 47, [1, 5, 8, 6, 0], True, greedy),  # longer table than needed
+def test_build_matches_a_plain_reference():
+    batch = InputBatch(8, 16, 16)
+    rows = [
+        ("a", list(range(100, 135)), 30, 5, [4, 9, 2], True),  # chunk after 30 cached tokens
+        ("b", list(range(200, 216)), 0, 16, [7, 3], True),  # a whole prompt ending at its 1st block
+        ("c", [1, 2, 3, 4], 0, 3, [12], False),  # prefill chunk that does not sample yet
+        ("d", list(range(48)), 40, 8, [1, 5, 8, 6, 0], True),  # longer table than needed
     ]
-    b = runner.buffers
+    so = step_of(rows)
+    batch.apply(so)
+    b = StepBuffers(64, 8, 16, torch.device("cpu"))
     b.block_tables_np.fill(-7)  # stale rows from earlier steps must not leak into the owned prefixes
-    num_rows = runner._prepare(reqs, b, graph_bs=None)
-    meta = runner._metadata(reqs, b, len(reqs))
-    bs = runner.block_size
-    ids, pos, slots, rows = [], [], [], []
-    for r in reqs:
-        for j, t in enumerate(r.token_ids):
-            p = r.start_pos + j
-            ids.append(t)
+    got = batch.build(so, b)
+    ids, pos, slots = [], [], []
+    for _, tokens, start, q, table, _ in rows:
+        for p in range(start, start + q):
+            ids.append(tokens[p])
             pos.append(p)
-            slots.append(r.block_table[p // bs] * bs + p % bs)
-        if r.sample:
-            rows.append(len(ids) - 1)
-    assert b.input_ids[: len(ids)].tolist() == ids
-    assert b.positions[: len(pos)].tolist() == pos
-    assert meta.slot_mapping.tolist() == slots
-    assert meta.query_start_loc.tolist() == [0, 5, 6, 9, 10]
-    assert meta.seq_lens.tolist() == [35, 17, 3, 48]
-    assert (meta.max_query_len, meta.max_seq_len) == (5, 48)
-    assert num_rows == 3 and b.logit_rows[:num_rows].tolist() == rows
-    for i, r in enumerate(reqs):
-        assert meta.block_tables[i, : len(r.block_table)].tolist() == r.block_table
+            slots.append(table[p // 16] * 16 + p % 16)
+    assert got.num_tokens == len(ids)
+    assert b.input_ids_np[: len(ids)].tolist() == ids
+    assert b.positions_np[: len(pos)].tolist() == pos
+    assert b.slot_mapping_np[: len(slots)].tolist() == slots
+    assert got.query_start_loc.tolist() == [0, 5, 21, 24, 32]
+    assert b.seq_lens_np[:4].tolist() == [35, 16, 3, 48]
+    for i, row in enumerate(rows):
+        assert b.block_tables_np[i, : len(row[4])].tolist() == row[4]
 
 
-def test_prepare_pads_a_graph_batch_with_rows_that_touch_no_kv(runner: ModelRunner):
-    greedy = SamplingParams(temperature=0)
-    reqs = [ScheduledRequest(f"r{i}", [100 + i], 20 + i, [i, 10 + i], True, greedy) for i in range(3)]
-    b = runner.buffers
+def test_decodes_take_the_last_token_from_the_host_or_from_the_step_in_flight():
+    """After a step samples, the next step's decode reads the token on the device (its row in that step's
+    samples) until it is read back; then from the host."""
+    batch = InputBatch(8, 16, 16)
+    so = step_of([("a", [5, 6, 7], 0, 3, [1], True), ("b", [8, 9], 0, 2, [2], True)])
+    batch.apply(so)
+    b = StepBuffers(64, 8, 16, torch.device("cpu"))
+    batch.build(so, b)
+    batch.sampled(np.array([0, 1]), 1, np.array([0, 1]))
+    nxt = SchedulerOutput(2, ["b", "a"], [1, 1], [2, 3], [True, True])
+    rows = batch.build(nxt, b)
+    assert rows.gather_dst.tolist() == [0, 1] and rows.gather_src.tolist() == [1, 0]
+    batch.read_back(np.array([0, 1]), 1, np.array([70, 80]))
+    rows = batch.build(nxt, b)
+    assert rows.gather_dst.size == 0 and b.input_ids_np[:2].tolist() == [80, 70]
+    assert b.positions_np[:2].tolist() == [2, 3]
+
+
+def test_a_dropped_slot_is_reused_only_two_steps_later():
+    batch = InputBatch(2, 4, 16)
+    batch.apply(step_of([("a", [1], 0, 1, [0], True)]))
+    batch.apply(SchedulerOutput(2, finished_request_ids=["a"]))
+    with pytest.raises(RuntimeError, match="full"):  # slot 1 taken below; a's slot still cooling down
+        batch.apply(step_of([("b", [1], 0, 1, [1], True), ("c", [1], 0, 1, [2], True)], 3))
+    batch = InputBatch(2, 4, 16)
+    batch.apply(step_of([("a", [1], 0, 1, [0], True)]))
+    batch.apply(SchedulerOutput(2, finished_request_ids=["a"]))
+    batch.apply(SchedulerOutput(3))
+    batch.apply(step_of([("b", [1], 0, 1, [1], True), ("c", [1], 0, 1, [2], True)], 4))
+    assert sorted(batch.slot_of.values()) == [0, 1]
+
+
+def test_build_pads_a_graph_batch_with_rows_that_touch_no_kv():
+    batch = InputBatch(8, 16, 16)
+    so = step_of([(f"r{i}", list(range(21 + i)), 20 + i, 1, [i, 10 + i], True) for i in range(3)])
+    batch.apply(so)
+    b = StepBuffers(64, 8, 16, torch.device("cpu"))
     b.slot_mapping_np.fill(99)
     b.seq_lens_np.fill(99)
-    runner._prepare(reqs, b, graph_bs=4)
-    assert b.slot_mapping[:4].tolist() == [(10 + i) * 16 + (20 + i) % 16 for i in range(3)] + [-1]
-    assert b.seq_lens[:4].tolist() == [21, 22, 23, 0]
-    assert b.query_start_loc[:5].tolist() == [0, 1, 2, 3, 4]
-    assert b.positions[:4].tolist() == [20, 21, 22, 0]
+    batch.build(so, b, pad_to=4)
+    assert b.slot_mapping_np[:4].tolist() == [(10 + i) * 16 + (20 + i) % 16 for i in range(3)] + [-1]
+    assert b.seq_lens_np[:4].tolist() == [21, 22, 23, 0]
+    assert b.query_start_loc_np[:5].tolist() == [0, 1, 2, 3, 4]
+    assert b.positions_np[:4].tolist() == [20, 21, 22, 0]
 
 
 def test_graph_batch_sizes_cover_every_batch():

@@ -16,9 +16,10 @@ from sluice.core import AsyncEngine, EngineArgs, SamplingParams
 from sluice.core.request import Request, RequestStatus
 from sluice.core.request_actor import RequestLimits, make_requests
 from sluice.core.scheduler import Scheduler, SchedulerConfig
-from sluice.core.step import ModelOutput
 from sluice.kv import prefix_cache
 from sluice.kv.manager import KVCacheManager
+
+from tests.helpers import fake_output
 
 BS = 16
 
@@ -120,8 +121,7 @@ def req(rid: str, prompt: list[int], max_tokens: int = 4, **sp) -> Request:
 
 def step(sched: Scheduler, token: int = 7):
     so = sched.schedule()
-    sampled = {x.request_id: token for sr in so.requests if sr.sample for x in (sr, *sr.forks)}
-    return so, sched.update_from_output(so, ModelOutput(so.step_id, sampled))
+    return so, sched.update_from_output(so, fake_output(so, token))
 
 
 def test_request_arriving_while_its_prefix_is_prefilled_waits_and_hits():
@@ -152,7 +152,7 @@ def test_only_the_cache_makes_a_request_wait_for_an_in_flight_prefix(caching):
     step(sched)  # a: tokens 0..63
     sched.add_request(req("b", shared + [2]))
     so, _ = step(sched)  # a: 64..100, 27 tokens of budget left
-    assert [sr.request_id for sr in so.requests] == (["a"] if caching else ["a", "b"])
+    assert so.req_ids == (["a"] if caching else ["a", "b"])
 
 
 def n_group(prompt: list[int], n: int, max_tokens: int = 6, **sp) -> list[Request]:
@@ -172,8 +172,11 @@ def run_tracking(sched: Scheduler, seqs: list[Request]):
         peak = max(peak, used)
         if at_first is None and all(r.output_token_ids for r in seqs):
             at_first = used
+    prompt_len = len(seqs[0].prompt_token_ids)
     prompt_computed = sum(
-        min(len(sr.token_ids), max(0, len(seqs[0].prompt_token_ids) - sr.start_pos)) for so in log for sr in so.requests
+        min(q, max(0, prompt_len - start))
+        for so in log
+        for q, start in zip(so.num_scheduled_tokens, so.num_computed_tokens)
     )
     return at_first, peak, prompt_computed, log
 
@@ -188,19 +191,21 @@ def test_n4_computes_the_prompt_once_shares_its_blocks_and_copies_on_write(cachi
     sched.add_request(group[0], group[1:])
     at_first, peak, prompt_computed, log = run_tracking(sched, group)
     assert prompt_computed == len(prompt), "the prompt is computed once"
-    (prefill,) = log[0].requests
-    assert [f.request_id for f in prefill.forks] == ["g#1", "g#2", "g#3"]
-    assert [f.sampling_params.seed for f in prefill.forks] == [12, 13, 14]
-    assert all(not f.token_ids for f in prefill.forks)
+    prefill = log[0]
+    assert prefill.req_ids == ["g#0"] and prefill.forks == {"g#0": ["g#1", "g#2", "g#3"]}
+    assert [nr.sampling_params.seed for nr in prefill.new_requests] == [11, 12, 13, 14]
     assert at_first == 6, "after one prefill the four sequences share all six prompt blocks, the partial one too"
     # the first decode: three sequences copy the shared partial block, the last one writes in place
     first_decode = log[1]
-    assert [len(sr.token_ids) for sr in first_decode.requests] == [1, 1, 1, 1]
+    assert first_decode.num_scheduled_tokens == [1, 1, 1, 1]
     assert len(first_decode.block_copies) == 3
-    assert {src for src, _ in first_decode.block_copies} == {prefill.block_table[5]}
-    tables = [sr.block_table for sr in first_decode.requests]
-    assert len({t[5] for t in tables}) == 4, "each sequence owns its last block after the copies"
-    assert all(t[:5] == tables[0][:5] for t in tables), "the full prompt blocks stay shared"
+    parent_table = prefill.new_requests[0].block_ids
+    assert {src for src, _ in first_decode.block_copies} == {parent_table[5]}
+    tables = {nr.request_id: list(nr.block_ids) for nr in prefill.new_requests}
+    for rid, (start, ids) in first_decode.block_updates.items():
+        tables[rid][start:] = ids
+    assert len({t[5] for t in tables.values()}) == 4, "each sequence owns its last block after the copies"
+    assert all(t[:5] == parent_table[:5] for t in tables.values()), "the full prompt blocks stay shared"
     assert peak == 6 + 3
     assert all(len(r.output_token_ids) == 6 for r in group)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks, "every block is freed afterwards"
@@ -222,7 +227,7 @@ def test_a_group_waits_for_room_for_all_its_sequences():
     group = n_group(list(range(4000, 4020)), 3)
     sched.add_request(group[0], group[1:])
     so, _ = step(sched)
-    assert [sr.request_id for sr in so.requests] == ["x", "y"], "2 running + a group of 3 > max_num_seqs 4"
+    assert so.req_ids == ["x", "y"], "2 running + a group of 3 > max_num_seqs 4"
 
 
 def test_parent_aborted_before_its_prompt_is_computed_hands_over_to_a_sibling():

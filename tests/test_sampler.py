@@ -4,6 +4,7 @@ logprobs; then the same through the model runner and `LLM` on ``dummy:tiny``."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -305,32 +306,37 @@ def runner():
     return ModelRunner(args, resolve_model("dummy:tiny"), max_model_len=64)
 
 
-def _step(runner, params: SamplingParams, eos=(), num_output_tokens=0):
-    from sluice.core.step import ScheduledRequest, SchedulerOutput
+_step_ids = itertools.count(1)
 
-    req = ScheduledRequest(
-        "r", list(range(100, 120)), 0, [3, 5], True, params, num_output_tokens=num_output_tokens, eos_token_ids=eos
-    )
-    return runner.execute(SchedulerOutput(0, [req], finished_request_ids=["r"]))
+
+def _step(runner, params: SamplingParams, eos=(), num_output_tokens=0):
+    """One step of a new request whose 20 tokens end with ``num_output_tokens`` outputs; then it is dropped."""
+    from sluice.core.step import NewRequest, SchedulerOutput
+
+    rid = f"r{next(_step_ids)}"
+    new = NewRequest(rid, list(range(100, 120)), 20 - num_output_tokens, [3, 5], params, eos)
+    out = runner.execute(SchedulerOutput(next(_step_ids), [rid], [20], [0], [True], new_requests=[new]))
+    runner.execute(SchedulerOutput(next(_step_ids), finished_request_ids=[rid]))
+    return out
 
 
 def test_runner_bans_eos_and_stop_ids_until_min_tokens(runner):
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    top = _step(runner, greedy).sampled["r"]
+    top = _step(runner, greedy).token_ids[0]
     banned = SamplingParams(temperature=0, max_tokens=8, min_tokens=2)
-    second = _step(runner, banned, eos=(top,)).sampled["r"]
+    second = _step(runner, banned, eos=(top,)).token_ids[0]
     assert second != top
-    assert _step(runner, banned, eos=(top,), num_output_tokens=2).sampled["r"] == top  # min_tokens reached
+    assert _step(runner, banned, eos=(top,), num_output_tokens=2).token_ids[0] == top  # min_tokens reached
     stop = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[top], ignore_eos=True)
-    assert _step(runner, stop).sampled["r"] == second  # stop ids are banned too
+    assert _step(runner, stop).token_ids[0] == second  # stop ids are banned too
     ignore = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, ignore_eos=True)
-    assert _step(runner, ignore, eos=(top,)).sampled["r"] == top  # EOS does not end it: no ban needed
+    assert _step(runner, ignore, eos=(top,)).token_ids[0] == top  # EOS does not end it: no ban needed
 
 
 def test_runner_logprobs(runner):
     out = _step(runner, SamplingParams(temperature=0, max_tokens=8, logprobs=4))
-    lp = out.logprobs["r"]
-    assert lp.token_id == out.sampled["r"] == lp.top[0][0]
+    lp = out.logprobs[0]
+    assert lp.token_id == out.token_ids[0] == lp.top[0][0]
     assert len(lp.top) == 4 and lp.logprob == pytest.approx(lp.top[0][1])
     assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
 

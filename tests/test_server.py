@@ -291,16 +291,16 @@ def test_openai_client_against_dummy(dummy_server):
 
 def test_failure_mid_stream_sends_error_event(client, dummy_server, monkeypatch):
     runner = dummy_server.engine._executor.runner
-    real_execute = runner.execute
+    real_launch = runner.launch
     fail = threading.Event()
 
     def flaky(so):
         if fail.is_set():
             fail.clear()
             raise RuntimeError("secret internal detail")
-        return real_execute(so)
+        return real_launch(so)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     body = {"messages": MSG, "max_tokens": 500, "ignore_eos": True, "stream": True}
     datas = []
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -377,7 +377,7 @@ async def test_dead_engine_fails_requests_and_health():
         def broken(so):
             raise RuntimeError("CUDA error: secret device detail")
 
-        engine._executor.runner.execute = broken
+        engine._executor.runner.launch = broken
         app = build_app(engine)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             resp = await c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})

@@ -162,7 +162,7 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(featu
     with _roughen(LLM(MODEL, **kw)) as plain:
         expected = _ids(plain, prompts, params)
     with _roughen(LLM(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **kw)) as llm:
-        spec = llm.engine._executor.runner.spec
+        spec = llm.engine._executor.runner.drafter
         assert spec.graphs is None  # no CUDA here: every step takes the general path
         s0 = llm.engine.stats()
         assert _ids(llm, prompts, params) == expected

@@ -2,7 +2,9 @@
 transformers continuous-batching peer on the very same requests in the same run (`--peer hf`).
 
 Every request is submitted at once through `AsyncEngine` (greedy, EOS ignored, so each produces exactly
-its dataset output length); the clock runs from the first submission to the last finished request,
+its dataset output length), each asking for its final output only (vLLM's ``LLM.generate`` does the same;
+``--stream`` streams every token through the request actors instead); the clock runs from the first
+submission to the last finished request,
 after a short warm-up (kernel compilation stays out of the figures). The peer runs after the engine is
 closed and its memory released.
 
@@ -56,11 +58,14 @@ def register(sub) -> None:
         "times each; prints both throughputs and their ratio",
     )
     p.add_argument("--repeats", type=int, default=3, help="--inspector: runs per setting")
+    p.add_argument("--stream", action="store_true", help="stream every token to its caller (default: final outputs)")
     add_engine_args(p)
     p.set_defaults(func=main)
 
 
-def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -> tuple[EngineRun, dict]:
+def engine_throughput(
+    args, requests: list[BenchRequest], warmup: bool = True, stream: bool = False
+) -> tuple[EngineRun, dict]:
     """Run ``requests`` through a fresh engine; returns the run and engine facts (KV pool, steps)."""
     import anyio
     from sluice.core import AsyncEngine
@@ -76,7 +81,7 @@ def engine_throughput(args, requests: list[BenchRequest], warmup: bool = True) -
             recorder = engine.inspector
             recorder_s = recorder.cost_s if recorder is not None else 0.0
             cpu = time.process_time()
-            run = await drive_engine(engine, requests)
+            run = await drive_engine(engine, requests, final_only=not stream)
             cpu = time.process_time() - cpu
             after = engine.stats()
             facts = {
@@ -184,11 +189,13 @@ def figures_of(run: EngineRun, requests: list[BenchRequest]) -> dict:
     }
 
 
-def engine_figures(args, requests: list[BenchRequest]) -> dict:
-    run, facts = engine_throughput(args, requests)
+def engine_figures(args, requests: list[BenchRequest], stream: bool = False) -> dict:
+    run, facts = engine_throughput(args, requests, stream=stream)
     figures = figures_of(run, requests)
     figures.update(facts)
     figures["engine"] = {
+        "outputs": "stream" if stream else "final_only",
+        "async_scheduling": args.async_scheduling,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enforce_eager": args.enforce_eager,
@@ -286,7 +293,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.inspector:
         return inspector_overhead(ns, args, requests, dataset)
     t = time.perf_counter()
-    figures = engine_figures(args, requests)
+    figures = engine_figures(args, requests, stream=ns.stream)
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)
     if ns.out and ns.peer:  # the engine's figures survive a peer that is killed at a time limit
         write_result(ns.out, command_line(), ns.model, dataset, figures)

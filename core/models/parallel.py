@@ -60,6 +60,13 @@ class TensorParallel:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` into every rank's ``x`` (same shape and dtype everywhere)."""
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def min_int(self, value: int) -> int:
         import torch.distributed as dist
 

@@ -1,0 +1,375 @@
+"""The model runner's speculative part: an EAGLE draft head that verifies last step's drafts inside the
+normal mixed batch, then drafts the next ones. It builds no inputs and no sampling batches of its own: the
+runner's step-input builder (`InputBatch.build`) writes every forward's inputs, the catch-up's and the draft
+chain's included, and the runner's sampling-batch builder gives every row its parameters.
+
+One target forward covers every scheduled request. A request verifying ``d`` drafts computes ``1 + d``
+tokens (its last token, then the drafts); its last ``d + 1`` rows are projected through the LM head and
+turned into the target's distributions ``p_1..p_{d+1}`` (`sampler.process_logits`), each row with the
+request's temperature / top-k / top-p and with penalties and ``min_tokens`` bans as they stand after the
+drafts before it. `spec.rejection.rejection_sample` then accepts or rejects (greedy requests: exact
+argmax matching) and adds the resampled or bonus token. Rows without drafts (a prefill's last chunk,
+logprobs requests, forks) are sampled exactly as in a plain step.
+
+The draft's distribution ``q`` of the pending drafts stays here, on the device, keyed by request (only for
+sampled requests; greedy verification needs none), until the next step verifies them.
+
+The steady state of greedy decoding, every request verifying k drafts with no penalties, bans or
+logprobs, has a fixed-shape path (`uniform_step`): verification, draft catch-up and the draft chain in one
+function without a host sync, captured in CUDA graphs per batch size (`capture_graphs`), so that a step
+costs one replay and one read-back instead of hundreds of eager launches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.models.loader import ModelSource
+from sluice.core.sampler import SamplingBatch, process_logits, sample, token_logprobs
+from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.kv.attention.base import kv_bytes_per_block
+from sluice.spec.eagle import load_draft_head, resolve_draft_head
+from sluice.spec.proposer import DraftSampling, EagleProposer, per_token_metadata
+from sluice.spec.rejection import RejectionOutput, greedy_verify, rejection_sample
+
+# Graphs of uniform speculative steps are captured for batch sizes up to this (and the load switch).
+MAX_UNIFORM_GRAPH_BATCH = 64
+
+
+class Drafter:
+    def __init__(self, runner, source: ModelSource) -> None:
+        args = runner.args
+        self.runner = runner
+        self.k = args.num_speculative_tokens
+        path = resolve_draft_head(args.speculative_model, source.name)
+        # Speculative pairs run up to k - 1 positions past the verified ones.
+        self.head = load_draft_head(
+            path, source.config, source.name, runner.max_model_len + 2 * self.k + 1, runner.device, runner.dtype
+        )
+        if runner.fused_kernels:
+            enable_fused_kernels(self.head)
+        self.feature_layers = tuple(self.head.cfg.feature_layers)  # () = the final hidden state (EAGLE-1)
+        self.proposer: EagleProposer | None = None
+        self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
+        self.graphs: DecodeGraphs | None = None  # uniform greedy steps (see the module docstring)
+        self.buffers: StepBuffers | None = None  # the catch-up's inputs (the target keeps the runner's)
+        self.chain_buffers: StepBuffers | None = None  # the draft chain's
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.head.cfg
+        return kv_bytes_per_block(1, self.runner.block_size, cfg.num_key_value_heads, cfg.head_dim, self.runner.dtype)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        r = self.runner
+        self.proposer = EagleProposer(
+            self.head, r.model, num_blocks, r.block_size, self.k, r.backend, r.device, r.dtype
+        )
+        self.buffers = StepBuffers(r.max_num_tokens, r.max_num_seqs, r.max_blocks_per_seq, r.device)
+        self.chain_buffers = StepBuffers(r.max_num_seqs, r.max_num_seqs, r.max_blocks_per_seq, r.device)
+
+    def uniform_graphs(self, max_batch: int = MAX_UNIFORM_GRAPH_BATCH) -> DecodeGraphs:
+        """The (uncaptured) graphs of uniform steps for batch sizes up to the load switch, over their own
+        buffers (block tables wide enough for the draft's lookahead positions)."""
+        r = self.runner
+        top = min(r.args.speculative_disable_batch_size, r.max_num_seqs, max_batch)
+        q = self.k + 1
+        buffers = StepBuffers(top * q, top, r.max_blocks_per_seq, r.device)
+        return DecodeGraphs(self.uniform_step, buffers, graph_batch_sizes(top), r.max_model_len, q, "speculative")
+
+    def capture_graphs(self) -> None:
+        graphs = self.uniform_graphs()
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
+
+    def forget(self, finished_ids, preempted_ids=()) -> None:
+        for rid in (*finished_ids, *preempted_ids):
+            self.draft_probs.pop(rid, None)
+
+    # -- one step ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, so: SchedulerOutput) -> ModelOutput:
+        r, ib = self.runner, self.runner.batch
+        if self.graphs is not None and self._uniform(so):
+            return self._uniform_step(so)
+        b = r.buffers
+        n = len(so.req_ids)
+        b.wait_uploaded()
+        rows = ib.build(so, b)
+        qsl = rows.query_start_loc
+        sample_idx, req_ids = r._sampling_rows(so)
+        verify = [j for j, rid in enumerate(req_ids) if rid in so.num_draft_tokens]
+        plain = [j for j, rid in enumerate(req_ids) if rid not in so.num_draft_tokens]
+        # logit rows: a plain row's last position, then each verifying row's last d + 1 positions
+        logit_rows = [int(qsl[sample_idx[j] + 1]) - 1 for j in plain]
+        slots, outputs, extra = [], [], []
+        for j in plain:
+            i = sample_idx[j]
+            slot = int(ib.slot_of[req_ids[j]])
+            slots.append(slot)
+            outputs.append(int(rows.starts[i] + rows.q_lens[i]) - int(ib.num_prompt[slot]))
+            extra.append([])
+        drafts_of: list[list[int]] = []
+        for j in verify:
+            i, rid = sample_idx[j], req_ids[j]
+            d = so.num_draft_tokens[rid]
+            slot = int(ib.slot_of[rid])
+            drafts = ib.drafts[slot, :d].tolist()
+            drafts_of.append(drafts)
+            end = int(qsl[i + 1])
+            logit_rows.extend(range(end - 1 - d, end))
+            base = int(rows.starts[i]) + 1 - int(ib.num_prompt[slot])
+            for t in range(d + 1):  # row t sees the drafts before it as output tokens (penalties, min_tokens)
+                slots.append(slot)
+                outputs.append(base + t)
+                extra.append(drafts[:t])
+        slots_np = np.asarray(slots, np.int64)
+        batch = r._sampling_batch(slots_np, np.asarray(outputs, np.int64), b, extra) if slots else None
+        b.upload(rows.num_tokens, n, b.max_blocks, 0)
+        meta = r._metadata(rows, b)
+        hidden, features = self._target(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], meta)
+        parts: list[torch.Tensor] = []
+        out_plain = None
+        if logit_rows:
+            logits = r.model.compute_logits(hidden[torch.tensor(logit_rows, device=r.device)]).float()
+            p = len(plain)
+            if plain:
+                if batch is None:
+                    parts.append(logits[:p].argmax(-1))
+                else:
+                    out_plain = sample(logits[:p], batch.select(0, p))
+                    parts.append(out_plain.token_ids)
+            if verify:
+                vb = batch.select(p, len(slots)) if batch is not None else None
+                res = self._verify(logits[p:], vb, [req_ids[j] for j in verify], slots_np[p:], drafts_of)
+                parts += [res.output_token_ids.flatten(), res.num_accepted]
+        host = torch.cat(parts).tolist() if parts else []  # the target's one host sync
+
+        out = ModelOutput(so.step_id, req_ids, [0] * len(req_ids))
+        sampled: dict[str, int] = {}
+        for j, t in zip(plain, host):
+            out.token_ids[j] = sampled[req_ids[j]] = t
+        spec_tokens: dict[str, list[int]] = {}
+        if verify:
+            width = max(len(d) for d in drafts_of) + 1
+            base = len(plain)
+            accepted = host[base + width * len(verify) :]
+            for v, j in enumerate(verify):
+                row = host[base + v * width : base + (v + 1) * width]
+                spec_tokens[req_ids[j]] = row[: accepted[v] + 1]
+                out.token_ids[j] = row[accepted[v]]
+            out.spec_token_ids = spec_tokens
+        if out_plain is not None and out_plain.logprobs is not None:
+            lps = token_logprobs(ib.num_logprobs[slots_np[: len(plain)]].tolist(), host[: len(plain)], out_plain)
+            out.logprobs = [None] * len(req_ids)
+            for j, lp in zip(plain, lps):
+                out.logprobs[j] = lp
+        row_slots = np.fromiter(map(ib.slot_of.__getitem__, req_ids), np.int64, len(req_ids))
+        ib.read_back(row_slots, so.step_id, np.asarray(out.token_ids, np.int64))
+        self._record_outputs(row_slots, req_ids, sampled, spec_tokens)
+        out.draft_token_ids = self._propose(so, rows, features, sampled, spec_tokens)
+        return out
+
+    def _record_outputs(self, slots: np.ndarray, req_ids: list[str], sampled, spec_tokens) -> None:
+        """Penalized requests keep their output tokens in the persistent batch."""
+        ib = self.runner.batch
+        for slot, rid in zip(slots.tolist(), req_ids):
+            out = ib.output_tokens[slot]
+            if out is not None:
+                out.extend(spec_tokens[rid] if rid in spec_tokens else [sampled[rid]])
+
+    def _verify(
+        self, logits: torch.Tensor, batch: SamplingBatch | None, req_ids: list[str], slots: np.ndarray, drafts_of
+    ) -> RejectionOutput:
+        """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``."""
+        r, ib = self.runner, self.runner.batch
+        dev = logits.device
+        b, kmax = len(req_ids), max(len(d) for d in drafts_of)
+        flat = torch.tensor(
+            [i * (kmax + 1) + j for i, d in enumerate(drafts_of) for j in range(len(d) + 1)], device=dev
+        )
+        draft_ids = torch.tensor([d + [0] * (kmax - len(d)) for d in drafts_of], device=dev)
+        num_draft = torch.tensor([len(d) for d in drafts_of], device=dev)
+        processed = logits if batch is None else process_logits(logits, batch)
+        first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts_of[:-1]])
+        req_slots = slots[first_rows]
+        greedy = (ib.temperature[req_slots] == 0).tolist()
+        if all(greedy):
+            argmax = torch.zeros(b * (kmax + 1), dtype=torch.long, device=dev)
+            argmax[flat] = processed.argmax(-1)
+            return greedy_verify(draft_ids, argmax.view(b, kmax + 1), num_draft)
+        p = processed.softmax(-1)
+        vocab = p.shape[-1]
+        target = p.new_zeros(b, kmax + 1, vocab)
+        target.view(-1, vocab)[flat] = p
+        q = p.new_zeros(b, kmax, vocab)
+        for i, rid in enumerate(req_ids):
+            if not greedy[i]:
+                q[i, : len(drafts_of[i])] = self.draft_probs[rid][: len(drafts_of[i])]
+        gens = [r._generator(int(s)) if ib.seeded[s] else None for s in req_slots]
+        return rejection_sample(draft_ids, q, target, torch.tensor(greedy, device=dev), gens, num_draft)
+
+    def _propose(self, so: SchedulerOutput, rows, features, sampled, spec_tokens) -> dict[str, list[int]] | None:
+        """Draft KV catch-up over every verified position of the drafting requests, then k drafts for those
+        that sampled. Both forwards take their inputs from the runner's step-input builder."""
+        r, ib = self.runner, self.runner.batch
+        sub = SchedulerOutput(so.step_id)
+        feature_rows: list[int] = []
+        next_tokens: list[int] = []
+        proposing: list[str] = []
+        chain_rows: list[int] = []
+        qsl = rows.query_start_loc
+        for i, rid in enumerate(so.req_ids):
+            if rid not in so.drafting:
+                continue
+            slot = ib.slot_of[rid]
+            start, q = int(rows.starts[i]), int(rows.q_lens[i])
+            inputs = r.buffers.input_ids_np[int(qsl[i]) : int(qsl[i]) + q].tolist()
+            if rid in spec_tokens:
+                # x_{N-1}, d_1..d_a stand; the pairs' next tokens are the emitted tokens themselves
+                nxt = spec_tokens[rid]
+            elif rid in sampled:
+                nxt = inputs[1:] + [sampled[rid]]
+            else:  # a prefill chunk: the token after it is one the request arrived with
+                nxt = inputs[1:] + [ib.tokens[slot][start + q]]
+            sub.req_ids.append(rid)
+            sub.num_scheduled_tokens.append(len(nxt))
+            sub.num_computed_tokens.append(start)
+            sub.samples.append(False)
+            feature_rows.extend(range(int(qsl[i]), int(qsl[i]) + len(nxt)))
+            next_tokens.extend(nxt)
+            if rid in sampled or rid in spec_tokens:
+                proposing.append(rid)
+                chain_rows.append(len(next_tokens) - 1)
+        if not sub.req_ids:
+            return None
+        dev = r.device
+        b = self.buffers
+        b.wait_uploaded()
+        crows = ib.build(sub, b)
+        b.upload(crows.num_tokens, len(sub.req_ids), b.max_blocks, 0)
+        meta = r._metadata(crows, b)
+        positions = b.positions[: crows.num_tokens]
+        if not proposing:
+            self.proposer.propose(
+                features[torch.tensor(feature_rows, device=dev)],
+                torch.tensor(next_tokens, device=dev),
+                positions,
+                meta,
+                [],
+                None,
+                DraftSampling([], []),
+            )
+            return None
+        # the chain: one token per proposing request, the first right after its last verified position
+        row = {rid: i for i, rid in enumerate(sub.req_ids)}
+        pos0 = [int(crows.starts[row[rid]] + crows.q_lens[row[rid]]) for rid in proposing]
+        chain_buffers = self.chain_buffers
+
+        def chain_metadata(step: int):
+            chain = SchedulerOutput(so.step_id, list(proposing), [1] * len(proposing), [p + step for p in pos0])
+            chain.samples = [False] * len(proposing)
+            chain_buffers.wait_uploaded()
+            c = ib.build(chain, chain_buffers)
+            chain_buffers.upload(c.num_tokens, len(proposing), chain_buffers.max_blocks, 0)
+            return chain_buffers.positions[: c.num_tokens], r._metadata(c, chain_buffers)
+
+        slots = np.fromiter(map(ib.slot_of.__getitem__, proposing), np.int64, len(proposing))
+        greedy = (ib.temperature[slots] == 0).tolist()
+        gens = [r._generator(int(s)) if ib.seeded[s] else None for s in slots]
+        ng = [int(s) for s, g in zip(slots, greedy) if not g]
+        sampling = DraftSampling(greedy, gens, self._probs_fn(np.asarray(ng, np.int64)) if ng else None)
+        out = self.proposer.propose(
+            features[torch.tensor(feature_rows, device=dev)],
+            torch.tensor(next_tokens, device=dev),
+            positions,
+            meta,
+            chain_rows,
+            chain_metadata,
+            sampling,
+        )
+        drafts = out.token_ids.tolist()  # the draft's one host sync
+        for rid in proposing:
+            self.draft_probs.pop(rid, None)
+        for j, row in enumerate(out.probs_rows):
+            self.draft_probs[proposing[row]] = out.probs[j]
+        ib.drafts[slots, : self.k] = np.asarray(drafts, np.int64)
+        return dict(zip(proposing, drafts))
+
+    def _probs_fn(self, slots: np.ndarray):
+        """q for sampled drafts: the request's temperature and truncation over the draft's vocabulary.
+        Penalties are left out: q may be any distribution, as long as the drafts are drawn from it."""
+        ib, dev = self.runner.batch, self.runner.device
+        batch = SamplingBatch(
+            temperature=torch.from_numpy(ib.temperature[slots]).to(dev),
+            top_k=torch.from_numpy(ib.top_k[slots]).to(dev),
+            top_p=torch.from_numpy(ib.top_p[slots]).to(dev),
+            min_p=torch.from_numpy(ib.min_p[slots]).to(dev),
+            generators=[None] * len(slots),
+            any_top_k_top_p=bool((ib.top_k[slots] > 0).any() or (ib.top_p[slots] < 1).any()),
+            any_min_p=bool((ib.min_p[slots] > 0).any()),
+        )
+        return lambda logits: process_logits(logits, batch).softmax(-1)
+
+    # -- the uniform greedy step -------------------------------------------------------------------
+    def _uniform(self, so: SchedulerOutput) -> bool:
+        """Every request verifies k drafts greedily and proposes again, with nothing that needs the
+        general sampler (penalties, min_tokens bans, logprobs, forks), and a graph fits the batch."""
+        n = len(so.req_ids)
+        if so.forks or self.graphs.padded_size(n) is None or len(so.num_draft_tokens) != n or len(so.drafting) != n:
+            return False
+        if any(d != self.k for d in so.num_draft_tokens.values()) or not all(so.samples):
+            return False
+        ib = self.runner.batch
+        slots = np.fromiter(map(ib.slot_of.__getitem__, so.req_ids), np.int64, n)
+        starts = np.fromiter(so.num_computed_tokens, np.int64, n)
+        if ib.temperature[slots].any() or ib.penalized[slots].any() or (ib.num_logprobs[slots] >= 0).any():
+            return False
+        return not (ib.num_outputs(slots, starts) < ib.min_tokens[slots]).any()
+
+    def _uniform_step(self, so: SchedulerOutput) -> ModelOutput:
+        k, g, ib = self.k, self.graphs, self.runner.batch
+        n = len(so.req_ids)
+        bs = g.padded_size(n)
+        b = g.buffers
+        b.wait_uploaded()
+        rows = ib.build(so, b, pad_to=bs)
+        b.upload(bs * (k + 1), bs, b.max_blocks, 0)
+        host = g.replay(bs).tolist()  # the step's one host sync
+        tokens, accepted, drafts = host[: bs * (k + 1)], host[bs * (k + 1) : bs * (k + 2)], host[bs * (k + 2) :]
+        out = ModelOutput(so.step_id, so.req_ids, [0] * n, spec_token_ids={}, draft_token_ids={})
+        for i, rid in enumerate(so.req_ids):
+            emitted = tokens[i * (k + 1) : i * (k + 1) + accepted[i] + 1]
+            out.spec_token_ids[rid] = emitted
+            out.token_ids[i] = emitted[-1]
+            out.draft_token_ids[rid] = drafts[i * k : (i + 1) * k]
+        ib.read_back(rows.slots, so.step_id, np.asarray(out.token_ids, np.int64))
+        ib.drafts[rows.slots, :k] = np.asarray(drafts[: n * k], np.int64).reshape(n, k)
+        return out
+
+    def uniform_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """One uniform greedy step without a host sync (the function the graphs capture): the target over
+        each request's last token and k drafts, greedy verification, the draft's catch-up and its next k
+        drafts. Returns one int64 vector: emitted tokens ``[batch, k + 1]`` (-1 after the first
+        non-accepted position), accepted counts ``[batch]``, next drafts ``[batch, k]``, flattened."""
+        r = self.runner
+        batch, q = meta.block_tables.shape[0], self.k + 1
+        token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
+        hidden, features = self._target(input_ids, positions, token_meta)
+        argmax = r.model.compute_logits(hidden).argmax(-1)
+        num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
+        res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
+        # the pair after each verified position: its next token is the target's argmax there
+        drafts = self.proposer.propose_greedy_uniform(features, argmax, positions, meta, token_meta, res.num_accepted)
+        return torch.cat([res.output_token_ids.flatten(), res.num_accepted, drafts.flatten()])
+
+    def _target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's forward: its final hidden states (for its LM head) and the head's features."""
+        r = self.runner
+        ctx = ForwardContext(meta, r.kv_caches, r.backend)
+        if not self.feature_layers:
+            hidden = r.model(input_ids, positions, ctx)
+            return hidden, hidden
+        return r.model(input_ids, positions, ctx, aux_layers=self.feature_layers)
