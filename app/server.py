@@ -256,12 +256,12 @@ class OpenAIServer:
     # -- generation ------------------------------------------------------------------------------------
     async def _generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[RequestOutput]:
         tracker: RequestTracker = self.metrics.tracker()
-        gen = self.engine.generate(prompt, params, request_id=request_id)
+        gen = self.engine.generate(prompt, params, request_id=request_id, wait_for_room=False)  # full: 503
         try:
             async for out in gen:
                 tracker.observe(out.index, out.finish_reason)
                 yield out
-            tracker.done()
+            tracker.done(out.usage)
         finally:
             await gen.aclose()  # aborts the request if it is still running
 

@@ -71,6 +71,7 @@ class TokenEvent:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: Exception | None = None  # the step failed; the request is over
+    first_token_time: float | None = None  # time.time() of the first token, for an event held until the end
 
 
 @dataclass(slots=True)

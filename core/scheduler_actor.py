@@ -8,6 +8,7 @@ executor and routes the resulting `TokenEvent`s to each request's own stream.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import anyio
@@ -172,6 +173,8 @@ class SchedulerActor:
             return
         held = self.held.get(ev.request_id)
         if held is not None:
+            if ev.token_ids and not held.token_ids:
+                held.first_token_time = time.time()
             held.token_ids += ev.token_ids
             if ev.logprobs is not None:
                 held.logprobs = held.logprobs or []  # the held event's own list: extended, not copied per token
