@@ -5,7 +5,7 @@ random-weight models (`dummy:<shape>`) borrow, so that they run without the `llm
 
 The files are those transformers writes for the GGUF's tokenizer, made portable: tokenizer.json without
 indentation (1.5 MB instead of 3.5), the chat template inside tokenizer_config.json (older transformers read it
-only there), and the generic fast-tokenizer class. `tests/test_default_tokenizer.py` checks that they encode and
+only there), and the generic fast-tokenizer class. `tests/test_model_sources.py` checks that they encode and
 template exactly as the model's own tokenizer does.
 """
 

