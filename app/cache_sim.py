@@ -254,6 +254,7 @@ def plot_hit_rates(results: Sequence[SimResult], path: str, title: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullFormatter
     except ImportError as e:
         raise SystemExit("--plot needs matplotlib: pip install 'sluice-llm[plot]'") from e
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
@@ -270,6 +271,11 @@ def plot_hit_rates(results: Sequence[SimResult], path: str, title: str) -> None:
                 100 * rows[0].best_hit_rate, ls="--", lw=1, color=line.get_color(), label=f"block {bs}: unbounded"
             )
     ax.set_xscale("log")
+    sizes = sorted({r.pool_tokens for r in results})
+    if len(sizes) <= 10:  # a tick at every pool size tried
+        ax.set_xticks(sizes)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:,.0f}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())  # log-scale minor labels collide
     ax.set_xlabel("KV pool size (tokens)")
     ax.set_ylabel("prefix-cache hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)

@@ -164,6 +164,7 @@ class RequestTracker:
         if finish_reason is not None:
             self.metrics.request_success.labels(finish_reason).inc()
 
-    def done(self, usage: Usage) -> None:
+    def done(self, usage: Usage | None) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.arrival)
-        self.metrics.recent_hit_rate.add(usage.prompt_tokens, usage.cached_tokens)
+        if usage is not None:
+            self.metrics.recent_hit_rate.add(usage.prompt_tokens, usage.cached_tokens)
