@@ -55,7 +55,7 @@ def _check(hf_default_model, prompts, outs, refs, mode):
     notes = []
     for i, (p, o, r) in enumerate(zip(prompts, outs, refs)):
         assert o.prompt_token_ids == p
-        note = assert_greedy_match(hf_default_model, p, o.token_ids, r, f"{mode} prompt {i} (len {len(p)})")
+        note = assert_greedy_match(hf_default_model, p, o.outputs[0].token_ids, r, f"{mode} prompt {i} (len {len(p)})")
         if note:
             notes.append(note)
     if notes:
@@ -64,7 +64,7 @@ def _check(hf_default_model, prompts, outs, refs, mode):
 
 def test_greedy_matches_transformers_one_at_a_time(default_llm: LLM, hf_default_model, parity_prompts, hf_reference):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    outs = [default_llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in parity_prompts]
+    outs = [default_llm.generate([p], params, use_tqdm=False)[0] for p in parity_prompts]
     _check(hf_default_model, parity_prompts, outs, hf_reference, "solo")
 
 
@@ -73,7 +73,7 @@ def test_greedy_matches_transformers_in_one_flattened_batch(
 ):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     stats_before = default_llm.engine.stats().num_steps
-    outs = [o.outputs[0] for o in default_llm.generate(parity_prompts, params, use_tqdm=False)]
+    outs = default_llm.generate(parity_prompts, params, use_tqdm=False)
     steps = default_llm.engine.stats().num_steps - stats_before
     # they ran together: one at a time would take len(prompts) * NEW_TOKENS steps (the first step may
     # hold only the earliest arrivals, so allow one or two extra)

@@ -67,8 +67,9 @@ def _check(ref_model, prompts, outs, refs, label):
     notes = []
     for p, o, r in zip(prompts, outs, refs):
         assert o.prompt_token_ids == p
-        assert o.finish_reason == "length"
-        note = assert_greedy_match(ref_model, p, o.token_ids, r, f"{label} (prompt len {len(p)})")
+        (seq,) = o.outputs
+        assert seq.finish_reason == "length"
+        note = assert_greedy_match(ref_model, p, seq.token_ids, r, f"{label} (prompt len {len(p)})")
         if note:
             notes.append(note)
     if notes:
@@ -114,7 +115,7 @@ def test_llama3_rope_scaling_changes_the_reference(tiny_checkpoints, prompts):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_matches_transformers_one_at_a_time(arch, engines, tiny_checkpoints, prompts, references):
-    outs = [engines[arch].generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in prompts]
+    outs = [engines[arch].generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     _check(tiny_checkpoints[arch][1], prompts, outs, references[arch], f"{arch} solo")
 
 
@@ -122,7 +123,7 @@ def test_greedy_matches_transformers_one_at_a_time(arch, engines, tiny_checkpoin
 def test_greedy_matches_transformers_in_one_batch(arch, engines, tiny_checkpoints, prompts, references):
     llm = engines[arch]
     steps_before = llm.engine.stats().num_steps
-    outs = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     # together, not one after another (which would take len(prompts) * NEW_TOKENS steps)
     assert llm.engine.stats().num_steps - steps_before <= NEW_TOKENS + 2
     _check(tiny_checkpoints[arch][1], prompts, outs, references[arch], f"{arch} batched")

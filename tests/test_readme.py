@@ -70,7 +70,7 @@ def test_tensor_parallel_example(tmp_path):
     """As written: two gloo ranks on the CPU, and no llm.close() (vLLM's LLM needs none). That a script may leave
     its LLM open is issue 21's (LLM lifecycle); until it has landed, this example hangs at exit: xfail then."""
     try:
-        run_script(tmp_path, LLM_EXITS_WITHOUT_CLOSE, "probe.py", timeout=60)
+        run_script(tmp_path, LLM_EXITS_WITHOUT_CLOSE, "probe.py", timeout=30)
     except subprocess.TimeoutExpired:
         pytest.xfail("an LLM left open still blocks the interpreter's exit (issue 21 has not landed)")
     out = run_script(tmp_path, block_with("tensor_parallel_size=2"), timeout=300)
