@@ -9,22 +9,28 @@ import sys
 from dataclasses import fields
 
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
+from sluice.core.errors import SluiceError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Every EngineArgs field as a --flag (underscores become dashes)."""
+    """Every EngineArgs field as a --flag (underscores become dashes), with the help text, choices and default
+    written beside the field (`sluice.core.args`)."""
+    g = p.add_argument_group("engine")
     for f in fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        default, help, choices = f.default, f.metadata["help"], f.metadata["choices"]
         if isinstance(default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        elif default is None or isinstance(default, str):
-            p.add_argument(flag, default=default, type=_optional(f.type))
-        else:
-            p.add_argument(flag, default=default, type=type(default))
+            action = g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+            if "(default" not in action.help:  # Python < 3.13 appends it itself
+                action.help += " (default: %(default)s)"
+            continue
+        kind = type(default) if default is not None else _optional(f.type)
+        if default is not None:
+            help += " (default: %(default)s)"
+        g.add_argument(flag, default=default, type=kind, choices=choices, help=help)
 
 
-def _optional(type_name) -> callable:
+def _optional(type_name) -> type:
     t = str(type_name)
     if "int" in t:
         return int
@@ -53,7 +59,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         outs = llm.chat([messages], params)
     else:
         outs = llm.generate([ns.prompt], params)
-    for o in outs:
+    for o in outs[0].outputs:
         print(o.text)
     llm.close()
     return 0
@@ -84,6 +90,7 @@ def _subcommand_modules():
 
     for name in (
         "sluice.app.server_cli",
+        "sluice.app.chat_cli",
         "sluice.app.bench.cli",
         "sluice.app.cache_sim",
         "sluice.app.inspector.cli",
@@ -98,10 +105,46 @@ def _subcommand_modules():
         yield mod.register
 
 
+# What a user can get wrong (a path, a flag's value, a file's contents) and the engine's own typed errors: these
+# end the command with one line and exit status 2 (`--debug` shows the traceback); anything else is a bug and
+# keeps its traceback.
+USER_ERRORS = (SluiceError, ValueError, OSError)
+
+
+def user_error_line(e: BaseException) -> str:
+    """One line saying what is wrong (the first line of the message; a missing file named with its path)."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.strerror or e}: {e.filename}"
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _add_debug_flag(parser: argparse.ArgumentParser, top: bool = True) -> None:
+    """``--debug`` on every command (``sluice serve --debug``), not only before it."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=False if top else argparse.SUPPRESS,  # a subcommand must not reset ``sluice --debug serve``
+        help="show the full traceback of an error",
+    )
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_debug_flag(sub, top=False)
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    _add_debug_flag(parser)
+    ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ns = build_parser().parse_args(argv)
-    return ns.func(ns) or 0
+    try:
+        return ns.func(ns) or 0
+    except USER_ERRORS as e:
+        if ns.debug:
+            raise
+        print(f"sluice: error: {user_error_line(e)} (--debug for the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

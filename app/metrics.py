@@ -9,12 +9,14 @@ one test session) never share or clash over metric state.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from sluice.core.outputs import Usage
 
 PREFIX = "sluice:"
 
@@ -42,10 +44,36 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
+# The hit-rate gauge's window, in requests (vLLM logs its prefix-cache hit rate over the last 1000 too).
+HIT_RATE_WINDOW = 1000
+
+
+class RecentHitRate:
+    """Prefix-cache hit rate over the last ``window`` finished requests: the cumulative counters show what a
+    deployment did since it started, this shows what it does now (after a prompt change, say)."""
+
+    def __init__(self, window: int = HIT_RATE_WINDOW) -> None:
+        self.requests: deque[tuple[int, int]] = deque(maxlen=window)  # (prompt tokens, of them cached)
+        self.queries = self.hits = 0
+
+    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
+        if len(self.requests) == self.requests.maxlen:
+            q, h = self.requests[0]
+            self.queries -= q
+            self.hits -= h
+        self.requests.append((prompt_tokens, cached_tokens))
+        self.queries += prompt_tokens
+        self.hits += cached_tokens
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, recent: RecentHitRate) -> None:
         self.engine = engine
+        self.recent = recent
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -61,6 +89,12 @@ class _EngineCollector(Collector):
         )
         for attr, name, doc in _COUNTERS:
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
+        yield GaugeMetricFamily(
+            PREFIX + "prefix_cache_hit_rate",
+            f"Prefix-cache hit rate (cached / prompt tokens, 0 to 1) over the last {self.recent.requests.maxlen} "
+            "finished requests.",
+            value=self.recent.value,
+        )
         per_pos = getattr(stats, "spec_accepted_per_position", ())
         if per_pos:  # speculative decoding is on
             for attr, name, doc in _SPEC_COUNTERS:
@@ -81,7 +115,8 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine))
+        self.recent_hit_rate = RecentHitRate()
+        self.registry.register(_EngineCollector(engine, self.recent_hit_rate))
         r = self.registry
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Arrival to first token.", buckets=_TTFT_BUCKETS, registry=r
@@ -129,5 +164,7 @@ class RequestTracker:
         if finish_reason is not None:
             self.metrics.request_success.labels(finish_reason).inc()
 
-    def done(self) -> None:
+    def done(self, usage: Usage | None) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        if usage is not None:
+            self.metrics.recent_hit_rate.add(usage.prompt_tokens, usage.cached_tokens)

@@ -18,20 +18,40 @@ def register(subparsers) -> None:
     from sluice.app.cli import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("SLUICE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SLUICE_API_KEY; unset = no key)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
-    p.add_argument("--send-timeout", type=float, default=30.0, help="seconds a stalled client may block a stream")
     p.add_argument(
-        "--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get to finish on shutdown"
+        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default: %(default)s)"
     )
-    p.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds sent with 503 when overloaded")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stalled client may block a stream (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown (default: %(default)s)",
+    )
+    p.add_argument(
+        "--retry-after",
+        type=int,
+        default=1,
+        help="Retry-After seconds sent with 503 when overloaded (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default: %(default)s)",
+    )
     p.add_argument(
         "--record-trace",
         default=None,
@@ -47,8 +67,13 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from sluice.app.cli import engine_args_from
     from sluice.app.server import build_app
     from sluice.core.engine import AsyncEngine
+    from sluice.core.models.loader import resolve_model
 
     args = engine_args_from(ns)
+    # A wrong device or model path ends the command with one line here, not with a traceback from inside the
+    # server's startup (a GGUF is converted now, once; the engine then finds it in the cache).
+    args.resolve_device()
+    resolve_model(args.model)
     if ns.record_trace:
         args.enable_inspector = True
     engine = AsyncEngine(args)

@@ -203,7 +203,7 @@ def regenerate(
             logger.warning("regeneration stopped by --gen-time-limit after %d prompts", len(out))
             break
         outs = llm.generate(prompts[i : i + chunk], params, use_tqdm=False)
-        out.extend(o.token_ids for o in outs)
+        out.extend(o.outputs[0].token_ids for o in outs)
         bar.update(len(outs))
     bar.close()
     return out
@@ -340,7 +340,7 @@ def evaluate(llm, prompts: list[list[int]], max_new_tokens: int, temperature: fl
     per_pos = [a - b for a, b in zip(st.spec_accepted_per_position, before.spec_accepted_per_position)]
     return {
         "prompts": len(prompts),
-        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "seconds": round(dt, 2),
         "drafts": drafts,
         "draft_tokens": st.spec_num_draft_tokens - before.spec_num_draft_tokens,

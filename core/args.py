@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 from sluice.core.errors import InvalidRequestError
@@ -22,45 +23,64 @@ _DTYPES = {
 MAX_MODEL_LEN_DEFAULT = 8192
 
 
+def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """An `EngineArgs` field with its help text (and choices): the one place the command line's flags read."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(slots=True)
 class EngineArgs:
-    model: str = DEFAULT_MODEL
-    device: str = "auto"  # "auto" | "cpu" | "cuda"
-    dtype: str = "auto"  # "auto" = float32 on the CPU, bfloat16 on the GPU
-    max_model_len: int | None = None  # None = the model's own limit, capped at MAX_MODEL_LEN_DEFAULT
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None = sized from memory
-    cpu_kv_cache_gib: float = 2.0  # CPU: memory for the KV pool when num_kv_blocks is None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_waiting_requests: int = 1024
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
-    enforce_eager: bool = False  # no CUDA graphs for decode steps
-    fused_kernels: str = "auto"  # "auto" (on for cuda) | "on" | "off": Triton RMSNorm+residual, SiLU-and-mul, RoPE
-    # "auto" = the model dtype; "fp8" = e4m3 with static per-head scales (kv/attention/fp8.py): twice the tokens
-    kv_cache_dtype: str = "auto"
-    # None = the model dtype; "int8" | "int4" = weight-only quantized linear layers (core/models/quant.py)
-    quantization: str | None = None
-    seed: int = 0
-    served_model_name: str | None = None
-    # Speculative decoding: an EAGLE draft head (a directory, or "default" for the head shipped for the
-    # default model); None = off.
-    speculative_model: str | None = None
-    num_speculative_tokens: int = 4
-    # Above this many running + waiting requests a step does not speculate (it would cost throughput).
-    speculative_disable_batch_size: int = 16
-    # Tensor parallelism: one worker process per rank (torch.distributed: NCCL on GPUs, gloo on the CPU);
-    # 1 = the model runs in the engine's own process. Ranks 0..local_size-1 run on this host; the others
-    # join from other hosts through MASTER_ADDR / MASTER_PORT (`core/tp_worker.py`). None = all here.
-    tensor_parallel_size: int = 1
-    tensor_parallel_local_size: int | None = None
-    # Record per-step metadata and KV snapshots for the /inspect page (`core.inspector`); off costs nothing.
-    enable_inspector: bool = False
-    # Schedule and prepare step N+1 while the device runs step N (its tokens feed N+1 on the device); off:
-    # each step waits for the last one's tokens (for tests and debugging). Steps that speculate always wait.
-    async_scheduling: bool = True
+    """The engine's settings; each is also a flag of `sluice serve`, `sluice generate`, ... (``max_num_seqs`` is
+    ``--max-num-seqs``), with the help text given here."""
+
+    model: str = _arg(
+        DEFAULT_MODEL, "the alias smollm2-135m-instruct, a .gguf file, a Hugging Face model folder, or dummy:<shape>"
+    )
+    device: str = _arg("auto", "auto (a GPU when there is one), cpu, cuda or cuda:N")
+    dtype: str = _arg("auto", "model dtype; auto = float32 on the CPU, bfloat16 on a GPU", ("auto", *_DTYPES))
+    max_model_len: int | None = _arg(
+        None, f"longest sequence, prompt + output; default: the model's own limit, at most {MAX_MODEL_LEN_DEFAULT}"
+    )
+    block_size: int = _arg(16, "tokens per KV block (and per prefix-cache entry)", (8, 16, 32, 64, 128))
+    num_kv_blocks: int | None = _arg(None, "KV pool size in blocks; default: sized from memory")
+    cpu_kv_cache_gib: float = _arg(2.0, "CPU: GiB for the KV pool when --num-kv-blocks is not given")
+    gpu_memory_utilization: float = _arg(0.9, "GPU: fraction of its memory the engine may use (weights, KV pool)")
+    max_num_seqs: int = _arg(128, "most sequences in one step's batch")
+    max_num_batched_tokens: int = _arg(2048, "most tokens in one step (longer prompts are prefilled in chunks)")
+    max_waiting_requests: int = _arg(
+        1024, "most sequences waiting to start; beyond it the server answers 503 (library callers wait for room)"
+    )
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes seen before")
+    attention_backend: str = _arg("auto", "auto = triton on a GPU, torch on the CPU", ("auto", "torch", "triton"))
+    enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
+    fused_kernels: str = _arg(
+        "auto", "Triton RMSNorm+residual, SiLU-and-mul and RoPE; auto = on for cuda", ("auto", "on", "off")
+    )
+    kv_cache_dtype: str = _arg(
+        "auto", "auto = the model dtype; fp8 = e4m3 with static per-head scales (twice the tokens)", ("auto", "fp8")
+    )
+    quantization: str | None = _arg(None, "weight-only quantized linear layers; default: none", ("int8", "int4"))
+    seed: int = _arg(0, "seed of the random weights (dummy models) and of unseeded sampling")
+    served_model_name: str | None = _arg(None, "the model name the API reports; default: the model's own")
+    speculative_model: str | None = _arg(
+        None, "an EAGLE draft head folder, or 'default' for the head shipped for the default model; default: off"
+    )
+    num_speculative_tokens: int = _arg(4, "draft tokens proposed per step")
+    speculative_disable_batch_size: int = _arg(
+        16, "above this many running + waiting requests a step does not speculate (it would cost throughput)"
+    )
+    tensor_parallel_size: int = _arg(
+        1, "shard the model over this many worker processes (NCCL between GPUs, gloo on the CPU); 1 = in-process"
+    )
+    tensor_parallel_local_size: int | None = _arg(
+        None, "ranks on this host (the others join from other hosts via MASTER_ADDR/MASTER_PORT); default: all"
+    )
+    enable_inspector: bool = _arg(False, "record per-step metadata and KV snapshots for the /inspect page")
+    async_scheduling: bool = _arg(
+        True,
+        "schedule and prepare step N+1 while the device runs step N (its sampled tokens feed N+1 on the device); "
+        "off: each step waits for the last one's tokens. Steps that speculate always wait",
+    )
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
@@ -113,7 +133,9 @@ class EngineArgs:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InvalidRequestError("device: cuda requested but no GPU is available", param="device")
+            raise InvalidRequestError(
+                "device: cuda requested but no GPU is available (use --device cpu, or auto)", param="device"
+            )
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
+from sluice.core.admission import AdmissionGate
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
-from sluice.core.errors import EngineDeadError, InvalidRequestError, SluiceError
+from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
 from sluice.core.executor import ExecutorActor
 from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
 from sluice.core.models.loader import ModelSource, resolve_model
-from sluice.core.outputs import RequestOutput
+from sluice.core.outputs import PromptOutput, RequestOutput
 from sluice.core.request_actor import RequestLimits, make_requests, run_request
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.scheduler import Scheduler, SchedulerConfig
@@ -39,7 +41,6 @@ class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         self._tg: anyio.abc.TaskGroup | None = None
-        self._ids = itertools.count()
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
@@ -50,6 +51,9 @@ class AsyncEngine:
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
         steps_send, steps_recv = anyio.create_memory_object_stream(1)
         results_send, results_recv = anyio.create_memory_object_stream(1)
+        # Library callers wait here for room (back-pressure) instead of being refused; see core/admission.py.
+        self._gate = AdmissionGate(self.args.max_num_seqs + self.args.max_waiting_requests)
+        self._request_ended = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._executor.run, steps_recv, results_send)
@@ -116,10 +120,15 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         final_only: bool = False,
+        wait_for_room: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request: a string, token ids, or chat messages (chat template applied). With
         ``final_only``, only each sequence's final output (vLLM's ``FINAL_ONLY``): for batch work that does not
-        stream, it saves a wake-up of the request per token."""
+        stream, it saves a wake-up of the request per token.
+
+        While the engine is full (``max_waiting_requests``), the call waits for room, first come first served;
+        with ``wait_for_room=False`` it raises `EngineOverloaded` at once instead (the HTTP server's 503)."""
+        arrival = time.time()
         if self._tg is None:
             raise SluiceError("engine is not running: use `async with AsyncEngine(...) as engine`")
         if self._scheduler_actor.dead is not None:
@@ -132,13 +141,54 @@ class AsyncEngine:
                 f"request_id: {request_id!r} is already in use by a running request", param="request_id"
             )
         self._live_ids.add(request_id)
+
+        def run() -> AsyncIterator[RequestOutput]:
+            return run_request(
+                request_id,
+                prompt_ids,
+                params,
+                self._eos,
+                self._limits,
+                self.tokenizer,
+                self._inbox_send,
+                final_only,
+                arrival_time=arrival,
+            )
+
         try:
-            async for out in run_request(
-                request_id, prompt_ids, params, self._eos, self._limits, self.tokenizer, self._inbox_send, final_only
-            ):
-                yield out
+            if wait_for_room and params.n > self.args.max_waiting_requests:
+                raise InvalidRequestError(
+                    f"n: {params.n} sequences can never fit max_waiting_requests={self.args.max_waiting_requests}",
+                    param="n",
+                )
+            if not wait_for_room:
+                async for out in run():
+                    yield out
+                return
+            async with self._gate.hold(params.n):
+                while True:
+                    try:
+                        async for out in run():
+                            yield out
+                        return
+                    except EngineOverloaded:
+                        # Refused at admission, so nothing was yielded: try again once the queue has room.
+                        await self._room_in_queue(params.n)
         finally:
             self._live_ids.discard(request_id)
+            self._request_ended.set()
+            self._request_ended = anyio.Event()
+
+    async def _room_in_queue(self, num_seqs: int) -> None:
+        """Return once the published stats show room for ``num_seqs`` more waiting sequences. The queue shrinks
+        when a step admits from it, which needs a request to end (or, at worst, a moment); checked at every end
+        and every half second."""
+        limit = self.args.max_waiting_requests
+        while True:
+            with anyio.move_on_after(0.5):
+                await self._request_ended.wait()
+            if self.stats().num_waiting + num_seqs <= limit or self._scheduler_actor.dead is not None:
+                return
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences); unknown or finished ids are ignored."""
@@ -177,6 +227,7 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.engine = AsyncEngine(EngineArgs.from_kwargs(**kwargs))
+        self._request_ids = itertools.count()
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:
@@ -213,8 +264,8 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """Final outputs in prompt order (with ``n > 1``, the n sequences of each prompt in turn)."""
+    ) -> list[PromptOutput]:
+        """One `PromptOutput` per prompt, in prompt order; its ``outputs`` hold the ``n`` sequences."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run(list(prompts), params, use_tqdm)
@@ -224,12 +275,13 @@ class LLM:
         conversations: Sequence[list[dict]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
+    ) -> list[PromptOutput]:
+        """`generate` over conversations (the chat template applied); ``prompt`` is the templated text."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self._run(list(conversations), params, use_tqdm)
 
-    def _run(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params, use_tqdm: bool) -> list[PromptOutput]:
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
@@ -245,30 +297,42 @@ class LLM:
         ids = [self.engine.tokenize_prompt(p) for p in prompts]
         for p_ids, params in zip(ids, params_list):
             make_requests("validate", p_ids, params, self.engine._eos, self.engine._limits)
-        results: list[list[RequestOutput | None]] = [[None] * p.n for p in params_list]
-        bar = tqdm(total=len(prompts), desc="generate", disable=not use_tqdm or len(prompts) < 2)
+        # Ids unique across calls: two threads may share this LLM, and the engine keys requests by id.
+        request_ids = [f"llm-{next(self._request_ids)}" for _ in prompts]
+        finals: list[list[RequestOutput]] = [[] for _ in prompts]
+        results: list[PromptOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm or len(prompts) < 2)
+        in_tokens = out_tokens = 0
         errors: list[Exception] = []
 
-        # The engine's overload guard (max_waiting_requests) is for servers: an offline batch of any size
-        # feeds it in a window small enough that the guard never refuses one of its own requests.
-        widest = max((p.n for p in params_list), default=1)
-        window = anyio.Semaphore(max(1, self.engine.args.max_waiting_requests // widest))
-
         async def one(i: int) -> None:
+            nonlocal in_tokens, out_tokens
             try:
-                async with window:
-                    async for out in self.engine.generate(
-                        ids[i], params_list[i], request_id=f"llm-{i}", final_only=True
-                    ):
-                        if out.finished:
-                            results[i][out.index] = out
+                # The engine queues them (back-pressure): any number of prompts, never an overload error.
+                async for out in self.engine.generate(
+                    ids[i], params_list[i], request_id=request_ids[i], final_only=True
+                ):
+                    if out.finished:
+                        finals[i].append(out)
             except Exception as e:
                 # The first failure cancels the rest (they abort) and is raised as itself, typed, rather
                 # than wrapped in the task group's exception group.
                 errors.append(e)
                 tg.cancel_scope.cancel()
                 return
-            bar.update(1)
+            prompt = prompts[i] if isinstance(prompts[i], str) else None
+            if isinstance(prompts[i], list) and prompts[i] and isinstance(prompts[i][0], dict):
+                prompt = self.engine.tokenizer.decode(ids[i])
+            results[i] = PromptOutput.from_final(prompt, finals[i])
+            if not bar.disable:  # vLLM's progress bar: prompts, and input and output tokens per second
+                in_tokens += len(ids[i])
+                out_tokens += sum(len(o.token_ids) for o in finals[i])
+                elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                bar.set_postfix_str(
+                    f"est. speed input: {in_tokens / elapsed:.2f} toks/s, output: {out_tokens / elapsed:.2f} toks/s",
+                    refresh=False,
+                )
+                bar.update(1)
 
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
@@ -276,4 +340,4 @@ class LLM:
         bar.close()
         if errors:
             raise errors[0]
-        return [o for per in results for o in per]
+        return results

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -64,6 +64,18 @@ class StepRecord:
 
 
 @dataclass(slots=True)
+class RequestRecord:
+    """A caller request that ended, as a trace records it for `sluice cache-sim --trace` to replay: what it asked
+    (its prompt's token ids, when, under which cache salt) and how long its reply was."""
+
+    arrival_time: float  # seconds since the recorder started
+    prompt_token_ids: list[int]
+    output_len: int  # tokens its (first) sequence generated, at least 1
+    cache_salt: str | None
+    reply_token_ids: list[int]
+
+
+@dataclass(slots=True)
 class StepMark:
     t0: float
     running: set[str]
@@ -84,12 +96,41 @@ class StepRecorder:
         self._last_output: dict[str, float] = {}
         self._reported: set[str] = set()  # finishes already recorded, until the scheduler reports them done
         self._new: anyio.Event | None = None
+        # Requests that ended, for a trace (`keep_requests`); None: not kept (the /inspect page needs none).
+        self.ended_requests: list[RequestRecord] | None = None
+        self._open: dict[str, Request] = {}  # caller request id -> its first sequence, while it runs
+
+    def keep_requests(self) -> None:
+        """From now on, collect a `RequestRecord` of every caller request that ends, for `take_ended_requests`."""
+        if self.ended_requests is None:
+            self.ended_requests = []
+
+    def take_ended_requests(self) -> list[RequestRecord]:
+        """The requests that ended since the last call, oldest first."""
+        out = self.ended_requests or []
+        if self.ended_requests is not None:
+            self.ended_requests = []
+        return out
 
     # -- hooks (the scheduler actor's loop) --------------------------------------------------------------
-    def admitted(self, requests: Iterable[Request]) -> None:
+    def admitted(self, requests: Sequence[Request]) -> None:
+        """``requests``: the n sequences of one caller request (``id``, or ``id#0`` .. ``id#{n-1}``)."""
         for r in requests:
             self._arrival[r.request_id] = r.arrival_time
             self._prompt_len[r.request_id] = r.num_prompt_tokens
+        if self.ended_requests is not None:
+            self._open[requests[0].request_id] = requests[0]
+
+    def _ended(self, rid: str) -> None:
+        """A sequence ended: a caller request's first sequence stands for it in the trace (n > 1 replays as 1)."""
+        req = self._open.pop(rid, None)
+        if req is not None and req.num_cached_tokens >= 0:  # never admitted (aborted while waiting): nothing ran
+            out = list(req.output_token_ids)
+            self.ended_requests.append(
+                RequestRecord(
+                    req.arrival_time - self.origin, list(req.prompt_token_ids), max(len(out), 1), req.cache_salt, out
+                )
+            )
 
     def begin(self) -> StepMark:
         """Before ``schedule()``: what the step's record compares against."""
@@ -178,6 +219,8 @@ class StepRecorder:
         self._arrival.pop(rid, None)
         self._prompt_len.pop(rid, None)
         self._last_output.pop(rid, None)
+        if self._open:
+            self._ended(rid)
 
     # -- readers (the server) ----------------------------------------------------------------------------
     def since(self, step_id: int) -> list[StepRecord]:

@@ -1,7 +1,9 @@
-"""What the engine hands back to callers."""
+"""What the engine hands back to callers: `RequestOutput` (one sequence, streamed by `AsyncEngine.generate`) and
+`PromptOutput` (one prompt with its `CompletionOutput`s, what `LLM.generate` and `LLM.chat` return, vLLM's shape)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -41,3 +43,76 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     delta_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    metrics: RequestMetrics | None = None  # the caller request's times (shared by its n sequences)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock times of one request (``time.time()`` seconds), as vLLM's ``RequestOutput.metrics``:
+    ``generate()`` called (time spent waiting for room in the engine counts), its first token out, its last
+    sequence finished."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence of a prompt (vLLM's ``CompletionOutput``)."""
+
+    index: int  # which of the prompt's n sequences
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None unless logprobs were asked
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class PromptOutput:
+    """One prompt's result (vLLM's ``RequestOutput`` of ``LLM.generate``): ``outputs[i]`` is its sequence i."""
+
+    request_id: str
+    prompt: str | None  # the text given, a chat's templated text; None for token ids
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+    metrics: RequestMetrics | None
+    finished: bool = True
+
+    @classmethod
+    def from_final(cls, prompt: str | None, finals: Sequence[RequestOutput]) -> PromptOutput:
+        """From the final `RequestOutput` of each of a request's sequences (any order)."""
+        finals = sorted(finals, key=lambda o: o.index)
+        first = finals[0]
+        outputs = [
+            CompletionOutput(
+                o.index,
+                o.text,
+                o.token_ids,
+                None if o.logprobs is None else sum(lp.logprob for lp in o.logprobs),
+                o.logprobs,
+                o.finish_reason,
+                o.stop_reason,
+            )
+            for o in finals
+        ]
+        return cls(
+            first.request_id,
+            prompt,
+            first.prompt_token_ids,
+            outputs,
+            max(o.usage.cached_tokens for o in finals),
+            first.metrics,
+            all(o.finished for o in finals),
+        )

@@ -44,6 +44,7 @@ class Request:
     # The caller wants only the final output: no event per token, one with every token at the end.
     final_only: bool = False
     output_logprobs: list[TokenLogprob] | None = None  # final-only requests that asked for logprobs
+    first_token_time: float | None = None  # final-only: time.time() of its first token, for its metrics
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop_token_ids)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,7 @@ class TokenEvent:
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: Exception | None = None  # the step failed; the request is over
+    first_token_time: float | None = None  # time.time() of the first token, for an event held until the end
 
 
 @dataclass(slots=True)

@@ -7,13 +7,14 @@ runs its ``finally``: the Abort it sends frees the request's blocks in the sched
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import ObjectSendStream
 from sluice.core.errors import InvalidRequestError, RequestFailedError, SluiceError
-from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
+from sluice.core.outputs import RequestMetrics, RequestOutput, TokenLogprob, Usage
 from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.tokenizer import IncrementalDetokenizer
@@ -86,6 +87,7 @@ async def run_request(
     tokenizer,
     inbox: ObjectSendStream,
     final_only: bool = False,
+    arrival_time: float | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """Run one caller request: yield its outputs as tokens arrive, or with ``final_only`` one final output per
     sequence (stop strings still need the text token by token, so such requests stream internally)."""
@@ -104,6 +106,7 @@ async def run_request(
     stop_hold = max((len(s) for s in params.stop), default=1) - 1
     num_cached = 0
     unfinished = set(seqs)
+    metrics = RequestMetrics(arrival_time if arrival_time is not None else time.time())
     try:
         # From here on the scheduler may hold the requests, even if we are cancelled before it answers
         # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
@@ -121,6 +124,8 @@ async def run_request(
                         raise ev.error
                     raise RequestFailedError(f"request {request_id} failed: {ev.error}") from ev.error
                 num_cached = max(num_cached, ev.num_cached_tokens)
+                if ev.token_ids and metrics.first_token_time is None:
+                    metrics.first_token_time = ev.first_token_time or time.time()
                 new_ids, new_logprobs = ev.token_ids, ev.logprobs
                 seq.token_ids.extend(new_ids)
                 if ev.logprobs is not None:
@@ -137,6 +142,7 @@ async def run_request(
                 seq.finish_reason, seq.stop_reason = finish, stop_reason
                 if finish is not None:
                     unfinished.discard(ev.request_id)
+                    metrics.finished_time = time.time()
                     visible = len(seq.text)
                 else:
                     visible = max(seq.emitted_chars, len(seq.text) - stop_hold) if params.stop else len(seq.text)
@@ -160,6 +166,7 @@ async def run_request(
                     logprobs=seq.logprobs,
                     delta_logprobs=new_logprobs,
                     stop_reason=stop_reason,
+                    metrics=metrics,
                 )
     finally:
         if unfinished:

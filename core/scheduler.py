@@ -31,6 +31,7 @@ that speculate are scheduled only on known tokens (`needs_sync`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -382,6 +383,8 @@ class Scheduler:
                 self.kv.cache_blocks(req, req.num_computed_tokens)
             lp = logprobs[row] if logprobs is not None else None
             if req.final_only:
+                if req.first_token_time is None:
+                    req.first_token_time = time.time()
                 if lp is not None:
                     req.output_logprobs = req.output_logprobs or []
                     req.output_logprobs.append(lp)
@@ -416,6 +419,7 @@ class Scheduler:
             stop_reason=stop_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             error=error,
+            first_token_time=req.first_token_time,
         )
 
     def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:

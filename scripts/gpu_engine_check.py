@@ -74,7 +74,7 @@ def equality(ns: argparse.Namespace) -> dict:
     release_device_memory()
 
     rows, ok = [], True
-    for i, (p, r, f) in enumerate(zip(prompts, ref_out, fast_out)):
+    for i, (p, r, f) in enumerate(zip(prompts, [o.outputs[0] for o in ref_out], [o.outputs[0] for o in fast_out])):
         div = next((j for j, (a, b) in enumerate(zip(r.token_ids, f.token_ids)) if a != b), None)
         row = {"prompt": i, "prompt_len": len(p), "same_tokens": n if div is None else div}
         if div is not None:

@@ -39,7 +39,7 @@ def greedy(model: str, device: str, dtype: str, tp: int, max_tokens: int) -> tup
         model=model, device=device, dtype=dtype, tensor_parallel_size=tp, max_model_len=1024, num_kv_blocks=512
     ) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    return [o.token_ids for o in outs], time.perf_counter() - t
+    return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t
 
 
 def main() -> int:

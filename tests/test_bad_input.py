@@ -63,7 +63,7 @@ def llm():
 
 def _assert_clean_and_serving(llm: LLM) -> None:
     """Nothing left of the bad call: the next request runs, and afterwards the pool is whole again."""
-    out = llm.generate(["still serving?"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(["still serving?"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
     s = llm.engine.stats()
     assert s.kv_blocks_free == s.kv_blocks_total == NUM_BLOCKS
@@ -172,7 +172,7 @@ def _load_error(model: str) -> ModelLoadError:
 
 def test_good_checkpoint_loads(good_checkpoint):
     with LLM(model=str(good_checkpoint), device="cpu", num_kv_blocks=8) as llm:
-        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 2
 
 

@@ -1,4 +1,5 @@
-"""`sluice generate`: a prompt or a messages file in, the generated text out (what `LLM` gives)."""
+"""The command line: `sluice generate` (a prompt or a messages file in, the generated text out, what `LLM`
+gives), `sluice chat`, the engine flags' help, and user errors (one line, exit status 2)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def expected():
     params = SamplingParams(max_tokens=4, temperature=0.0)
     with LLM(model="dummy:tiny", device="cpu", num_kv_blocks=32, max_model_len=256) as llm:
         return {
-            "prompt": llm.generate([PROMPT], params, use_tqdm=False)[0].text,
-            "messages": llm.chat([MESSAGES], params, use_tqdm=False)[0].text,
+            "prompt": llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text,
+            "messages": llm.chat([MESSAGES], params, use_tqdm=False)[0].outputs[0].text,
         }
 
 
@@ -54,3 +55,112 @@ def test_prompt_and_messages_file_are_exclusive(tmp_path, capsys):
         main(["generate", "--prompt", "x", "--messages-file", str(tmp_path / "m.json"), *ENGINE])
     assert exc.value.code == 2
     assert "not allowed with" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ flags and errors
+
+
+def _subparser(name: str):
+    import argparse
+
+    from sluice.app.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_every_engine_flag_says_what_it_does_and_its_default(command):
+    from dataclasses import fields
+
+    from sluice.core.args import EngineArgs
+
+    help_text = _subparser(command).format_help()
+    by_flag = {a.option_strings[0]: a for a in _subparser(command)._actions if a.option_strings}
+    for f in fields(EngineArgs):
+        action = by_flag["--" + f.name.replace("_", "-")]
+        assert action.help and len(action.help) > 15, f.name
+        assert "default" in action.help, f.name  # "(default: X)", or what None means
+        assert action.default == f.default, f.name
+    assert "(default: 128)" in " ".join(help_text.split())  # --max-num-seqs, as rendered
+
+
+def test_help_lists_chat_and_it_exists():
+    from sluice.app.cli import build_parser
+
+    assert "chat" in build_parser().format_help()
+    assert "/reset" in _subparser("chat").format_help()
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["generate", "--prompt", "x", "--model", "/no/such/model"], "no such file or folder: '/no/such/model'"),
+        (["serve", "--model", "/no/such/model.gguf"], "model file not found: /no/such/model.gguf"),
+        (["generate", "--prompt", "x", "--model", "dummy:tiny", "--device", "tpu"], "device: must be"),
+        (["cache-sim", "--model", "dummy:tiny", "--trace", "/no/such/trace.jsonl"], "No such file"),
+        (["cache-sim", "--model", "dummy:tiny", "--trace", "{bad}"], ":2: not JSON"),
+    ],
+    ids=["model-path", "serve-gguf", "device", "trace-missing", "trace-bad-line"],
+)
+def test_user_errors_print_one_line_and_exit_2(argv, says, capsys, tmp_path):
+    if "{bad}" in argv:
+        bad = tmp_path / "trace.jsonl"
+        bad.write_text('{"prompt_token_ids": [1, 2, 3]}\n{oops\n')
+        argv = [str(bad) if a == "{bad}" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("sluice: error: "), err
+    assert says in err
+
+
+def test_debug_keeps_the_traceback():
+    from sluice.core.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError):
+        main(["generate", "--prompt", "x", "--model", "/no/such/model", "--debug"])
+
+
+# ------------------------------------------------------------------------------------------ chat
+
+
+@pytest.fixture(scope="module")
+def chat_engine():
+    from anyio.from_thread import start_blocking_portal
+    from sluice.core import AsyncEngine, EngineArgs
+
+    args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_model_len=256)
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(AsyncEngine(args)) as engine:
+        yield portal, engine
+
+
+def test_chat_keeps_the_history_and_reset_forgets_it(chat_engine, expected):
+    """The second turn's reply is what the model gives for the whole conversation so far (what `LLM.chat`
+    gives for it); after /reset a turn is answered as if it came first."""
+    from sluice.app.chat_cli import ChatSession
+
+    portal, engine = chat_engine
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    session = ChatSession(portal, engine, params, system="Be brief.")
+    first = "".join(session.send("Name three primes."))
+    assert first == expected["messages"]  # the same conversation as MESSAGES
+    second = "".join(session.send("And two more?"))
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert session.messages[2]["content"] == first and session.messages[4]["content"] == second
+    with LLM(model="dummy:tiny", device="cpu", num_kv_blocks=32, max_model_len=256) as llm:
+        again = llm.chat([session.messages[:4]], params, use_tqdm=False)[0].outputs[0].text
+    assert second == again
+    session.reset()
+    assert session.messages == [{"role": "system", "content": "Be brief."}]
+    assert "".join(session.send("Name three primes.")) == first
+
+
+def test_chat_command_streams_turns_and_resets(monkeypatch, capsys, expected):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name three primes.\n/reset\n/nope\nName three primes.\n"))
+    argv = ["chat", *ENGINE, "--system", "Be brief.", "--max-tokens", "4", "--temperature", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(expected["messages"]) == 2  # the same first turn, before and after /reset
+    assert "(new conversation)" in out and "unknown command /nope" in out

@@ -219,7 +219,7 @@ async def test_event_loop_keeps_running_during_a_long_prefill(engine, default_to
     assert len(during) >= max(5, int(elapsed / 0.01 * 0.3)), (len(during), elapsed)
 
 
-async def test_overload_raises_at_once_and_spares_admitted_requests():
+async def test_overload_without_waiting_raises_at_once_and_spares_admitted_requests():
     args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=128, max_num_seqs=1, max_waiting_requests=2)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     async with AsyncEngine(args) as eng:
@@ -243,7 +243,7 @@ async def test_overload_raises_at_once_and_spares_admitted_requests():
             await wait_for(lambda: eng.stats().num_waiting == 2)
             t0 = time.perf_counter()
             with pytest.raises(EngineOverloaded):
-                async for _ in eng.generate([1, 2], params, request_id="d"):
+                async for _ in eng.generate([1, 2], params, request_id="d", wait_for_room=False):
                     pass
             assert time.perf_counter() - t0 < 0.5
         assert results == {"a": solo.token_ids, "b": solo.token_ids, "c": solo.token_ids}
@@ -257,7 +257,8 @@ def test_offline_batch_larger_than_the_overload_guard_runs_whole():
     params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, n=n) for n in (1, 2) * 6]
     with LLM(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_seqs=2, max_waiting_requests=3) as llm:
         outs = llm.generate([[5, 6, i] for i in range(12)], params, use_tqdm=False)
-        assert len(outs) == 18 and all(len(o.token_ids) == 3 for o in outs)
+        assert [len(o.outputs) for o in outs] == [p.n for p in params]
+        assert all(len(c.token_ids) == 3 for o in outs for c in o.outputs)
         s = llm.engine.stats()
         assert s.num_running == s.num_waiting == 0 and s.kv_blocks_free == s.kv_blocks_total
 

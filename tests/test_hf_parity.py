@@ -55,7 +55,7 @@ def _check(hf_default_model, prompts, outs, refs, mode):
     notes = []
     for i, (p, o, r) in enumerate(zip(prompts, outs, refs)):
         assert o.prompt_token_ids == p
-        note = assert_greedy_match(hf_default_model, p, o.token_ids, r, f"{mode} prompt {i} (len {len(p)})")
+        note = assert_greedy_match(hf_default_model, p, o.outputs[0].token_ids, r, f"{mode} prompt {i} (len {len(p)})")
         if note:
             notes.append(note)
     if notes:

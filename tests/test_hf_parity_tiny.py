@@ -67,8 +67,9 @@ def _check(ref_model, prompts, outs, refs, label):
     notes = []
     for p, o, r in zip(prompts, outs, refs):
         assert o.prompt_token_ids == p
-        assert o.finish_reason == "length"
-        note = assert_greedy_match(ref_model, p, o.token_ids, r, f"{label} (prompt len {len(p)})")
+        (seq,) = o.outputs
+        assert seq.finish_reason == "length"
+        note = assert_greedy_match(ref_model, p, seq.token_ids, r, f"{label} (prompt len {len(p)})")
         if note:
             notes.append(note)
     if notes:

@@ -119,18 +119,18 @@ def test_decode_through_the_graph_path_matches_eager():
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 61)), [7] * 3]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     with LLM(**kw) as llm:
-        eager = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(**kw) as llm:
         runner = llm.engine._executor.runner
         graphs = EagerReplay(runner._decode_forward, runner.buffers, [1, 2, 4], runner.max_model_len)
         graphs.capture()
         runner.graphs = graphs
-        graphed = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         # a sampled-but-unused padding row, and one request finishing early (batch 3 -> pad to 4, then 2)
         short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         mixed = llm.generate(prompts, [params, short, params], use_tqdm=False)
     assert graphed == eager
-    assert [o.token_ids for o in mixed] == [eager[0], eager[1][:2], eager[2]]
+    assert [o.outputs[0].token_ids for o in mixed] == [eager[0], eager[1][:2], eager[2]]
     assert 4 in graphs.replayed and set(graphs.replayed) <= {1, 2, 4}  # 3 running requests padded to 4
     assert np.all(np.array([len(t) for t in graphed]) == 6)
 

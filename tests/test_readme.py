@@ -55,6 +55,26 @@ def wait_for(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 def test_offline_example(tmp_path):
     out = run_script(tmp_path, block_with("LLM(model=", "llm.close()"))
     assert "Paris" in out
+    assert re.search(r"^0 ", out, re.M) and re.search(r"^1 ", out, re.M)  # n=2: both sequences of the chat
+    cached, ttft = out.strip().splitlines()[-1].split()
+    assert int(cached) >= 0 and float(ttft) > 0
+
+
+LLM_EXITS_WITHOUT_CLOSE = (
+    "from sluice.core import LLM\nllm = LLM(model='dummy:tiny', device='cpu', num_kv_blocks=16, max_model_len=64)\n"
+)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_example(tmp_path):
+    """As written: two gloo ranks on the CPU, and no llm.close() (vLLM's LLM needs none). That a script may leave
+    its LLM open is issue 21's (LLM lifecycle); until it has landed, this example hangs at exit: xfail then."""
+    try:
+        run_script(tmp_path, LLM_EXITS_WITHOUT_CLOSE, "probe.py", timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.xfail("an LLM left open still blocks the interpreter's exit (issue 21 has not landed)")
+    out = run_script(tmp_path, block_with("tensor_parallel_size=2"), timeout=300)
+    assert "Paris" in out
 
 
 @pytest.mark.slow
@@ -71,6 +91,8 @@ def test_openai_client_and_embedding_examples(tmp_path):
     port = free_port()
     app = block_with("Mount(", "uvicorn.run").replace("port=8001", f"port={port}")
     (tmp_path / "myapp.py").write_text(app)
+    (tmp_path / "app").mkdir()  # the user's project has its own app/ package: no clash with sluice's
+    (tmp_path / "app" / "__init__.py").write_text("raise ImportError('the user app was imported')\n")
     proc = subprocess.Popen(
         [sys.executable, "myapp.py"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -91,3 +113,42 @@ def test_readme_names_only_the_namespace():
     for block in readme_blocks():
         for line in block.splitlines():
             assert not re.match(r"\s*(from|import) (app|core|kv|spec)\b", line), line
+
+
+def hit_rate_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("## Test your prefix-cache hit rate") : text.index("### The trace format")]
+
+
+@pytest.mark.slow
+def test_hit_rate_walkthrough_figures_come_from_the_committed_trace(tmp_path, capsys):
+    """The README's cache-sim command, as written, on the committed trace of the walk-through: its table is the
+    one the README shows (the simulator is deterministic), and the files beside it agree."""
+    from sluice.app.cli import main
+
+    trace = ROOT / "docs" / "benchmarks" / "hit-rate" / "traffic.jsonl"
+    (command,) = re.findall(r"^(sluice cache-sim .*?)\n```", hit_rate_section().replace("\\\n   ", ""), re.M | re.S)
+    argv = command.split()[1:]
+    argv = [str(trace) if a == "traffic.jsonl" else str(tmp_path / a) if a.endswith(".png") else a for a in argv]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+16\s+\d+\s+[\d,]+\s+[\d.]+%", line)]
+    table = [line for line in hit_rate_section().splitlines() if re.match(r"\| \d+ MiB", line)]
+    assert len(rows) == len(table) == 6
+    for row, line in zip(rows, table):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1:4] == [row[1], row[3], row[4]], (cells, row)  # blocks, hit rate, unbounded
+    metrics = (ROOT / "docs" / "benchmarks" / "hit-rate" / "served-metrics.txt").read_text()
+    served = re.search(r"^sluice:prefix_cache_hit_rate (\S+)", metrics, re.M).group(1)
+    assert f"**{100 * float(served):.2f}%**" in hit_rate_section()
+    assert (tmp_path / "cache-sim.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_documents_the_trace_format_that_cache_sim_reads():
+    from sluice.app.bench.workloads import TRACE_FORMAT
+
+    text = (ROOT / "README.md").read_text()
+    fields = set(re.findall(r'"([a-z_]+)"', TRACE_FORMAT))
+    assert fields >= {"arrival_time", "messages", "prompt_token_ids", "output_len", "cache_salt", "after", "type"}
+    for name in fields - {"role", "content", "user", "tenant", "a"}:
+        assert f"`{name}`" in text or f'"{name}"' in text, name

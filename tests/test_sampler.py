@@ -354,7 +354,7 @@ def test_llm_same_seed_same_output_alone_and_in_a_batch(tiny_llm):
         SamplingParams(max_tokens=12, temperature=1.0, seed=1234),
         SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=99),
     ]
-    alone = [tiny_llm.generate([prompt], t, use_tqdm=False)[0].token_ids for t in targets]
+    alone = [tiny_llm.generate([prompt], t, use_tqdm=False)[0].outputs[0].token_ids for t in targets]
     others = ["Tell me about the sea. " * 6, "Numbers: 1 2 3 4 5", "A" * 40]
     other_params = [
         SamplingParams(max_tokens=12, temperature=1.0),  # unseeded
@@ -364,7 +364,7 @@ def test_llm_same_seed_same_output_alone_and_in_a_batch(tiny_llm):
     prompts = [others[0], prompt, others[1], prompt, others[2]]
     params = [other_params[0], targets[0], other_params[1], targets[1], other_params[2]]
     outs = tiny_llm.generate(prompts, params, use_tqdm=False)
-    assert [outs[1].token_ids, outs[3].token_ids] == alone
+    assert [outs[1].outputs[0].token_ids, outs[3].outputs[0].token_ids] == alone
     assert all(len(a) == 12 for a in alone)
     other_seed = SamplingParams(max_tokens=12, temperature=1.0, seed=1235)
-    assert tiny_llm.generate([prompt], other_seed, use_tqdm=False)[0].token_ids != alone[0]
+    assert tiny_llm.generate([prompt], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone[0]

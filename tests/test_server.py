@@ -326,6 +326,34 @@ def test_failure_mid_stream_sends_error_event(client, dummy_server, monkeypatch)
                 fail.set()
 
 
+def test_metrics_hit_rate_gauge_covers_the_recent_requests_only():
+    """The gauge is the hit rate of the last requests (here all of them: it equals the cumulative counters'),
+    and forgets what left its window."""
+    from sluice.app.metrics import RecentHitRate
+
+    srv = ServerThread(build_app(AsyncEngine(dummy_args(num_kv_blocks=64)))).start()
+    try:
+        prompt = list(range(100, 180))  # 80 tokens: 4 full blocks of 16 are cached after the first request
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            for _ in range(2):
+                body = {"prompt": prompt, "max_tokens": 1}
+                assert c.post("/v1/completions", json=body).status_code == 200
+            text = c.get("/metrics").text
+    finally:
+        srv.stop()
+    hits, queries = (
+        metric_value(text, "sluice:prefix_cache_hits_total"),
+        metric_value(text, "sluice:prefix_cache_queries_total"),
+    )
+    assert (hits, queries) == (64, 160)
+    assert metric_value(text, "sluice:prefix_cache_hit_rate") == pytest.approx(hits / queries)
+
+    recent = RecentHitRate(window=2)
+    for prompt_tokens, cached in [(100, 0), (100, 50), (100, 100)]:
+        recent.add(prompt_tokens, cached)
+    assert recent.value == pytest.approx(150 / 200)  # the first request left the window
+
+
 def test_metrics_names_and_histograms(client):
     assert chat(client, stream=True).status_code == 200
     text = client.get("/metrics").text

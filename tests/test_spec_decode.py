@@ -82,7 +82,7 @@ def _count_calls(obj, name: str):
 
 
 def _ids(llm: LLM, prompts, params) -> list[list[int]]:
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_greedy_equals_plain_batched_chunked_and_cached(plain_llm, spec_llm):
@@ -121,7 +121,7 @@ def test_eos_and_max_tokens_inside_accepted_drafts(plain_llm, spec_llm):
     stops = [r[7] for r in ref]
     for p, r, stop in zip(prompts, ref, stops):
         params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
-        (out,) = spec_llm.generate([p], params, use_tqdm=False)
+        ((out,),) = (o.outputs for o in spec_llm.generate([p], params, use_tqdm=False))
         assert out.token_ids == r[: r.index(stop) + 1]
         assert out.finish_reason == "stop"
     for n in (1, 2, 5, 7):
@@ -142,8 +142,8 @@ def test_logprobs_requests_decode_without_drafts(plain_llm, spec_llm):
     prompts = _prompts(2, seed=4)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     before = spec_llm.engine.stats().spec_num_drafts
-    outs = spec_llm.generate(prompts, params, use_tqdm=False)
-    ref = plain_llm.generate(prompts, params, use_tqdm=False)
+    outs = [o.outputs[0] for o in spec_llm.generate(prompts, params, use_tqdm=False)]
+    ref = [o.outputs[0] for o in plain_llm.generate(prompts, params, use_tqdm=False)]
     assert spec_llm.engine.stats().spec_num_drafts == before
     for o, r in zip(outs, ref):
         assert o.token_ids == r.token_ids
@@ -177,9 +177,9 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(featu
         # a penalized request in the batch sends its steps back to the general path
         mixed = [params, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True)]
         with _roughen(LLM(MODEL, **kw)) as plain:
-            ref = [o.token_ids for o in plain.generate(prompts[:2], mixed, use_tqdm=False)]
+            ref = [o.outputs[0].token_ids for o in plain.generate(prompts[:2], mixed, use_tqdm=False)]
         n = len(graphs.replayed)
-        assert [o.token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref
     assert 4 in graphs.replayed and set(graphs.replayed) <= {1, 2, 4}  # 3 requests padded to 4
     assert set(graphs.replayed[n:]) <= {1}  # only the lone request after the penalized one finished
     drafts = (s1.spec_num_drafts - s0.spec_num_drafts, s2.spec_num_drafts - s1.spec_num_drafts)

@@ -30,7 +30,7 @@ def spec_llm():
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_shipped_head_loads_for_the_default_model(default_source):

@@ -166,7 +166,7 @@ def test_cli_smoke_trains_a_head_that_serves(tmp_path, feature):
     llm = LLM("dummy:tiny", device="cpu", num_kv_blocks=64, speculative_model=str(out), num_speculative_tokens=2)
     try:
         (o,) = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        assert len(o.token_ids) == 8 and llm.engine.stats().spec_num_drafts > 0
+        assert len(o.outputs[0].token_ids) == 8 and llm.engine.stats().spec_num_drafts > 0
     finally:
         llm.close()
 

