@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from sluice.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from sluice.core.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 
 # A cap on n: each choice is a sequence in the engine, so an unbounded n is a denial of service.
 MAX_N = 128
@@ -59,7 +59,7 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 disables top-k")
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="A 64-bit seed.")
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool | None = False

@@ -91,7 +91,12 @@ class AsyncEngine:
             ),
             inspector=self.args.enable_inspector,
         )
-        self._limits = RequestLimits(self.max_model_len, cfg.vocab_size, runner.num_kv_blocks * self.args.block_size)
+        self._limits = RequestLimits(
+            self.max_model_len,
+            cfg.vocab_size,
+            runner.num_kv_blocks * self.args.block_size,
+            self.args.max_waiting_requests,
+        )
         self._eos = tuple(source.eos_token_ids)
 
     # -- requests ----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from sluice.core.culprit import isolate_culprits
 from sluice.core.errors import EngineDeadError, EngineOverloaded
 from sluice.core.inspector import StepRecorder
 from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
@@ -215,13 +216,35 @@ class SchedulerActor:
                 await steps.send(so)
                 pending = self._deliver_all(pending)
                 out = await results.receive()
-                pending = s.update_from_output(so, out)
+                if out.error is not None and not out.fatal and len(so.requests) > 1:
+                    so, out, pending = await self._fail_culprits_only(so, out, steps, results)
+                else:
+                    pending = s.update_from_output(so, out)
                 if rec is not None:
                     rec.record(mark, so, out, pending)
                 if out.fatal:
                     pending = self._deliver_all(pending)
                     self._die(out.error)
                 self._publish()
+
+    async def _fail_culprits_only(
+        self, so: SchedulerOutput, out: ModelOutput, steps: ObjectSendStream, results: ObjectReceiveStream
+    ) -> tuple[SchedulerOutput, ModelOutput, list[TokenEvent]]:
+        """A failed step: re-run its requests to find the ones that fail it (`core.culprit`) and fail only those.
+        Returns what ran (for the recorder), its output, and the events."""
+
+        async def run(sub: SchedulerOutput) -> ModelOutput:
+            await steps.send(sub)
+            return await results.receive()
+
+        ran, merged, culprits = await isolate_culprits(so, out, run)
+        events = self.scheduler.update_from_output(ran, merged)
+        for sr, error in culprits:
+            logger.warning("step %d: request %s failed it alone; the others go on", so.step_id, sr.request_id)
+            events += self.scheduler.update_from_output(
+                SchedulerOutput(so.step_id, [sr]), ModelOutput(so.step_id, {}, error=error)
+            )
+        return ran, merged, events
 
     def _deliver_all(self, events: list[TokenEvent]) -> list[TokenEvent]:
         for ev in events:

@@ -95,6 +95,15 @@ BAD_REQUESTS = [
     ("negative max_tokens", "/v1/chat/completions", {"messages": MSG, "max_tokens": -1}, None, 400, "max_tokens"),
     ("temperature 3", "/v1/chat/completions", {"messages": MSG, "temperature": 3}, None, 400, "temperature"),
     ("top_p 0", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, None, 400, "top_p"),
+    ("seed past 64 bits", "/v1/chat/completions", {"messages": MSG, "seed": 2**64}, None, 400, "seed"),
+    (
+        "stop token past the vocabulary",
+        "/v1/chat/completions",
+        {"messages": MSG, "stop_token_ids": [10**9]},
+        None,
+        400,
+        "stop_token_ids",
+    ),
     ("top_k 0 (engine check)", "/v1/chat/completions", {"messages": MSG, "top_k": 0}, None, 400, "top_k"),
     (
         "min_tokens over max_tokens",
