@@ -7,9 +7,12 @@ talk only over bounded anyio memory streams.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import sys
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -173,27 +176,34 @@ class LLM:
     private event loop in a background thread; takes the same keyword arguments as `EngineArgs`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self._engine_cm = None
         if model is not None:
             kwargs["model"] = model
         self.engine = AsyncEngine(EngineArgs.from_kwargs(**kwargs))
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:
-            self._engine_cm = self._portal.wrap_async_context_manager(self.engine)
-            self._engine_cm.__enter__()
+            engine_cm = self._portal.wrap_async_context_manager(self.engine)
+            engine_cm.__enter__()
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise
+        self._engine_cm = engine_cm
+        _open_llms.add(self)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def close(self) -> None:
+        """Stop the engine and its thread. Optional: whatever is still open is closed at interpreter exit."""
         if self._engine_cm is not None:
-            self._engine_cm.__exit__(None, None, None)
-            self._portal_cm.__exit__(None, None, None)
-            self._engine_cm = None
+            _open_llms.discard(self)
+            cm, self._engine_cm = self._engine_cm, None
+            try:
+                cm.__exit__(None, None, None)
+            finally:
+                self._portal_cm.__exit__(None, None, None)
 
     def __enter__(self) -> LLM:
         return self
@@ -202,6 +212,8 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the engine's thread is frozen by now: closing would wait on it forever
         try:
             self.close()
         except Exception:
@@ -276,3 +288,18 @@ class LLM:
         if errors:
             raise errors[0]
         return [o for per in results for o in per]
+
+
+# Every LLM not yet closed. A script that never calls close() (vLLM's LLM needs none), or that dies of an
+# exception, must still exit: atexit runs while the engine's thread still runs, so the engine stops cleanly
+# there. Left to garbage collection at interpreter finalization, close() would wait on a frozen thread forever.
+_open_llms: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_llms() -> None:
+    for llm in list(_open_llms):
+        try:
+            llm.close()
+        except Exception:
+            logger.exception("closing an LLM at exit failed")
