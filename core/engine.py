@@ -45,10 +45,20 @@ class AsyncEngine:
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
+        self._entered = False  # inside `async with` (starting, running or stopping)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
-        await anyio.to_thread.run_sync(self._load)
+        """Load the model and start the actors. On exit, requests still in flight end with
+        `EngineStoppedError` (their callers' loops end too), and later ones are refused."""
+        if self._entered:
+            raise SluiceError("the engine is already running: `async with engine` may be entered once at a time")
+        self._entered = True
+        try:
+            await anyio.to_thread.run_sync(self._load)
+        except BaseException:
+            self._entered = False
+            raise
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
         steps_send, steps_recv = anyio.create_memory_object_stream(1)
         results_send, results_recv = anyio.create_memory_object_stream(1)
@@ -61,9 +71,11 @@ class AsyncEngine:
     async def __aexit__(self, *exc) -> bool | None:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
-        result = await self._tg.__aexit__(*exc)
-        self._tg = None
-        return result
+        try:
+            return await self._tg.__aexit__(*exc)
+        finally:
+            self._tg = None
+            self._entered = False
 
     def _load(self) -> None:
         source: ModelSource = resolve_model(self.args.model)
@@ -150,10 +162,16 @@ class AsyncEngine:
         """Abort a request (all its sequences); unknown or finished ids are ignored."""
         from sluice.core.request import AbortRequest
 
+        if self._tg is None:
+            return  # not running: nothing to abort
         await self._inbox_send.send(AbortRequest(request_id))
 
     def stats(self) -> EngineStats:
-        return self._scheduler_actor.stats
+        """Counters as of the last step (after a stop: as the engine left them)."""
+        actor = getattr(self, "_scheduler_actor", None)
+        if actor is None:
+            raise SluiceError("the engine has not started: stats() needs `async with AsyncEngine(...)` first")
+        return actor.stats
 
     @property
     def inspector(self) -> StepRecorder | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import ObjectSendStream
-from sluice.core.errors import InvalidRequestError, RequestFailedError, SluiceError
+from sluice.core.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, SluiceError
 from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
 from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
 from sluice.core.sampling_params import SEED_MAX, SamplingParams
@@ -133,7 +133,11 @@ async def run_request(
     try:
         # From here on the scheduler may hold the requests, even if we are cancelled before it answers
         # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
-        await inbox.send(AddRequest(requests, send, final_only=final_only and not params.stop))
+        try:
+            await inbox.send(AddRequest(requests, send, final_only=final_only and not params.stop))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            unfinished.clear()
+            raise EngineStoppedError("the engine stopped before the request was admitted") from None
         async with recv:
             first = await recv.receive()
             if first.error is not None:
