@@ -37,7 +37,7 @@ from sluice.app.errors import APIError, engine_error, internal_error, validation
 from sluice.app.metrics import RequestTracker, ServerMetrics
 from sluice.app.openapi import openapi_schema
 from sluice.core import __version__
-from sluice.core.errors import InvalidRequestError, SluiceError
+from sluice.core.errors import EngineStoppedError, InvalidRequestError, SluiceError
 from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
@@ -48,6 +48,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 logger = logging.getLogger("sluice.server")
+
+
+# After the shutdown grace: time for the streams `OpenAIServer.drain` ended to send their error and [DONE]
+# before sse-starlette (and, later, uvicorn) cut what is left.
+SHUTDOWN_MARGIN_S = 2.0
 
 
 @dataclass(slots=True)
@@ -184,6 +189,8 @@ class OpenAIServer:
         self.started = int(time.time())
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
         self._openapi: bytes | None = None
+        self._inflight = 0  # requests between generate() and their last output
+        self._draining = False
 
     def routes(self) -> list[Route]:
         return [
@@ -240,9 +247,24 @@ class OpenAIServer:
             raise validation_error(e) from None
 
     def _check_running(self) -> None:
+        if self._draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         # Mounted in a user's app whose lifespan has not started the engine (yet, or any more).
         if not getattr(self.engine, "is_running", True):
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Shut down without cutting anyone off silently: new requests get 503 at once, those in flight get
+        ``grace_seconds`` to finish, then each ends with an error in OpenAI's shape (on a stream an error event
+        and ``[DONE]``, otherwise 503 JSON) instead of a truncated body. `sluice serve` runs it when shutdown
+        begins; an app that serves `build_app` under its own server calls it from its shutdown."""
+        self._draining = True
+        with anyio.move_on_after(grace_seconds):
+            while self._inflight:
+                await anyio.sleep(0.05)
+        if self._inflight and getattr(self.engine, "is_running", False):
+            logger.warning("shutdown: ending %d request(s) still in flight", self._inflight)
+            await self.engine.end_all_requests(EngineStoppedError("the server is shutting down"))
 
     def _check_model(self, name: str | None) -> str:
         self._check_running()
@@ -257,12 +279,14 @@ class OpenAIServer:
     async def _generate(self, prompt: Any, params: Any, request_id: str) -> AsyncIterator[RequestOutput]:
         tracker: RequestTracker = self.metrics.tracker()
         gen = self.engine.generate(prompt, params, request_id=request_id)
+        self._inflight += 1
         try:
             async for out in gen:
                 tracker.observe(out.index, out.finish_reason)
                 yield out
             tracker.done()
         finally:
+            self._inflight -= 1
             await gen.aclose()  # aborts the request if it is still running
 
     async def _first(self, request: Request, gen: AsyncIterator[RequestOutput], prompt_param: str) -> Any:
@@ -304,7 +328,8 @@ class OpenAIServer:
             sep="\n",
             send_timeout=self.config.send_timeout,
             ping=self.config.ping_interval,
-            shutdown_grace_period=self.config.shutdown_grace_seconds,
+            # sse-starlette's own cut at shutdown is a backstop: `drain` ends the stream properly before it.
+            shutdown_grace_period=self.config.shutdown_grace_seconds + SHUTDOWN_MARGIN_S,
         )
 
     async def _stream_events(

@@ -45,7 +45,7 @@ def register(subparsers) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
     from sluice.app.cli import engine_args_from
-    from sluice.app.server import build_app
+    from sluice.app.server import SHUTDOWN_MARGIN_S, build_app
     from sluice.core.engine import AsyncEngine
 
     args = engine_args_from(ns)
@@ -67,19 +67,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         port=ns.port,
         log_level=ns.log_level,
         lifespan="on",
-        # Streams are cut at shutdown_timeout by sse-starlette; the margin lets their aborts and the
-        # non-streamed requests settle before uvicorn cancels what is left.
-        timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout) + 2,
+        # At shutdown_timeout the server ends what is still in flight with an error (OpenAIServer.drain); the
+        # margin lets those answers go out before uvicorn cancels what is left.
+        timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout + 2 * SHUTDOWN_MARGIN_S),
     )
-    server = _server(config)
+    server = _server(config, app.state.openai_server, ns.shutdown_timeout)
     server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
     return 0
 
 
-def _server(config):
-    """A uvicorn server whose completed graceful shutdown exits 0. uvicorn re-raises a caught SIGINT/SIGTERM
-    after its graceful shutdown, so the process would die of the signal (exit 130/143); a shutdown we
-    completed on request is a clean exit. uvicorn is imported here so other subcommands run without it."""
+def _server(config, api, grace_seconds: float):
+    """A uvicorn server whose shutdown drains ``api`` (`OpenAIServer.drain`: requests still in flight after
+    the grace end with an error, not a cut body) and, once complete, exits 0. uvicorn re-raises a caught
+    SIGINT/SIGTERM after its graceful shutdown, so the process would die of the signal (exit 130/143); a
+    shutdown we completed on request is a clean exit. uvicorn is imported here so other subcommands run
+    without it."""
+    import anyio
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -88,5 +91,11 @@ def _server(config):
             with super().capture_signals():
                 yield
                 self._captured_signals.clear()
+
+        async def shutdown(self, sockets=None) -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(api.drain, grace_seconds)
+                await super().shutdown(sockets)
+                tg.cancel_scope.cancel()
 
     return Server(config)

@@ -166,6 +166,14 @@ class AsyncEngine:
             return  # not running: nothing to abort
         await self._inbox_send.send(AbortRequest(request_id))
 
+    async def end_all_requests(self, error: Exception) -> None:
+        """End every request in flight with ``error`` and refuse every later one with it: for a server whose
+        shutdown grace is over (each caller gets an error rather than a silently cut stream)."""
+        from sluice.core.request import EndAllRequests
+
+        if self._tg is not None:
+            await self._inbox_send.send(EndAllRequests(error))
+
     def stats(self) -> EngineStats:
         """Counters as of the last step (after a stop: as the engine left them)."""
         actor = getattr(self, "_scheduler_actor", None)

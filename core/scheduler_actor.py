@@ -15,7 +15,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.culprit import isolate_culprits
 from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedError
 from sluice.core.inspector import StepRecorder
-from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
+from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent
 from sluice.core.scheduler import Scheduler
 from sluice.core.step import ModelOutput, SchedulerOutput
 
@@ -64,6 +64,7 @@ class SchedulerActor:
         self.held: dict[str, TokenEvent] = {}  # final-only sequences: their tokens so far
         self._wakeup = anyio.Event()
         self.dead: Exception | None = None
+        self.closed: Exception | None = None  # set by EndAllRequests: every new request is refused with it
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.stats = EngineStats()
@@ -133,14 +134,21 @@ class SchedulerActor:
                 error = EngineStoppedError("the engine stopped before the request was admitted")
                 self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [], finish_reason="abort", error=error))
 
-    def _handle(self, msg: AddRequest | AbortRequest) -> None:
+    def _handle(self, msg: AddRequest | AbortRequest | EndAllRequests) -> None:
         if isinstance(msg, AddRequest):
             self._add(msg)
-        else:
+        elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
+        else:
+            self.closed = msg.error
+            self._end_all(msg.error)
 
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
+        if self.closed is not None:
+            rid = msg.requests[0].request_id
+            self._reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=self.closed))
+            return
         if self.dead is not None:
             self._reply(
                 msg.events,
