@@ -34,6 +34,10 @@ logger = logging.getLogger("sluice")
 
 Prompt = str | list[int] | list[dict]
 
+# Prompts with more text than this are tokenized in a worker thread (a tokenizer releases the GIL; 1 MB of text
+# takes it ~0.5 s), so the event loop keeps serving; shorter ones cost less than the thread hop.
+OFF_LOOP_CHARS = 16_384
+
 
 class AsyncEngine:
     """``async with AsyncEngine(EngineArgs(...)) as engine: async for out in engine.generate(...)``."""
@@ -42,6 +46,7 @@ class AsyncEngine:
         self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         self._tg: anyio.abc.TaskGroup | None = None
         self._ids = itertools.count()
+        self._tokenizers = anyio.CapacityLimiter(1)  # one thread tokenizes large prompts: the model needs CPU too
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
@@ -82,6 +87,10 @@ class AsyncEngine:
         self.source = source
         self.model_name = self.args.served_model_name or source.name
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
+        # No token covers more characters of text than the vocabulary's longest entry (byte-level entries have a
+        # character per byte; special tokens are entries too): a prompt longer than this many per position
+        # cannot fit, whatever it tokenizes to.
+        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         cfg = source.config
         limit = int(getattr(cfg, "max_position_embeddings", MAX_MODEL_LEN_DEFAULT) or MAX_MODEL_LEN_DEFAULT)
         if self.args.max_model_len is not None and self.args.max_model_len > limit:
@@ -116,6 +125,12 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        chars = _text_chars(prompt)
+        if chars > self.max_model_len * self._max_token_chars:
+            raise InvalidRequestError(
+                f"prompt: {chars} characters are more than max_model_len={self.max_model_len} tokens can hold",
+                param="prompt",
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty", param="prompt")
@@ -143,7 +158,10 @@ class AsyncEngine:
         if self._scheduler_actor.dead is not None:
             raise EngineDeadError(f"engine is dead: {self._scheduler_actor.dead}")
         params = params or SamplingParams()
-        prompt_ids = self.tokenize_prompt(prompt)
+        if _text_chars(prompt) > OFF_LOOP_CHARS:
+            prompt_ids = await anyio.to_thread.run_sync(self.tokenize_prompt, prompt, limiter=self._tokenizers)
+        else:
+            prompt_ids = self.tokenize_prompt(prompt)
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if request_id in self._live_ids:
             raise InvalidRequestError(
@@ -195,6 +213,20 @@ class AsyncEngine:
     @property
     def is_healthy(self) -> bool:
         return self._tg is not None and self._scheduler_actor.dead is None and self._executor.failure is None
+
+
+def _text_chars(prompt: Prompt) -> int:
+    """Characters of text in a prompt or in its messages' contents (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    n = 0
+    for m in prompt if isinstance(prompt, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
 
 
 class LLM:
