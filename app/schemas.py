@@ -8,7 +8,7 @@ since many clients send every field. Responses are built from these models and s
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from sluice.core.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
@@ -46,6 +46,20 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+_UNSUPPORTED = "Not supported: a request that sets it is refused (400) rather than answered as if it were unset."
+
+
+def _refuse_unsupported(req: BaseModel, allowed: dict[str, tuple]) -> None:
+    """Fields a client sets to change the answer (JSON output, a tool call, biased tokens) that this server does
+    not implement: refused, naming the field, rather than silently ignored (a 200 with prose instead)."""
+    from sluice.core.errors import InvalidRequestError
+
+    for name, harmless in allowed.items():
+        value = getattr(req, name)
+        if value not in harmless:
+            raise InvalidRequestError(f"{name}: not supported by this server", param=name)
+
+
 class _SamplingFields(_Request):
     """Fields shared by chat and text completions; ``None`` means the default."""
 
@@ -68,6 +82,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     cache_salt: str | None = Field(None, min_length=1, description="Prefix-cache isolation key (per tenant).")
     user: str | None = None
+    logit_bias: Any = Field(None, description=_UNSUPPORTED)
 
     @property
     def include_usage(self) -> bool:
@@ -104,10 +119,26 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = Field(None, description=_UNSUPPORTED)
+    tool_choice: Any = Field(None, description='Only "none" (or unset): tools are not supported.')
+    response_format: Any = Field(None, description='Only {"type": "text"} (or unset): no JSON mode or schema.')
+    functions: Any = Field(None, description=_UNSUPPORTED)
+    function_call: Any = Field(None, description=_UNSUPPORTED)
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
+        _refuse_unsupported(
+            self,
+            {
+                "tools": (None, []),
+                "tool_choice": (None, "none"),
+                "response_format": (None, {"type": "text"}),
+                "functions": (None, []),
+                "function_call": (None, "none"),
+                "logit_bias": (None, {}),
+            },
+        )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -123,10 +154,13 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="Defaults to 16, as OpenAI does.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
     echo: bool | None = Field(False, description="Not supported; true is rejected.")
+    suffix: Any = Field(None, description=_UNSUPPORTED)
+    best_of: Any = Field(None, description="Only 1 (or unset).")
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
+        _refuse_unsupported(self, {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {})})
         if self.echo:
             raise InvalidRequestError("echo: not supported", param="echo")
         if isinstance(self.prompt, list) and not self.prompt:

@@ -25,7 +25,21 @@ def register(subparsers) -> None:
         default=os.environ.get("SLUICE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SLUICE_API_KEY; unset = no key)",
     )
+    p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="require the API key on /metrics too (it shows every tenant's counts and cache hits)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds to receive a whole request body (else 408)"
+    )
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=32 << 20,
+        help="refuse (400) a request whose whole response could be larger (n x max_tokens x logprobs)",
+    )
     p.add_argument("--send-timeout", type=float, default=30.0, help="seconds a stalled client may block a stream")
     p.add_argument(
         "--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests get to finish on shutdown"
@@ -60,6 +74,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         shutdown_grace_seconds=ns.shutdown_timeout,
         retry_after_seconds=ns.retry_after,
         record_trace=ns.record_trace,
+        body_timeout=ns.body_timeout,
+        max_response_bytes=ns.max_response_bytes,
+        metrics_require_key=ns.metrics_require_key,
     )
     config = uvicorn.Config(
         app,

@@ -95,6 +95,7 @@ BAD_REQUESTS = [
     ("negative max_tokens", "/v1/chat/completions", {"messages": MSG, "max_tokens": -1}, None, 400, "max_tokens"),
     ("temperature 3", "/v1/chat/completions", {"messages": MSG, "temperature": 3}, None, 400, "temperature"),
     ("top_p 0", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, None, 400, "top_p"),
+    ("n past max_waiting_requests", "/v1/chat/completions", {"messages": MSG, "n": 3}, None, 400, "n"),
     ("seed past 64 bits", "/v1/chat/completions", {"messages": MSG, "seed": 2**64}, None, 400, "seed"),
     (
         "stop token past the vocabulary",
