@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from sluice.core.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from sluice.core.sampling_params import FLOAT32_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingParams
 
 # A cap on n: each choice is a sequence in the engine, so an unbounded n is a denial of service.
 MAX_N = 128
@@ -29,20 +29,20 @@ class _Response(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool | None = False
 
 
@@ -71,7 +71,7 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 disables top-k")
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX, description="-1 disables top-k")
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="A 64-bit seed.")
     stop: str | list[str] | None = None
@@ -79,7 +79,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool | None = False
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)
     cache_salt: str | None = Field(None, min_length=1, description="Prefix-cache isolation key (per tenant).")
     user: str | None = None
     logit_bias: Any = Field(None, description=_UNSUPPORTED)

@@ -628,5 +628,6 @@ class OpenAIServer:
 
     async def openapi(self, _request: Request) -> Response:
         if self._openapi is None:
-            self._openapi = json.dumps(openapi_schema(self.config.api_key is not None)).encode()
+            with_auth = self.config.api_key is not None
+            self._openapi = json.dumps(openapi_schema(with_auth, self.config.metrics_require_key)).encode()
         return Response(self._openapi, media_type="application/json")

@@ -90,6 +90,9 @@ async def test_largest_seed_with_siblings_runs(engine):
         (dict(temperature=float("nan")), "temperature"),
         (dict(temperature=float("inf")), "temperature"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(repetition_penalty=1e300), "repetition_penalty"),
+        (dict(temperature=1e300), "temperature"),
+        (dict(top_k=2**63), "top_k"),
     ],
 )
 def test_values_that_would_break_a_step_are_refused_up_front(kwargs, param):
