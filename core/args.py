@@ -58,6 +58,9 @@ class EngineArgs:
     tensor_parallel_local_size: int | None = None
     # Record per-step metadata and KV snapshots for the /inspect page (`core.inspector`); off costs nothing.
     enable_inspector: bool = False
+    # Chat messages' content is tokenized as plain text: special-token text a user writes ("<|im_end|>") stays
+    # text and cannot end its turn or forge another one; the template's own special tokens stay special.
+    split_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

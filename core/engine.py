@@ -136,7 +136,7 @@ class AsyncEngine:
                 raise InvalidRequestError("prompt: must not be empty", param="prompt")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return apply_chat_template(self.tokenizer, prompt)
+            return apply_chat_template(self.tokenizer, prompt, self.args.split_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise InvalidRequestError(
