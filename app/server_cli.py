@@ -32,7 +32,10 @@ def register(subparsers) -> None:
     )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument(
-        "--body-timeout", type=float, default=30.0, help="seconds to receive a whole request body (else 408)"
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a request's headers (else the connection is closed) and its whole body (else 408)",
     )
     p.add_argument(
         "--max-response-bytes",
@@ -87,10 +90,55 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         # At shutdown_timeout the server ends what is still in flight with an error (OpenAIServer.drain); the
         # margin lets those answers go out before uvicorn cancels what is left.
         timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout + 2 * SHUTDOWN_MARGIN_S),
+        http=_h11_with_header_timeout(ns.body_timeout),
     )
     server = _server(config, app.state.openai_server, ns.shutdown_timeout)
     server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
     return 0
+
+
+def _h11_with_header_timeout(timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all arrived
+    ``timeout_s`` after it opened (or after its last response): uvicorn only times out idle connections, so a
+    client sending its headers a byte at a time could hold a connection forever. The body has its own timeout
+    (`OpenAIServer._read_body`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _headers_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._headers_timer = self.loop.call_later(timeout_s, self._headers_overdue)
+
+        def _disarm(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_overdue(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request's headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
 
 
 def _server(config, api, grace_seconds: float):

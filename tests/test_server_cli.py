@@ -182,3 +182,30 @@ def test_sigterm_past_the_grace_ends_each_request_with_an_openai_error():
         assert json.loads(text)["error"]["code"] == "server_shutting_down"
     assert isinstance(results["openai"], openai.APIError), results["openai"]
     assert "Traceback" not in out
+
+
+def test_slow_headers_and_bodies_are_cut_at_the_body_timeout():
+    """uvicorn times out only idle connections: one sending its headers a byte at a time was held forever.
+    `sluice serve` closes it after --body-timeout; a slow body gets 408; a prompt client is served."""
+    proc, url = _start("--num-kv-blocks", "64", "--max-model-len", "256", "--body-timeout", "1")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        partial_headers = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+        slow_body = socket.create_connection(("127.0.0.1", port))
+        for s in partial_headers:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n")
+        slow_body.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
+        t0 = time.monotonic()
+        for s in [*partial_headers, slow_body]:
+            s.settimeout(10)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            assert s is not slow_body or data.startswith(b"HTTP/1.1 408"), data[:100]
+            s.close()
+        assert time.monotonic() - t0 < 6
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
