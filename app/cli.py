@@ -46,23 +46,29 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 def cmd_generate(ns: argparse.Namespace) -> int:
     from sluice.core import LLM, SamplingParams
 
+    # Bad input fails before the model loads.
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
+    messages = _read_messages(ns.messages_file) if ns.messages_file else None
     kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
     if kwargs["num_kv_blocks"] is None:
         # One sequence: a pool for its longest possible length, not one sized for a server (2 GiB on the CPU).
         longest = kwargs["max_model_len"] or MAX_MODEL_LEN_DEFAULT
         kwargs["num_kv_blocks"] = -(-longest // kwargs["block_size"]) + 1
-    llm = LLM(**kwargs)
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
-    if ns.messages_file:
-        with open(ns.messages_file) as fh:
-            messages = json.load(fh)
-        outs = llm.chat([messages], params)
-    else:
-        outs = llm.generate([ns.prompt], params)
+    with LLM(**kwargs) as llm:
+        outs = llm.chat([messages], params) if messages is not None else llm.generate([ns.prompt], params)
     for o in outs[0].outputs:
         print(o.text)
-    llm.close()
     return 0
+
+
+def _read_messages(path: str) -> list:
+    from sluice.core.errors import InvalidRequestError
+
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as e:
+        raise InvalidRequestError(f"messages_file: cannot read {path}: {e}", param="messages_file") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

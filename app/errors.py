@@ -7,7 +7,14 @@ import logging
 
 from pydantic import ValidationError
 from sluice.app import schemas as S
-from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, RequestFailedError, SluiceError
+from sluice.core.errors import (
+    EngineDeadError,
+    EngineOverloaded,
+    EngineStoppedError,
+    InvalidRequestError,
+    RequestFailedError,
+    SluiceError,
+)
 from starlette.responses import JSONResponse
 
 logger = logging.getLogger("sluice.server")
@@ -43,8 +50,8 @@ def internal_error() -> APIError:
 
 def engine_error(e: SluiceError, prompt_param: str = "prompt", retry_after_seconds: int = 1) -> APIError:
     """The HTTP answer to an engine error: 400 for bad input (``param`` named as the client sent it: for chat
-    the prompt is the messages), 503 while the engine cannot serve (with ``Retry-After`` when overloaded), 500
-    for a request that failed inside the engine."""
+    the prompt is the messages), 503 while the engine cannot serve (with ``Retry-After`` when overloaded; code
+    ``server_shutting_down`` once it stops), 500 for a request that failed inside the engine."""
     if isinstance(e, InvalidRequestError):
         param = e.param
         if param == "prompt":
@@ -61,6 +68,8 @@ def engine_error(e: SluiceError, prompt_param: str = "prompt", retry_after_secon
             code="engine_overloaded",
             headers={"Retry-After": str(retry_after_seconds)},
         )
+    if isinstance(e, EngineStoppedError):
+        return APIError(503, str(e), type="server_error", code="server_shutting_down")
     if isinstance(e, EngineDeadError):
         return APIError(503, "the engine has failed and cannot serve requests", type="server_error", code="engine_dead")
     if isinstance(e, RequestFailedError):

@@ -8,10 +8,10 @@ since many clients send every field. Responses are built from these models and s
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from sluice.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from sluice.core.sampling_params import FLOAT32_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingParams
 
 # A cap on n: each choice is a sequence in the engine, so an unbounded n is a denial of service.
 MAX_N = 128
@@ -29,21 +29,35 @@ class _Response(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool | None = False
+
+
+_UNSUPPORTED = "Not supported: a request that sets it is refused (400) rather than answered as if it were unset."
+
+
+def _refuse_unsupported(req: BaseModel, allowed: dict[str, tuple]) -> None:
+    """Fields a client sets to change the answer (JSON output, a tool call, biased tokens) that this server does
+    not implement: refused, naming the field, rather than silently ignored (a 200 with prose instead)."""
+    from sluice.core.errors import InvalidRequestError
+
+    for name, harmless in allowed.items():
+        value = getattr(req, name)
+        if value not in harmless:
+            raise InvalidRequestError(f"{name}: not supported by this server", param=name)
 
 
 class _SamplingFields(_Request):
@@ -57,17 +71,18 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, description="-1 disables top-k")
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX, description="-1 disables top-k")
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="A 64-bit seed.")
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool | None = False
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)
     cache_salt: str | None = Field(None, min_length=1, description="Prefix-cache isolation key (per tenant).")
     user: str | None = None
+    logit_bias: Any = Field(None, description=_UNSUPPORTED)
 
     @property
     def include_usage(self) -> bool:
@@ -104,10 +119,26 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = Field(None, description=_UNSUPPORTED)
+    tool_choice: Any = Field(None, description='Only "none" (or unset): tools are not supported.')
+    response_format: Any = Field(None, description='Only {"type": "text"} (or unset): no JSON mode or schema.')
+    functions: Any = Field(None, description=_UNSUPPORTED)
+    function_call: Any = Field(None, description=_UNSUPPORTED)
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
+        _refuse_unsupported(
+            self,
+            {
+                "tools": (None, []),
+                "tool_choice": (None, "none"),
+                "response_format": (None, {"type": "text"}),
+                "functions": (None, []),
+                "function_call": (None, "none"),
+                "logit_bias": (None, {}),
+            },
+        )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -123,10 +154,13 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="Defaults to 16, as OpenAI does.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
     echo: bool | None = Field(False, description="Not supported; true is rejected.")
+    suffix: Any = Field(None, description=_UNSUPPORTED)
+    best_of: Any = Field(None, description="Only 1 (or unset).")
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
+        _refuse_unsupported(self, {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {})})
         if self.echo:
             raise InvalidRequestError("echo: not supported", param="echo")
         if isinstance(self.prompt, list) and not self.prompt:

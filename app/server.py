@@ -37,7 +37,7 @@ from sluice.app.errors import APIError, engine_error, internal_error, validation
 from sluice.app.metrics import RequestTracker, ServerMetrics
 from sluice.app.openapi import openapi_schema
 from sluice.core import __version__
-from sluice.core.errors import InvalidRequestError, SluiceError
+from sluice.core.errors import EngineStoppedError, InvalidRequestError, SluiceError
 from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
 from sse_starlette import EventSourceResponse
 from sse_starlette.sse import SendTimeoutError
@@ -50,6 +50,18 @@ from starlette.routing import Route
 logger = logging.getLogger("sluice.server")
 
 
+# Bytes of JSON a response carries per generated token: its text (escaped), and per logprob entry (chat:
+# token, logprob and its bytes; completions: a token -> logprob pair), upper estimates of what the wire format
+# takes, used for the response-size budget.
+TEXT_BYTES_PER_TOKEN = 16
+CHAT_LOGPROB_BYTES = 100
+COMPLETION_LOGPROB_BYTES = 48
+
+# After the shutdown grace: time for the streams `OpenAIServer.drain` ended to send their error and [DONE]
+# before sse-starlette (and, later, uvicorn) cut what is left.
+SHUTDOWN_MARGIN_S = 2.0
+
+
 @dataclass(slots=True)
 class ServerConfig:
     api_key: str | None = None
@@ -58,6 +70,9 @@ class ServerConfig:
     ping_interval: float = 15.0  # SSE keep-alive comments, for proxies that close idle connections
     shutdown_grace_seconds: float = 10.0  # on shutdown, streams get this long to finish before they are aborted
     retry_after_seconds: int = 1
+    body_timeout: float = 30.0  # seconds to receive a whole request body (a slow sender holds a connection)
+    max_response_bytes: int = 32 << 20  # the estimated size of one whole response (see `response_size_error`)
+    metrics_require_key: bool = False  # /metrics shows every tenant's counts: behind the API key too
 
 
 def build_app(
@@ -70,11 +85,16 @@ def build_app(
     shutdown_grace_seconds: float = 10.0,
     retry_after_seconds: int = 1,
     record_trace: str | None = None,
+    body_timeout: float = 30.0,
+    max_response_bytes: int = 32 << 20,
+    metrics_require_key: bool = False,
 ) -> Starlette:
     """The OpenAI-compatible API over ``engine`` (an `AsyncEngine`, started or not).
 
     Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version,
-    GET /metrics, GET /openapi.json. With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY``.
+    GET /metrics, GET /openapi.json. With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY`` (and
+    /metrics too with ``metrics_require_key``). A request body must arrive within ``body_timeout`` seconds (else
+    408); a request whose whole response could exceed ``max_response_bytes`` is refused (400).
     With the engine's ``enable_inspector``: GET /inspect (a page), /inspect/steps, /inspect/kv
     (`app.inspector.web`; the data endpoints take the key too); ``record_trace`` writes the steps to a trace
     file while the app's lifespan runs (`app.inspector.trace`).
@@ -84,8 +104,21 @@ def build_app(
     inspector = bool(getattr(getattr(engine, "args", None), "enable_inspector", False))
     if record_trace is not None and not inspector:
         raise InvalidRequestError("record_trace: needs the engine's enable_inspector", param="record_trace")
+    if metrics_require_key and api_key is None:
+        raise InvalidRequestError("metrics_require_key: needs an api_key", param="metrics_require_key")
+    for name, value in (("body_timeout", body_timeout), ("max_response_bytes", max_response_bytes)):
+        if not value > 0:
+            raise InvalidRequestError(f"{name}: must be > 0, got {value}", param=name)
     config = ServerConfig(
-        api_key, max_body_bytes, send_timeout, ping_interval, shutdown_grace_seconds, retry_after_seconds
+        api_key,
+        max_body_bytes,
+        send_timeout,
+        ping_interval,
+        shutdown_grace_seconds,
+        retry_after_seconds,
+        body_timeout,
+        max_response_bytes,
+        metrics_require_key,
     )
     api = OpenAIServer(engine, config)
 
@@ -184,6 +217,8 @@ class OpenAIServer:
         self.started = int(time.time())
         self._token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
         self._openapi: bytes | None = None
+        self._inflight = 0  # requests between generate() and their last output
+        self._draining = False
 
     def routes(self) -> list[Route]:
         return [
@@ -225,11 +260,21 @@ class OpenAIServer:
             if int(length) > limit:
                 raise too_big
         size, parts = 0, []
-        async for chunk in request.stream():  # also bounds bodies sent without a Content-Length
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            parts.append(chunk)
+        # The whole body within body_timeout: a client that declares 100 bytes and sends 2 would otherwise
+        # hold its connection (and a slot of the server's) for as long as it likes.
+        with anyio.move_on_after(self.config.body_timeout) as scope:
+            async for chunk in request.stream():  # also bounds bodies sent without a Content-Length
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                parts.append(chunk)
+        if scope.cancelled_caught:
+            raise APIError(
+                408,
+                f"the request body did not arrive within {self.config.body_timeout:g} s",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
         return b"".join(parts)
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> Any:
@@ -240,9 +285,44 @@ class OpenAIServer:
             raise validation_error(e) from None
 
     def _check_running(self) -> None:
+        if self._draining:
+            raise APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
         # Mounted in a user's app whose lifespan has not started the engine (yet, or any more).
         if not getattr(self.engine, "is_running", True):
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Shut down without cutting anyone off silently: new requests get 503 at once, those in flight get
+        ``grace_seconds`` to finish, then each ends with an error in OpenAI's shape (on a stream an error event
+        and ``[DONE]``, otherwise 503 JSON) instead of a truncated body. `sluice serve` runs it when shutdown
+        begins; an app that serves `build_app` under its own server calls it from its shutdown."""
+        self._draining = True
+        with anyio.move_on_after(grace_seconds):
+            while self._inflight:
+                await anyio.sleep(0.05)
+        if self._inflight and getattr(self.engine, "is_running", False):
+            logger.warning("shutdown: ending %d request(s) still in flight", self._inflight)
+            await self.engine.end_all_requests(EngineStoppedError("the server is shutting down"))
+
+    def _check_response_size(self, params: Any, per_logprob_bytes: int) -> None:
+        """Refuse a request whose whole response could exceed the budget: it is built (or, streamed, its
+        logprobs kept) in memory, and ``n=128, top_logprobs=20`` to the end of the context is ~1 GB of JSON."""
+        room = self.engine.max_model_len
+        max_tokens = min(params.max_tokens or room, room)
+        per_token = TEXT_BYTES_PER_TOKEN
+        if params.logprobs is not None:
+            per_token += (1 + params.logprobs) * per_logprob_bytes
+        size = params.n * max_tokens * per_token
+        budget = self.config.max_response_bytes
+        if size > budget:
+            raise APIError(
+                400,
+                f"the response could reach {size / 1e6:.1f} MB (n={params.n} x max_tokens={max_tokens} x "
+                f"{per_token} bytes per token), over this server's budget of {budget / 1e6:.1f} MB: lower n, "
+                "max_tokens or the number of logprobs",
+                param="max_tokens",
+                code="response_too_large",
+            )
 
     def _check_model(self, name: str | None) -> str:
         self._check_running()
@@ -258,6 +338,7 @@ class OpenAIServer:
         tracker: RequestTracker = self.metrics.tracker()
         gen = self.engine.generate(prompt, params, request_id=request_id, wait_for_room=False)  # full: 503
         usage = None
+        self._inflight += 1
         try:
             async for out in gen:
                 tracker.observe(out.index, out.finish_reason)
@@ -265,6 +346,7 @@ class OpenAIServer:
                 yield out
             tracker.done(usage)
         finally:
+            self._inflight -= 1
             await gen.aclose()  # aborts the request if it is still running
 
     async def _first(self, request: Request, gen: AsyncIterator[RequestOutput], prompt_param: str) -> Any:
@@ -306,7 +388,8 @@ class OpenAIServer:
             sep="\n",
             send_timeout=self.config.send_timeout,
             ping=self.config.ping_interval,
-            shutdown_grace_period=self.config.shutdown_grace_seconds,
+            # sse-starlette's own cut at shutdown is a backstop: `drain` ends the stream properly before it.
+            shutdown_grace_period=self.config.shutdown_grace_seconds + SHUTDOWN_MARGIN_S,
         )
 
     async def _stream_events(
@@ -419,6 +502,7 @@ class OpenAIServer:
         req: S.ChatCompletionRequest = await self._parse(request, S.ChatCompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
+        self._check_response_size(params, CHAT_LOGPROB_BYTES)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
         role_sent: set[int] = set()
@@ -474,6 +558,7 @@ class OpenAIServer:
         req: S.CompletionRequest = await self._parse(request, S.CompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
+        self._check_response_size(params, COMPLETION_LOGPROB_BYTES)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
         pending: dict[int, list[TokenLogprob]] = {}
@@ -536,11 +621,15 @@ class OpenAIServer:
     async def version(self, _request: Request) -> Response:
         return JSONResponse({"version": __version__})
 
-    async def prometheus(self, _request: Request) -> Response:
+    @_endpoint
+    async def prometheus(self, request: Request) -> Response:
+        if self.config.metrics_require_key:
+            self._authorize(request)
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 
     async def openapi(self, _request: Request) -> Response:
         if self._openapi is None:
-            self._openapi = json.dumps(openapi_schema(self.config.api_key is not None)).encode()
+            with_auth = self.config.api_key is not None
+            self._openapi = json.dumps(openapi_schema(with_auth, self.config.metrics_require_key)).encode()
         return Response(self._openapi, media_type="application/json")

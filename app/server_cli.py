@@ -26,6 +26,25 @@ def register(subparsers) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SLUICE_API_KEY; unset = no key)",
     )
     p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="require the API key on /metrics too (it shows every tenant's counts and cache hits)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a request's headers (else the connection is closed) and its whole body (else 408) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=32 << 20,
+        help="refuse (400) a request whose whole response could be larger (n x max_tokens x logprobs) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default: %(default)s)"
     )
     p.add_argument(
@@ -65,7 +84,7 @@ def register(subparsers) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
     from sluice.app.cli import engine_args_from
-    from sluice.app.server import build_app
+    from sluice.app.server import SHUTDOWN_MARGIN_S, build_app
     from sluice.core.engine import AsyncEngine
     from sluice.core.models.loader import resolve_model
 
@@ -85,6 +104,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         shutdown_grace_seconds=ns.shutdown_timeout,
         retry_after_seconds=ns.retry_after,
         record_trace=ns.record_trace,
+        body_timeout=ns.body_timeout,
+        max_response_bytes=ns.max_response_bytes,
+        metrics_require_key=ns.metrics_require_key,
     )
     config = uvicorn.Config(
         app,
@@ -92,19 +114,67 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         port=ns.port,
         log_level=ns.log_level,
         lifespan="on",
-        # Streams are cut at shutdown_timeout by sse-starlette; the margin lets their aborts and the
-        # non-streamed requests settle before uvicorn cancels what is left.
-        timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout) + 2,
+        # At shutdown_timeout the server ends what is still in flight with an error (OpenAIServer.drain); the
+        # margin lets those answers go out before uvicorn cancels what is left.
+        timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout + 2 * SHUTDOWN_MARGIN_S),
+        http=_h11_with_header_timeout(ns.body_timeout),
     )
-    server = _server(config)
+    server = _server(config, app.state.openai_server, ns.shutdown_timeout)
     server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
     return 0
 
 
-def _server(config):
-    """A uvicorn server whose completed graceful shutdown exits 0. uvicorn re-raises a caught SIGINT/SIGTERM
-    after its graceful shutdown, so the process would die of the signal (exit 130/143); a shutdown we
-    completed on request is a clean exit. uvicorn is imported here so other subcommands run without it."""
+def _h11_with_header_timeout(timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all arrived
+    ``timeout_s`` after it opened (or after its last response): uvicorn only times out idle connections, so a
+    client sending its headers a byte at a time could hold a connection forever. The body has its own timeout
+    (`OpenAIServer._read_body`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _headers_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._headers_timer = self.loop.call_later(timeout_s, self._headers_overdue)
+
+        def _disarm(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_overdue(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request's headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def _server(config, api, grace_seconds: float):
+    """A uvicorn server whose shutdown drains ``api`` (`OpenAIServer.drain`: requests still in flight after
+    the grace end with an error, not a cut body) and, once complete, exits 0. uvicorn re-raises a caught
+    SIGINT/SIGTERM after its graceful shutdown, so the process would die of the signal (exit 130/143); a
+    shutdown we completed on request is a clean exit. uvicorn is imported here so other subcommands run
+    without it."""
+    import anyio
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -113,5 +183,11 @@ def _server(config):
             with super().capture_signals():
                 yield
                 self._captured_signals.clear()
+
+        async def shutdown(self, sockets=None) -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(api.drain, grace_seconds)
+                await super().shutdown(sockets)
+                tg.cancel_scope.cancel()
 
     return Server(config)

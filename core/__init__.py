@@ -9,6 +9,7 @@ from sluice.core.engine import LLM, AsyncEngine
 from sluice.core.errors import (
     EngineDeadError,
     EngineOverloaded,
+    EngineStoppedError,
     InvalidRequestError,
     ModelLoadError,
     RequestFailedError,
@@ -29,6 +30,7 @@ __all__ = [
     "EngineArgs",
     "EngineDeadError",
     "EngineOverloaded",
+    "EngineStoppedError",
     "EngineStats",
     "InvalidRequestError",
     "ModelLoadError",

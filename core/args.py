@@ -81,6 +81,11 @@ class EngineArgs:
         "schedule and prepare step N+1 while the device runs step N (its sampled tokens feed N+1 on the device); "
         "off: each step waits for the last one's tokens. Steps that speculate always wait",
     )
+    split_special_tokens: bool = _arg(
+        False,
+        "tokenize chat messages' special-token text (<|im_end|>) as plain text, so user content cannot end its "
+        "turn or forge another; the template's own special tokens stay special",
+    )
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

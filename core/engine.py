@@ -7,10 +7,13 @@ talk only over bounded anyio memory streams.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import sys
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -34,6 +37,10 @@ logger = logging.getLogger("sluice")
 
 Prompt = str | list[int] | list[dict]
 
+# Prompts with more text than this are tokenized in a worker thread (a tokenizer releases the GIL; 1 MB of text
+# takes it ~0.5 s), so the event loop keeps serving; shorter ones cost less than the thread hop.
+OFF_LOOP_CHARS = 16_384
+
 
 class AsyncEngine:
     """``async with AsyncEngine(EngineArgs(...)) as engine: async for out in engine.generate(...)``."""
@@ -41,13 +48,24 @@ class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         self._tg: anyio.abc.TaskGroup | None = None
+        self._tokenizers = anyio.CapacityLimiter(1)  # one thread tokenizes large prompts: the model needs CPU too
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
+        self._entered = False  # inside `async with` (starting, running or stopping)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
-        await anyio.to_thread.run_sync(self._load)
+        """Load the model and start the actors. On exit, requests still in flight end with
+        `EngineStoppedError` (their callers' loops end too), and later ones are refused."""
+        if self._entered:
+            raise SluiceError("the engine is already running: `async with engine` may be entered once at a time")
+        self._entered = True
+        try:
+            await anyio.to_thread.run_sync(self._load)
+        except BaseException:
+            self._entered = False
+            raise
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
         steps_send, steps_recv = anyio.create_memory_object_stream(1)
         results_send, results_recv = anyio.create_memory_object_stream(1)
@@ -63,15 +81,21 @@ class AsyncEngine:
     async def __aexit__(self, *exc) -> bool | None:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
-        result = await self._tg.__aexit__(*exc)
-        self._tg = None
-        return result
+        try:
+            return await self._tg.__aexit__(*exc)
+        finally:
+            self._tg = None
+            self._entered = False
 
     def _load(self) -> None:
         source: ModelSource = resolve_model(self.args.model)
         self.source = source
         self.model_name = self.args.served_model_name or source.name
         self.tokenizer = load_tokenizer(source.tokenizer_dir)
+        # No token covers more characters of text than the vocabulary's longest entry (byte-level entries have a
+        # character per byte; special tokens are entries too): a prompt longer than this many per position
+        # cannot fit, whatever it tokenizes to.
+        self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         cfg = source.config
         limit = int(getattr(cfg, "max_position_embeddings", MAX_MODEL_LEN_DEFAULT) or MAX_MODEL_LEN_DEFAULT)
         if self.args.max_model_len is not None and self.args.max_model_len > limit:
@@ -97,17 +121,28 @@ class AsyncEngine:
             ),
             inspector=self.args.enable_inspector,
         )
-        self._limits = RequestLimits(self.max_model_len, cfg.vocab_size, runner.num_kv_blocks * self.args.block_size)
+        self._limits = RequestLimits(
+            self.max_model_len,
+            cfg.vocab_size,
+            runner.num_kv_blocks * self.args.block_size,
+            self.args.max_waiting_requests,
+        )
         self._eos = tuple(source.eos_token_ids)
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
+        chars = _text_chars(prompt)
+        if chars > self.max_model_len * self._max_token_chars:
+            raise InvalidRequestError(
+                f"prompt: {chars} characters are more than max_model_len={self.max_model_len} tokens can hold",
+                param="prompt",
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt: must not be empty", param="prompt")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            return apply_chat_template(self.tokenizer, prompt)
+            return apply_chat_template(self.tokenizer, prompt, self.args.split_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         raise InvalidRequestError(
@@ -134,7 +169,10 @@ class AsyncEngine:
         if self._scheduler_actor.dead is not None:
             raise EngineDeadError(f"engine is dead: {self._scheduler_actor.dead}")
         params = params or SamplingParams()
-        prompt_ids = self.tokenize_prompt(prompt)
+        if _text_chars(prompt) > OFF_LOOP_CHARS:
+            prompt_ids = await anyio.to_thread.run_sync(self.tokenize_prompt, prompt, limiter=self._tokenizers)
+        else:
+            prompt_ids = self.tokenize_prompt(prompt)
         request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
         if request_id in self._live_ids:
             raise InvalidRequestError(
@@ -194,10 +232,24 @@ class AsyncEngine:
         """Abort a request (all its sequences); unknown or finished ids are ignored."""
         from sluice.core.request import AbortRequest
 
+        if self._tg is None:
+            return  # not running: nothing to abort
         await self._inbox_send.send(AbortRequest(request_id))
 
+    async def end_all_requests(self, error: Exception) -> None:
+        """End every request in flight with ``error`` and refuse every later one with it: for a server whose
+        shutdown grace is over (each caller gets an error rather than a silently cut stream)."""
+        from sluice.core.request import EndAllRequests
+
+        if self._tg is not None:
+            await self._inbox_send.send(EndAllRequests(error))
+
     def stats(self) -> EngineStats:
-        return self._scheduler_actor.stats
+        """Counters as of the last step (after a stop: as the engine left them)."""
+        actor = getattr(self, "_scheduler_actor", None)
+        if actor is None:
+            raise SluiceError("the engine has not started: stats() needs `async with AsyncEngine(...)` first")
+        return actor.stats
 
     def host_profile(self) -> HostProfile:
         """Where the steps' host time went so far, by phase (cumulative; `HostProfile.since` for a window)."""
@@ -219,11 +271,26 @@ class AsyncEngine:
         return self._tg is not None and self._scheduler_actor.dead is None and self._executor.failure is None
 
 
+def _text_chars(prompt: Prompt) -> int:
+    """Characters of text in a prompt or in its messages' contents (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    n = 0
+    for m in prompt if isinstance(prompt, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
 class LLM:
     """Sync offline API: ``LLM(model=...).generate(prompts, params)``. Runs an `AsyncEngine` on a
     private event loop in a background thread; takes the same keyword arguments as `EngineArgs`."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self._engine_cm = None
         if model is not None:
             kwargs["model"] = model
         self.engine = AsyncEngine(EngineArgs.from_kwargs(**kwargs))
@@ -231,21 +298,27 @@ class LLM:
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         try:
-            self._engine_cm = self._portal.wrap_async_context_manager(self.engine)
-            self._engine_cm.__enter__()
+            engine_cm = self._portal.wrap_async_context_manager(self.engine)
+            engine_cm.__enter__()
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
             raise
+        self._engine_cm = engine_cm
+        _open_llms.add(self)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     def close(self) -> None:
+        """Stop the engine and its thread. Optional: whatever is still open is closed at interpreter exit."""
         if self._engine_cm is not None:
-            self._engine_cm.__exit__(None, None, None)
-            self._portal_cm.__exit__(None, None, None)
-            self._engine_cm = None
+            _open_llms.discard(self)
+            cm, self._engine_cm = self._engine_cm, None
+            try:
+                cm.__exit__(None, None, None)
+            finally:
+                self._portal_cm.__exit__(None, None, None)
 
     def __enter__(self) -> LLM:
         return self
@@ -254,6 +327,8 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the engine's thread is frozen by now: closing would wait on it forever
         try:
             self.close()
         except Exception:
@@ -341,3 +416,18 @@ class LLM:
         if errors:
             raise errors[0]
         return results
+
+
+# Every LLM not yet closed. A script that never calls close() (vLLM's LLM needs none), or that dies of an
+# exception, must still exit: atexit runs while the engine's thread still runs, so the engine stops cleanly
+# there. Left to garbage collection at interpreter finalization, close() would wait on a frozen thread forever.
+_open_llms: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_llms() -> None:
+    for llm in list(_open_llms):
+        try:
+            llm.close()
+        except Exception:
+            logger.exception("closing an LLM at exit failed")

@@ -7,6 +7,7 @@ from sluice.core.models.errors import ModelLoadError, SluiceError
 __all__ = [
     "EngineDeadError",
     "EngineOverloaded",
+    "EngineStoppedError",
     "InvalidRequestError",
     "ModelLoadError",
     "RequestFailedError",
@@ -29,6 +30,10 @@ class EngineOverloaded(SluiceError):
 
 class EngineDeadError(SluiceError):
     """The engine failed in a way that leaves the model unusable; every request fails."""
+
+
+class EngineStoppedError(EngineDeadError):
+    """The engine stopped (its ``async with`` ended, or the server shut down) before the request finished."""
 
 
 class RequestFailedError(SluiceError):

@@ -17,6 +17,7 @@ from collections import deque
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.args import EngineArgs
+from sluice.core.culprit import is_fatal
 from sluice.core.host_profile import HostProfile
 from sluice.core.model_runner import LaunchedStep, ModelRunner
 from sluice.core.models.loader import ModelSource
@@ -25,12 +26,6 @@ from sluice.core.step import ModelOutput, SchedulerOutput
 logger = logging.getLogger("sluice")
 
 FLUSH = "flush"  # collect the oldest step in flight
-
-
-def is_fatal(exc: BaseException) -> bool:
-    """Errors after which the model or its device cannot be trusted (every request must fail)."""
-    text = str(exc)
-    return isinstance(exc, MemoryError) or "CUDA error" in text or "device-side assert" in text
 
 
 class ExecutorActor:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from sluice.core.args import EngineArgs
 from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.culprit import is_fatal, isolate_culprits
 from sluice.core.input_batch import InputBatch, StepRows, index_tensor
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
@@ -319,6 +320,34 @@ class ModelRunner:
         if not so.req_ids:
             return LaunchedStep(so, ModelOutput(so.step_id))
         self.copy_blocks(so.block_copies)
+        try:
+            return self._launch_rows(so)
+        except Exception as e:
+            if is_fatal(e) or self.tp is not None or (so.num_reqs == 1 and not so.forks):
+                raise  # nobody else to spare (tensor-parallel ranks would each bisect on their own)
+            logger.warning("step %d failed (%s); re-running its rows to find the culprits", so.step_id, e)
+            return LaunchedStep(so, self._isolate(so, e))
+
+    def _isolate(self, so: SchedulerOutput, error: Exception) -> ModelOutput:
+        """Re-run the rows of a failed step in groups until the failure is pinned on its culprits
+        (`core/culprit.py`); synchronous, from host tokens."""
+        self._read_back(self._inflight)
+        ib = self.batch
+
+        def run(sub: SchedulerOutput) -> ModelOutput:
+            # the failed attempt may have recorded samples it never produced: inputs come from the host
+            ib.pending[[ib.slot_of[r] for r in sub.req_ids]] = -1
+            return self.collect(self._launch_rows(sub))
+
+        out = isolate_culprits(so, error, run)
+        for rid in out.failed:
+            slot = ib.slot_of.get(rid)
+            if slot is not None:
+                ib.pending[slot] = -1
+        return out
+
+    def _launch_rows(self, so: SchedulerOutput) -> LaunchedStep:
+        """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
         if self.drafter is not None and (so.drafting or so.num_draft_tokens):
             # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
             self._read_back(self._inflight)

@@ -102,3 +102,10 @@ class AddRequest:
 @dataclass(slots=True)
 class AbortRequest:
     request_id: str
+
+
+@dataclass(slots=True)
+class EndAllRequests:
+    """End every request in flight with ``error``, and refuse every later one with it (a server shutting down)."""
+
+    error: Exception

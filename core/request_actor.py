@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import ObjectSendStream
-from sluice.core.errors import InvalidRequestError, RequestFailedError, SluiceError
+from sluice.core.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, SluiceError
 from sluice.core.outputs import RequestMetrics, RequestOutput, TokenLogprob, Usage
 from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
-from sluice.core.sampling_params import SamplingParams
+from sluice.core.sampling_params import SEED_MAX, SamplingParams
 from sluice.core.tokenizer import IncrementalDetokenizer
 
 
@@ -38,6 +38,7 @@ class RequestLimits:
     max_model_len: int
     vocab_size: int
     max_kv_tokens: int  # the whole pool: a request longer than this could never run
+    max_waiting_requests: int = 1 << 62  # the overload guard counts each of n sequences: more never fit
 
 
 def make_requests(
@@ -63,13 +64,38 @@ def make_requests(
             f"({limits.max_kv_tokens} tokens)",
             param="max_tokens",
         )
+    check_row_params(params, limits)
     if params.n == 1:
         return [Request(request_id, list(prompt_ids), params, max_tokens, eos)]
     out = []
     for i in range(params.n):
-        child = params if params.seed is None else _with_seed(params, params.seed + i)
+        child = params if params.seed is None else _with_seed(params, sibling_seed(params.seed, i))
         out.append(Request(f"{request_id}#{i}", list(prompt_ids), child, max_tokens, eos))
     return out
+
+
+def check_row_params(params: SamplingParams, limits: RequestLimits) -> None:
+    """What `SamplingParams` cannot check alone, against the served model and the engine's limits: each value
+    here would otherwise reach the step (and fail it for every request batched with this one) or never run.
+    ``params`` is validated again: it is mutable, and may have been changed since it was built."""
+    params.validate()
+    bad = [t for t in params.stop_token_ids if t >= limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"stop_token_ids: token id {bad[0]} outside [0, {limits.vocab_size})", param="stop_token_ids"
+        )
+    if params.n > limits.max_waiting_requests:
+        raise InvalidRequestError(
+            f"n: {params.n} sequences can never be admitted: the engine queues at most {limits.max_waiting_requests} "
+            "(max_waiting_requests)",
+            param="n",
+        )
+
+
+def sibling_seed(seed: int, i: int) -> int:
+    """The seed of sequence ``i`` of an ``n > 1`` request: ``seed + i``, wrapped into the generator's 64 bits."""
+    s = seed + i
+    return s - (SEED_MAX + 1) if s > SEED_MAX else s
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
@@ -110,7 +136,11 @@ async def run_request(
     try:
         # From here on the scheduler may hold the requests, even if we are cancelled before it answers
         # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
-        await inbox.send(AddRequest(requests, send, final_only=final_only and not params.stop))
+        try:
+            await inbox.send(AddRequest(requests, send, final_only=final_only and not params.stop))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            unfinished.clear()
+            raise EngineStoppedError("the engine stopped before the request was admitted") from None
         async with recv:
             first = await recv.receive()
             if first.error is not None:

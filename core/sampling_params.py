@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 from sluice.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# The seeds a torch.Generator takes (a 64-bit state; negative seeds are remapped into it). A seed outside
+# would fail inside the step, where the sampler builds the request's generator.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+# Per-row values travel to the sampler in int64 / float32 buffers: larger ones would fail (or overflow) there.
+TOP_K_MAX = (1 << 31) - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(slots=True)
@@ -49,22 +55,24 @@ class SamplingParams:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise bad("temperature", f"must be a number in [0, 3.4e38], got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
-            raise bad("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not (self.top_k == -1 or 1 <= self.top_k <= TOP_K_MAX):
+            raise bad("top_k", f"must be -1 (off) or an integer in [1, 2**31 - 1], got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not _is_number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
         if not _is_number(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise bad("repetition_penalty", f"must be a number in (0, 3.4e38], got {self.repetition_penalty!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise bad("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -334,15 +334,11 @@ class Scheduler:
         events: list[TokenEvent] = []
         if out.error is not None:
             for rid in (*so.req_ids, *(sib for sibs in so.forks.values() for sib in sibs)):
-                req = self.requests.get(rid)
-                if req is None:
-                    continue
-                for sib in self._pending_forks.pop(rid, ()):  # never forked: fails with it
-                    self._finish(sib)
-                    events.append(TokenEvent(sib.request_id, [], finish_reason="abort", error=out.error))
-                self._finish(req)
-                events.append(TokenEvent(rid, [], finish_reason="abort", error=out.error))
+                self._fail(rid, out.error, events)
             return events
+        if out.failed:  # rows that failed the step alone; the others' tokens follow
+            for rid, error in out.failed.items():
+                self._fail(rid, error, events)
         bs = self.kv.block_size
         requests = self.requests
         # prefill chunks that sample nothing: publish the blocks they filled
@@ -404,6 +400,16 @@ class Scheduler:
             if reason is not None:
                 self._finish(req)
         return events
+
+    def _fail(self, rid: str, error: Exception, events: list[TokenEvent]) -> None:
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        for sib in self._pending_forks.pop(rid, ()):  # never forked: fails with it
+            self._finish(sib)
+            events.append(TokenEvent(sib.request_id, [], finish_reason="abort", error=error))
+        self._finish(req)
+        events.append(TokenEvent(rid, [], finish_reason="abort", error=error))
 
     def final_event(
         self, req: Request, reason: str, stop_reason: int | None = None, error: Exception | None = None

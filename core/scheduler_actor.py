@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-from sluice.core.errors import EngineDeadError, EngineOverloaded
+from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedError
 from sluice.core.executor import FLUSH
 from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
-from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
+from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent
 from sluice.core.scheduler import Scheduler
 from sluice.core.step import ModelOutput, SchedulerOutput
 
@@ -72,6 +72,7 @@ class SchedulerActor:
         self.profile = HostProfile()  # schedule, update, deliver
         self._wakeup = anyio.Event()
         self.dead: Exception | None = None
+        self.closed: Exception | None = None  # set by EndAllRequests: every new request is refused with it
         self.prompt_tokens = 0
         self.stats = EngineStats()
         self._publish()
@@ -94,34 +95,66 @@ class SchedulerActor:
         steps: ObjectSendStream[SchedulerOutput],
         results: ObjectReceiveStream[ModelOutput],
     ) -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._inbox_loop, inbox)
-            await self._step_loop(steps, results)
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._inbox_loop, inbox)
+                await self._step_loop(steps, results)
+                tg.cancel_scope.cancel()
+        finally:
+            self._end_all(EngineStoppedError("the engine stopped before the request finished"))
+
+    def _end_all(self, error: Exception) -> None:
+        """The engine stops: every open request ends with ``error``, so no caller waits for tokens forever."""
+        for rid in list(self.streams):
+            self.scheduler.abort(rid)
+            self._deliver(TokenEvent(rid, [], finish_reason="abort", error=error))
+        self._publish()
 
     # -- inbox -------------------------------------------------------------------------------------
     async def _inbox_loop(self, inbox: ObjectReceiveStream[AddRequest | AbortRequest]) -> None:
         async with inbox:
-            async for msg in inbox:
-                self._handle(msg)
-                # Take everything already queued before yielding: requests submitted together then reach
-                # the scheduler (woken by the first) together, and share their first step.
-                while True:
-                    try:
-                        msg = inbox.receive_nowait()
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
+            try:
+                async for msg in inbox:
                     self._handle(msg)
-                self._publish()
+                    # Take everything already queued before yielding: requests submitted together then reach
+                    # the scheduler (woken by the first) together, and share their first step.
+                    while True:
+                        try:
+                            msg = inbox.receive_nowait()
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                        self._handle(msg)
+                    self._publish()
+            finally:
+                self._refuse_queued(inbox)
 
-    def _handle(self, msg: AddRequest | AbortRequest) -> None:
+    def _refuse_queued(self, inbox: ObjectReceiveStream[AddRequest | AbortRequest]) -> None:
+        """The inbox closes: requests still queued in it are answered (refused), not dropped unanswered.
+        Later senders find it closed."""
+        while True:
+            try:
+                msg = inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            if isinstance(msg, AddRequest):
+                error = EngineStoppedError("the engine stopped before the request was admitted")
+                self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [], finish_reason="abort", error=error))
+
+    def _handle(self, msg: AddRequest | AbortRequest | EndAllRequests) -> None:
         if isinstance(msg, AddRequest):
             self._add(msg)
-        else:
+        elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
+        else:
+            self.closed = msg.error
+            self._end_all(msg.error)
 
     def _add(self, msg: AddRequest) -> None:
         s = self.scheduler
+        if self.closed is not None:
+            rid = msg.requests[0].request_id
+            self._reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=self.closed))
+            return
         if self.dead is not None:
             self._reply(
                 msg.events,

@@ -67,6 +67,21 @@ class SchedulerOutput:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
+    def rows(self, rows: list[int]) -> SchedulerOutput:
+        """Some of this step's rows again, without its changes (already applied): to re-run them alone."""
+        ids = [self.req_ids[i] for i in rows]
+        keep = set(ids)
+        return SchedulerOutput(
+            self.step_id,
+            ids,
+            [self.num_scheduled_tokens[i] for i in rows],
+            [self.num_computed_tokens[i] for i in rows],
+            [self.samples[i] for i in rows],
+            forks={p: sibs for p, sibs in self.forks.items() if p in keep},
+            num_draft_tokens={r: k for r, k in self.num_draft_tokens.items() if r in keep},
+            drafting=self.drafting & keep,
+        )
+
 
 @dataclass(slots=True)
 class ModelOutput:
@@ -76,8 +91,10 @@ class ModelOutput:
     req_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob | None] | None = None  # per row, where asked for
-    error: Exception | None = None
+    error: Exception | None = None  # the step failed: every request in it fails
     fatal: bool = False
+    # requests whose rows failed the step alone (`core/culprit.py`); the other rows' tokens are above
+    failed: dict[str, Exception] | None = None
     # speculative decoding: for rows that verified drafts, the accepted drafts then the resampled / bonus
     # token (their entry in token_ids is the last of these); and the next drafts proposed per request
     spec_token_ids: dict[str, list[int]] | None = None

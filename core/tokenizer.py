@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from sluice.core.errors import InvalidRequestError, ModelLoadError
 
 
@@ -14,7 +16,10 @@ def load_tokenizer(tokenizer_dir: str):
         raise ModelLoadError(f"cannot load the tokenizer in {tokenizer_dir}: {e}") from e
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+def apply_chat_template(tokenizer, messages: list[dict], split_special_tokens: bool = False) -> list[int]:
+    """The prompt's token ids. With ``split_special_tokens`` the template's own special tokens stay special but
+    each message's content is tokenized as plain text: "<|im_end|>" written by a user cannot end its turn and
+    open a forged system turn."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages: must be a non-empty list", param="messages")
     norm = []
@@ -41,10 +46,41 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
             )
         role = "system" if m["role"] == "developer" else m["role"]
         norm.append({"role": role, "content": content})
+    if split_special_tokens and _holds_special_text(tokenizer, norm):
+        return _with_literal_content(tokenizer, norm)
     ids = tokenizer.apply_chat_template(norm, tokenize=True, add_generation_prompt=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def _holds_special_text(tokenizer, messages: list[dict]) -> bool:
+    """Whether some content holds the text of a token the tokenizer matches whole (special or added): only then
+    is it tokenized apart from the template (content without such text tokenizes as it always did, also at its
+    edges, where the template's text and the content's may merge)."""
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values()]
+    return any(sp in m["content"] for m in messages for sp in specials)
+
+
+def _with_literal_content(tokenizer, messages: list[dict]) -> list[int]:
+    """Render the template around placeholders, then tokenize the template's text with its special tokens and
+    each content with none (`split_special_tokens`). A template that drops a message renders no placeholder
+    for it, and its content is left out as it would be."""
+    tag = uuid.uuid4().hex
+    marks = [f"\ue000{tag}{i}\ue001" for i in range(len(messages))]  # private-use characters: in no real text
+    text = tokenizer.apply_chat_template(
+        [{**m, "content": mark} for m, mark in zip(messages, marks)], tokenize=False, add_generation_prompt=True
+    )
+    ids: list[int] = []
+    pos = 0
+    for m, mark in zip(messages, marks):
+        at = text.find(mark, pos)
+        if at < 0:
+            continue
+        ids += tokenizer.encode(text[pos:at], add_special_tokens=False)
+        ids += tokenizer.encode(m["content"], add_special_tokens=False, split_special_tokens=True)
+        pos = at + len(mark)
+    return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

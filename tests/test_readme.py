@@ -60,19 +60,9 @@ def test_offline_example(tmp_path):
     assert int(cached) >= 0 and float(ttft) > 0
 
 
-LLM_EXITS_WITHOUT_CLOSE = (
-    "from sluice.core import LLM\nllm = LLM(model='dummy:tiny', device='cpu', num_kv_blocks=16, max_model_len=64)\n"
-)
-
-
 @pytest.mark.slow
 def test_tensor_parallel_example(tmp_path):
-    """As written: two gloo ranks on the CPU, and no llm.close() (vLLM's LLM needs none). That a script may leave
-    its LLM open is issue 21's (LLM lifecycle); until it has landed, this example hangs at exit: xfail then."""
-    try:
-        run_script(tmp_path, LLM_EXITS_WITHOUT_CLOSE, "probe.py", timeout=30)
-    except subprocess.TimeoutExpired:
-        pytest.xfail("an LLM left open still blocks the interpreter's exit (issue 21 has not landed)")
+    """As written: two gloo ranks on the CPU, and no llm.close() (vLLM's LLM needs none): the script exits."""
     out = run_script(tmp_path, block_with("tensor_parallel_size=2"), timeout=300)
     assert "Paris" in out
 

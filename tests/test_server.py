@@ -95,6 +95,16 @@ BAD_REQUESTS = [
     ("negative max_tokens", "/v1/chat/completions", {"messages": MSG, "max_tokens": -1}, None, 400, "max_tokens"),
     ("temperature 3", "/v1/chat/completions", {"messages": MSG, "temperature": 3}, None, 400, "temperature"),
     ("top_p 0", "/v1/chat/completions", {"messages": MSG, "top_p": 0}, None, 400, "top_p"),
+    ("n past max_waiting_requests", "/v1/chat/completions", {"messages": MSG, "n": 3}, None, 400, "n"),
+    ("seed past 64 bits", "/v1/chat/completions", {"messages": MSG, "seed": 2**64}, None, 400, "seed"),
+    (
+        "stop token past the vocabulary",
+        "/v1/chat/completions",
+        {"messages": MSG, "stop_token_ids": [10**9]},
+        None,
+        400,
+        "stop_token_ids",
+    ),
     ("top_k 0 (engine check)", "/v1/chat/completions", {"messages": MSG, "top_k": 0}, None, 400, "top_k"),
     (
         "min_tokens over max_tokens",
@@ -163,7 +173,7 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(
 
 
 def test_unknown_fields_are_ignored_and_model_may_be_named(client, dummy_server):
-    resp = chat(client, model="dummy:tiny", logit_bias={"1": 5}, parallel_tool_calls=False, whatever={"x": [1]})
+    resp = chat(client, model="dummy:tiny", parallel_tool_calls=False, whatever={"x": [1]})
     assert resp.status_code == 200
     body = resp.json()
     assert body["object"] == "chat.completion" and body["model"] == "dummy:tiny"
