@@ -63,34 +63,57 @@ class ExecutorActor:
         try:
             async with inbox, results:
                 async for msg in inbox:
-                    if msg is not FLUSH:
+                    if msg is FLUSH:
+                        await results.send(await self._collect(inflight.popleft()))
+                    elif not self.overlaps_steps:  # whole steps; the output waits for FLUSH like a launched one
                         inflight.append(await self._launch(msg, out_of_process))
-                        if len(inflight) < 2:
-                            continue
-                    await results.send(await self._collect(inflight.popleft()))
+                        if len(inflight) > 1:
+                            await results.send(inflight.popleft())
+                    else:
+                        # one hop to the worker thread: launch this step, then collect the one before it
+                        oldest = inflight.popleft() if inflight else None
+                        step, out = await anyio.to_thread.run_sync(self._launch_then_collect, msg, oldest)
+                        inflight.append(step)
+                        if out is not None:
+                            await results.send(out)
         finally:
             if out_of_process:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.runner.close)
 
-    async def _launch(self, so: SchedulerOutput, out_of_process: bool) -> LaunchedStep | ModelOutput:
+    async def _launch(self, so: SchedulerOutput, out_of_process: bool) -> ModelOutput:
+        """A whole step, for runners that do not overlap steps. A worker thread: torch releases the GIL in its
+        kernels, so the loop keeps serving."""
         try:
-            if not self.overlaps_steps:
-                # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving.
-                return await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
-            return await anyio.to_thread.run_sync(self._timed_launch, so)
+            return await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
         except Exception as e:
             logger.exception("step %d failed", so.step_id)
             return ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
 
-    async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
+    def _launch_then_collect(
+        self, so: SchedulerOutput, oldest: LaunchedStep | ModelOutput | None
+    ) -> tuple[LaunchedStep | ModelOutput, ModelOutput | None]:
+        """In the worker thread: enqueue ``so``'s device work, then turn the step before it into its output."""
+        try:
+            step = self._timed_launch(so)
+        except Exception as e:
+            logger.exception("step %d failed", so.step_id)
+            step = ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
+        return step, (None if oldest is None else self._safe_collect(oldest))
+
+    def _safe_collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
         if isinstance(step, ModelOutput):
             return step
         try:
-            return await anyio.to_thread.run_sync(self._timed_collect, step)
+            return self._timed_collect(step)
         except Exception as e:
             logger.exception("step %d failed", step.so.step_id)
             return ModelOutput(step.so.step_id, error=e, fatal=is_fatal(e))
+
+    async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
+        if isinstance(step, ModelOutput):
+            return step
+        return await anyio.to_thread.run_sync(self._safe_collect, step)
 
     def _timed_launch(self, so: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()

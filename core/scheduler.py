@@ -95,6 +95,9 @@ class Scheduler:
         req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         for sib in forks:
             sib.draft_synced = False  # forks decode without the draft head
+        max_len = self.config.max_model_len
+        for r in (req, *forks):
+            r.token_limit = min(r.token_limit, max_len)
         self.requests[req.request_id] = req
         for sib in forks:
             self.requests[sib.request_id] = sib
@@ -155,8 +158,15 @@ class Scheduler:
         req_blocks = self.kv.req_blocks
         bs = self.kv.block_size
         pending_forks = self._pending_forks
-        row_ids, row_lens, row_starts = so.req_ids, so.num_scheduled_tokens, so.num_computed_tokens
-        row_samples = so.samples
+        row_ids, row_starts = so.req_ids, so.num_computed_tokens
+
+        def fill() -> None:
+            """Lengths and samples of the inline decode rows so far (one token each, sampled)."""
+            pad = len(row_ids) - len(so.samples)
+            if pad:
+                so.num_scheduled_tokens.extend([1] * pad)
+                so.samples.extend([True] * pad)
+
         i = 0
         end = len(running)
         while i < end and budget > 0:
@@ -181,10 +191,8 @@ class Scheduler:
                     and len(blocks) == req.num_blocks_sent
                     and rid not in pending_forks
                 ):
-                    row_ids.append(rid)
-                    row_lens.append(1)
+                    row_ids.append(rid)  # its length (1) and sample (True) are filled in below
                     row_starts.append(start)
-                    row_samples.append(True)
                     req.num_computed_tokens = start + 1
                     req.num_pending = pending + 1
                     req.draft_synced = False
@@ -193,6 +201,7 @@ class Scheduler:
                     budget -= 1
                     i += 1
                     continue
+            fill()
             if spec_on and req.draft_synced:
                 drafts = self._drafts_to_verify(req, n, budget)
                 reaches_end = req.num_computed_tokens + n == req.num_tokens
@@ -219,6 +228,7 @@ class Scheduler:
             budget -= n
             i += 1
             end = len(running)  # preemption took requests off the end
+        fill()
         # 2. waiting requests, in arrival order (preempted ones were put back at the front)
         deferred: list[Request] = []
         max_seqs = self.config.max_num_seqs
@@ -384,7 +394,6 @@ class Scheduler:
         drafts = out.draft_token_ids
         logprobs = out.logprobs
         num_cached = self.kv.num_cached_blocks
-        max_len = self.config.max_model_len
         RUNNING = RequestStatus.RUNNING
         caching = self.kv.enable_prefix_caching
         finished = 0
@@ -411,7 +420,7 @@ class Scheduler:
                 reason = stop_reason = None
                 if token in req.stop_ids and len(outputs) >= req.sampling_params.min_tokens:
                     reason, stop_reason = "stop", token
-                elif len(outputs) >= req.max_tokens or len(req.all_token_ids) >= max_len:
+                elif len(req.all_token_ids) >= req.token_limit:  # max_tokens or max_model_len
                     reason = "length"
                 self.num_generation_tokens += 1
             if drafts is not None:
