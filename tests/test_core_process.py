@@ -276,3 +276,23 @@ async def test_cancelling_the_caller_while_the_core_starts_leaves_no_process():
     assert seen, "the core's process was never seen"
     for pid in seen:
         wait_gone(pid, timeout=1.0)
+
+
+def test_an_llm_with_its_core_in_a_process_exits_without_close(tmp_path):
+    """`LLM(..., engine_core_process=True)` in a script that never closes it: the script prints its outputs and
+    exits, and its core's process is gone with it."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "from sluice.core import LLM, SamplingParams\n\n"
+        'if __name__ == "__main__":\n'
+        '    llm = LLM(model="dummy:tiny", device="cpu", num_kv_blocks=32, max_model_len=128,\n'
+        "              engine_core_process=True)\n"
+        '    out = llm.generate(["hi", "there"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)\n'
+        "    print(llm.engine.core_pid, [len(o.outputs[0].token_ids) for o in out], flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    pid, lens = proc.stdout.split(" ", 1)
+    assert lens.strip() == "[3, 3]" and "Traceback" not in proc.stderr
+    wait_gone(int(pid))
