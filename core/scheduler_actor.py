@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -75,6 +76,8 @@ class SchedulerActor:
         self.closed: Exception | None = None  # set by EndAllRequests: every new request is refused with it
         self.prompt_tokens = 0
         self.stats = EngineStats()
+        # Called after every publish: a core in its own process sends the new counters to the front end.
+        self.on_publish: Callable[[], None] | None = None
         self._publish()
 
     def _publish(self) -> None:
@@ -88,6 +91,8 @@ class SchedulerActor:
             spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
         )
+        if self.on_publish is not None:
+            self.on_publish()
 
     async def run(
         self,

@@ -14,6 +14,7 @@ BENCHMARKS = (
     "sluice.app.bench.perplexity",
     "sluice.app.bench.host",
     "sluice.app.bench.steps",
+    "sluice.app.bench.clients",
 )
 
 
