@@ -4,8 +4,10 @@ the event loop.
 Its inbox carries steps (`SchedulerOutput`) and `FLUSH`. A step is launched at once; the oldest launched
 step is collected, and its `ModelOutput` sent back, when a second step is launched behind it (asynchronous
 scheduling: the device goes straight on to the next step while the host processes this one's tokens) or
-when `FLUSH` asks for it (the scheduler needs the tokens before it can go on). So at most two steps are in
-flight, and outputs come back in step order.
+when `FLUSH` asks for it (the scheduler needs the tokens before it can go on). A step marked ``sync`` (alone,
+and the scheduler waits for it: speculative steps, asynchronous scheduling off) is collected in the same hop
+to the worker thread and answered at once. So at most two steps are in flight, and outputs come back in step
+order.
 """
 
 from __future__ import annotations
@@ -67,14 +69,16 @@ class ExecutorActor:
                         await results.send(await self._collect(inflight.popleft()))
                     elif not self.overlaps_steps:  # whole steps; the output waits for FLUSH like a launched one
                         inflight.append(await self._launch(msg, out_of_process))
-                        if len(inflight) > 1:
+                        if msg.sync or len(inflight) > 1:
                             await results.send(inflight.popleft())
                     else:
-                        # one hop to the worker thread: launch this step, then collect the one before it
+                        # one hop to the worker thread: launch this step, then collect the one before it (and
+                        # this one too, when the scheduler waits for it)
                         oldest = inflight.popleft() if inflight else None
-                        step, out = await anyio.to_thread.run_sync(self._launch_then_collect, msg, oldest)
-                        inflight.append(step)
-                        if out is not None:
+                        step, outs = await anyio.to_thread.run_sync(self._launch_then_collect, msg, oldest)
+                        if step is not None:
+                            inflight.append(step)
+                        for out in outs:
                             await results.send(out)
         finally:
             if out_of_process:
@@ -92,14 +96,18 @@ class ExecutorActor:
 
     def _launch_then_collect(
         self, so: SchedulerOutput, oldest: LaunchedStep | ModelOutput | None
-    ) -> tuple[LaunchedStep | ModelOutput, ModelOutput | None]:
-        """In the worker thread: enqueue ``so``'s device work, then turn the step before it into its output."""
+    ) -> tuple[LaunchedStep | ModelOutput | None, list[ModelOutput]]:
+        """In the worker thread: enqueue ``so``'s device work, then turn the step before it into its output, and
+        ``so`` too when it is a synchronous step (then nothing stays in flight)."""
         try:
             step = self._timed_launch(so)
         except Exception as e:
             logger.exception("step %d failed", so.step_id)
             step = ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
-        return step, (None if oldest is None else self._safe_collect(oldest))
+        outs = [] if oldest is None else [self._safe_collect(oldest)]
+        if so.sync:
+            return None, [*outs, self._safe_collect(step)]
+        return step, outs
 
     def _safe_collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
         if isinstance(step, ModelOutput):
@@ -113,6 +121,8 @@ class ExecutorActor:
     async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
         if isinstance(step, ModelOutput):
             return step
+        if step.output is not None:  # complete at launch: nothing to wait for
+            return step.output
         return await anyio.to_thread.run_sync(self._safe_collect, step)
 
     def _timed_launch(self, so: SchedulerOutput) -> LaunchedStep:

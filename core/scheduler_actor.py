@@ -247,9 +247,11 @@ class SchedulerActor:
                     so = s.schedule()
                     prof.schedule += time.perf_counter() - t0
                     if so.req_ids:
+                        # alone, and the next step needs its tokens: the executor answers it at once
+                        so.sync = not inflight and (not overlap or s.needs_sync())
                         await steps.send(so)
                         inflight.append((so, mark))
-                        if len(inflight) < 2:
+                        if not so.sync and len(inflight) < 2:
                             continue  # the executor sends this step's output when the next one arrives
                     elif not inflight:
                         self._fail_unschedulable()
