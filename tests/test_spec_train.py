@@ -223,8 +223,8 @@ def test_cli_extra_given_examples_join_the_regenerated_ones(tmp_path):
 
 
 def test_time_limit_follows_steps_that_keep_getting_faster(tmp_path, tiny_target, monkeypatch):
-    """A fake clock: the first 60 steps take 1 s, the rest 0.1 s. A plan from the average pace so far ends near
-    step 107; re-planning from the recent pace at the planned end fills the 100 s (~60 + 400 steps)."""
+    """A fake clock: the first 30 steps take 1 s, the rest 0.1 s. A plan from the average pace so far ends far
+    short; re-planning from the recent pace at the planned end fills the 50 s (~30 + 200 steps)."""
     import types
 
     import sluice.spec.train as st
@@ -235,12 +235,12 @@ def test_time_limit_follows_steps_that_keep_getting_faster(tmp_path, tiny_target
 
     def timed_losses(*args, **kwargs):
         clock["steps"] += 1
-        clock["t"] += 1.0 if clock["steps"] <= 60 else 0.1
+        clock["t"] += 1.0 if clock["steps"] <= 30 else 0.1
         return losses(*args, **kwargs)
 
     monkeypatch.setattr(st, "_losses", timed_losses)
     monkeypatch.setattr(st, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
     cfg = TrainConfig(**{**CFG, "epochs": 1000, "batch_tokens": 4096, "checkpoint_every": 10_000})
     examples = _examples(4)
-    res = train_draft_head(model, "dummy:tiny", source.config, examples, tmp_path, cfg, progress=False, time_limit=100)
-    assert 400 < res.steps < 480 and clock["t"] <= 100.5, (res.steps, clock["t"])
+    res = train_draft_head(model, "dummy:tiny", source.config, examples, tmp_path, cfg, progress=False, time_limit=50)
+    assert 200 < res.steps < 240 and clock["t"] <= 50.5, (res.steps, clock["t"])
