@@ -121,7 +121,11 @@ class Scheduler:
         if not self.config.async_scheduling:
             return True
         k = self.config.num_speculative_tokens
-        return k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
+        if k == 0 or len(self.running) + len(self.waiting) > self.config.speculative_disable_batch_size:
+            return False
+        # only a request whose draft head has kept up can speculate: the others (decoded without it once, at a
+        # larger batch) let the steps overlap as without a head
+        return any(r.draft_synced for r in self.running) or any(r.draft_synced for r in self.waiting)
 
     @property
     def num_waiting(self) -> int:
