@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 from sluice.core.admission import AdmissionGate
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
+from sluice.core.disagg_scheduler import scheduler_class
 from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
 from sluice.core.executor import ExecutorActor
 from sluice.core.host_profile import HostProfile
@@ -106,8 +107,10 @@ class AsyncEngine:
         self._executor = ExecutorActor.start(self.args, source, self.max_model_len)
         runner = self._executor.runner
         kv = KVCacheManager(runner.num_kv_blocks, self.args.block_size, self.args.enable_prefix_caching)
+        # prefill/decode disaggregation: a pair's engines run role schedulers (core/disagg_scheduler.py)
+        scheduler_cls = Scheduler if self.args.kv_role == "both" else scheduler_class(self.args.kv_role)
         self._scheduler_actor = SchedulerActor(
-            Scheduler(
+            scheduler_cls(
                 SchedulerConfig(
                     max_num_seqs=self.args.max_num_seqs,
                     max_num_batched_tokens=self.args.max_num_batched_tokens,
