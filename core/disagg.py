@@ -119,9 +119,7 @@ class DisaggEngine:
             if bad:
                 raise InvalidRequestError(f"unknown engine argument(s): {', '.join(sorted(bad))}")
         self.prefill = AsyncEngine(
-            replace(
-                self.args, kv_role="prefill", device=prefill_device or self.args.device, **(prefill_args or {})
-            )
+            replace(self.args, kv_role="prefill", device=prefill_device or self.args.device, **(prefill_args or {}))
         )
         self.decode = AsyncEngine(
             replace(self.args, kv_role="decode", device=decode_device or self.args.device, **(decode_args or {}))
@@ -260,7 +258,8 @@ class DisaggEngine:
         self._live_ids.add(request_id)
 
         # a request must fit both pools
-        limits = replace(engine._limits, max_kv_tokens=min(self.prefill._limits.max_kv_tokens, engine._limits.max_kv_tokens))
+        room = min(self.prefill._limits.max_kv_tokens, engine._limits.max_kv_tokens)
+        limits = replace(engine._limits, max_kv_tokens=room)
 
         def run() -> AsyncIterator[RequestOutput]:
             return run_request(
@@ -421,10 +420,8 @@ class DisaggEngine:
             bs = self.args.block_size
             answer = None
             if not route.aborted:
-                answer = await _ask(
-                    self.decode,
-                    ReserveBlocks(rid, token_ids=list(req.prompt_token_ids[: len(src) * bs]), cache_salt=req.cache_salt),
-                )
+                full = list(req.prompt_token_ids[: len(src) * bs])
+                answer = await _ask(self.decode, ReserveBlocks(rid, token_ids=full, cache_salt=req.cache_salt))
             if answer is None:
                 return False
             reserved = True

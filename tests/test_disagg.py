@@ -76,7 +76,8 @@ def cases(seed: int, n: int, min_len: int = 1, max_len: int = 90) -> list[tuple[
         if i % 2:
             params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=0, ignore_eos=True)
         else:
-            params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=1.0, seed=seed * 1000 + i, ignore_eos=True)
+            seed_i = seed * 1000 + i
+            params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=1.0, seed=seed_i, ignore_eos=True)
         out.append((prompt, params))
     return out
 
