@@ -87,6 +87,7 @@ class PairStats:
     num_shipped: int = 0  # decode admitted them with shipped blocks
     num_recomputed: int = 0  # the transfer failed or found no room: decode recomputed the prompt
     num_local_blocks: int = 0  # full prompt blocks the decode engine had cached already (not shipped)
+    num_cancelled_in_transfer: int = 0  # cancelled between their first token and the decode engine
     prompt_tokens: int = 0
 
 
@@ -367,6 +368,7 @@ class DisaggEngine:
         # 2. the prompt's KV to the decode engine
         reserved = await self._ship(rid, req, route)
         if route.aborted:
+            self.pair_stats.num_cancelled_in_transfer += 1
             if reserved:
                 await _ask(self.decode, ReleaseBlocks(rid))
             return

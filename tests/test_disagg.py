@@ -225,12 +225,19 @@ async def test_200_random_cancellations_leak_no_block(pair):
                 if seen >= stop_after:
                     break
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(work)):
-            tg.start_soon(one, i)
-            if i % 8 == 0:
-                await anyio.sleep(0)
+    # transfers that take a moment, so that cancellations land in every stage: prefill, transfer, decode
+    pair.transport.fault = lambda: time.sleep(0.01)
+    before = pair.pair_stats.num_cancelled_in_transfer
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(work)):
+                tg.start_soon(one, i)
+                if i % 8 == 0:
+                    await anyio.sleep(0)
+    finally:
+        pair.transport.fault = None
     await quiesce(pair)
+    assert pair.pair_stats.num_cancelled_in_transfer > before
     assert_no_block_held(pair)
 
 
