@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 def register(subparsers) -> None:
     from sluice.app.cli import add_engine_args
+    from sluice.app.disagg_cli import add_disagg_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -78,12 +79,14 @@ def register(subparsers) -> None:
         help="write every engine step to FILE (JSON lines) for `sluice inspect --trace FILE`; turns the inspector on",
     )
     add_engine_args(p)
+    add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/disagg_cli.py)
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
     from sluice.app.cli import engine_args_from
+    from sluice.app.disagg_cli import pair_engine
     from sluice.app.server import SHUTDOWN_MARGIN_S, build_app
     from sluice.core.engine import AsyncEngine
     from sluice.core.models.loader import resolve_model
@@ -95,7 +98,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     resolve_model(args.model)
     if ns.record_trace:
         args.enable_inspector = True
-    engine = AsyncEngine(args)
+    engine = pair_engine(ns, args) or AsyncEngine(args)
     app = build_app(
         engine,
         api_key=ns.api_key,

@@ -125,6 +125,7 @@ class DisaggEngine:
         self.decode = AsyncEngine(
             replace(self.args, kv_role="decode", device=decode_device or self.args.device, **(decode_args or {}))
         )
+        self.prefill.paired = self.decode.paired = True  # each is half of this pair (AsyncEngine refuses alone)
         self.pair_stats = PairStats()
         self.transport: KVTransport | None = None
         self._routes: dict[str, _Route] = {}

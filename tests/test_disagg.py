@@ -314,3 +314,24 @@ async def test_real_model_pair_equals_one_engine(default_tokenizer):
         assert await run_all(pair, work[:4], concurrent=False) == ref[:4]
         assert await run_all(pair, work, concurrent=True) == ref
         assert pair.pair_stats.num_shipped >= 32
+
+
+def test_bench_disagg_runs_both_configurations(tmp_path, capsys):
+    import json
+
+    from sluice.app.cli import main as sluice
+
+    out = tmp_path / "disagg.json"
+    argv = [
+        "bench", "disagg", "--model", "dummy:tiny", "--prefill-device", "cpu", "--decode-device", "cpu",
+        "--dataset", "random", "--num-prompts", "8", "--input-len", "20", "--output-len", "4",
+        "--long-fraction", "0.25", "--long-len", "70", "--long-output-len", "3", "--request-rate", "inf",
+        "--num-kv-blocks", "64", "--max-model-len", "256", "--out", str(out),
+    ]  # fmt: skip
+    assert sluice(argv) == 0
+    r = json.loads(out.read_text())
+    for name in ("pair", "split"):
+        assert r[name]["completed"] == 8 and r[name]["failed"] == 0
+    assert r["pair"]["kv_transfer"]["transfers"] == 8 and r["pair"]["kv_transfer"]["recomputed"] == 0
+    assert r["pair"]["kv_transfer"]["blocks"] == 6 * 1 + 2 * 4  # full blocks of 6 x 20 and 2 x 70 tokens
+    assert r["itl_p99_gain"] is not None and "pair vs split" in capsys.readouterr().out

@@ -13,6 +13,7 @@ BENCHMARKS = (
     "sluice.app.bench.prefix",
     "sluice.app.bench.perplexity",
     "sluice.app.bench.host",
+    "sluice.app.bench.disagg",
 )
 
 
