@@ -58,7 +58,13 @@ from sluice.core.disagg_scheduler import (
     TakeShipment,
 )
 from sluice.core.engine import OFF_LOOP_CHARS, AsyncEngine, Prompt, _text_chars
-from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
+from sluice.core.errors import (
+    EngineDeadError,
+    EngineOverloaded,
+    EngineStoppedError,
+    InvalidRequestError,
+    SluiceError,
+)
 from sluice.core.outputs import RequestOutput
 from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent
 from sluice.core.request_actor import run_request
@@ -158,6 +164,8 @@ class DisaggEngine:
 
     async def __aexit__(self, *exc) -> bool | None:
         assert self._stack is not None and self._tg is not None
+        if self.transport is not None:
+            self.transport.kill()  # a transfer in flight ends now, not at its timeout
         self._tg.cancel_scope.cancel()
         stack, self._stack, self._tg = self._stack, None, None
         await stack.aclose()
@@ -302,20 +310,36 @@ class DisaggEngine:
 
     # -- the router: stands in for a scheduler's inbox -----------------------------------------------------
     async def _router(self, inbox) -> None:
-        async with inbox, anyio.create_task_group() as tg:
-            async for msg in inbox:
+        try:
+            async with inbox, anyio.create_task_group() as tg:
+                await self._serve_inbox(inbox, tg)
+        finally:
+            # The pair stops: requests still queued here are refused (routed ones end in `_route`), later ones
+            # find the inbox closed.
+            stopped = EngineStoppedError("the engine pair stopped before the request was admitted")
+            while True:
+                try:
+                    msg = inbox.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
                 if isinstance(msg, AddRequest):
-                    tg.start_soon(self._route, msg)
-                elif isinstance(msg, AbortRequest):
-                    route = self._routes.get(msg.request_id)
-                    if route is not None:
-                        route.aborted = True  # checked between the stages
-                    # wherever it is now: an abort for an id an engine does not hold is ignored there
-                    for engine in (self.prefill, self.decode):
-                        await _send(engine, AbortRequest(msg.request_id))
-                elif isinstance(msg, EndAllRequests):
-                    for engine in (self.prefill, self.decode):
-                        await _send(engine, msg)
+                    rid = msg.requests[0].request_id
+                    _reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
+
+    async def _serve_inbox(self, inbox, tg) -> None:
+        async for msg in inbox:
+            if isinstance(msg, AddRequest):
+                tg.start_soon(self._route, msg)
+            elif isinstance(msg, AbortRequest):
+                route = self._routes.get(msg.request_id)
+                if route is not None:
+                    route.aborted = True  # checked between the stages
+                # wherever it is now: an abort for an id an engine does not hold is ignored there
+                for engine in (self.prefill, self.decode):
+                    await _send(engine, AbortRequest(msg.request_id))
+            elif isinstance(msg, EndAllRequests):
+                for engine in (self.prefill, self.decode):
+                    await _send(engine, msg)
 
     async def _route(self, msg: AddRequest) -> None:
         req = msg.requests[0]
@@ -329,6 +353,11 @@ class DisaggEngine:
         route = self._routes[rid] = _Route(rid)
         try:
             await self._split(msg, req, route)
+        except anyio.get_cancelled_exc_class():
+            # the pair stops: the caller's loop ends with an error, as each engine ends its own requests
+            stopped = EngineStoppedError("the engine pair stopped before the request finished")
+            _reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
+            raise
         finally:
             del self._routes[rid]
 
