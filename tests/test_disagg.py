@@ -360,3 +360,19 @@ async def test_stopping_the_pair_ends_requests_in_flight():
                     await anyio.sleep(0.01)
         # the pair has stopped: every caller's loop ends with an error, none waits forever
     assert len(errors) == 4
+
+
+@pytest.mark.slow
+def test_readme_example(tmp_path):
+    """The README's DisaggEngine example, as written: its prompt crosses from prefill to decode."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M) if "DisaggEngine(" in b]
+    (tmp_path / "pair.py").write_text(block)
+    run = subprocess.run([sys.executable, "pair.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout and "num_shipped=1" in run.stdout
