@@ -210,12 +210,22 @@ class KVTransport:
         if sent:
             self._wait(sent[0], deadline)
         if received.device.type == "cuda":
-            torch.cuda.current_stream(received.device).synchronize()
+            torch.cuda.synchronize(received.device)  # the receive's stream has written it
         return received
 
     def _wait(self, work, deadline: float) -> None:
-        """Wait for one op, giving up at ``deadline`` or when killed. Neither gloo's wait nor its futures can be
-        interrupted, so a helper thread does the blocking wait (it ends at the group's own timeout at worst)."""
+        """Wait for one op, giving up at ``deadline`` or when killed. Neither kind of op can be interrupted:
+        a gloo op completes only inside its (blocking) ``wait``, which a helper thread does (it ends at the
+        group's own timeout at worst); an NCCL op's ``wait`` does not block the host at all, so its completion
+        is polled, a fraction of a millisecond apart at first."""
+        if self.send_device.type == "cuda":
+            pause = 0.0002
+            while not work.is_completed():
+                self._check(deadline)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+            work.wait()  # completed: raises its error, if it failed
+            return
         done = threading.Event()
         failure: list[BaseException] = []
 
@@ -228,9 +238,12 @@ class KVTransport:
 
         threading.Thread(target=wait, name="kv-wait", daemon=True).start()
         while not done.wait(0.05):
-            if self._killed.is_set():
-                raise TransferFailed("KV transfer killed")
-            if time.monotonic() > deadline:
-                raise TransferFailed(f"KV transfer timed out after {self.timeout_s:g} s")
+            self._check(deadline)
         if failure:
             raise TransferFailed(f"KV transfer failed: {failure[0]}")
+
+    def _check(self, deadline: float) -> None:
+        if self._killed.is_set():
+            raise TransferFailed("KV transfer killed")
+        if time.monotonic() > deadline:
+            raise TransferFailed(f"KV transfer timed out after {self.timeout_s:g} s")

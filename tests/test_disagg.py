@@ -376,3 +376,24 @@ def test_readme_example(tmp_path):
     run = subprocess.run([sys.executable, "pair.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout and "num_shipped=1" in run.stdout
+
+
+def test_transport_ships_blocks_between_pools_and_recovers_from_a_kill():
+    import torch
+    from sluice.kv.transfer import KVTransport, TransferFailed, gather_blocks, scatter_blocks
+
+    src = [torch.randn(2, 10, 4, 2, 3) for _ in range(3)]
+    dst = [torch.zeros(2, 12, 4, 2, 3) for _ in range(3)]
+    transport = KVTransport(torch.device("cpu"), torch.device("cpu"), timeout_s=10)
+    scatter_blocks(dst, [0, 5, 6], transport.transfer(gather_blocks(src, [3, 1, 7])))
+    for a, b in zip(src, dst):
+        assert torch.equal(b[:, [0, 5, 6]], a[:, [3, 1, 7]])
+        assert not b[:, [1, 2, 3, 4, 7]].any()  # nothing else written
+    assert transport.stats.num_bytes == 3 * kv_transfer.block_bytes(src)
+    transport.fault = transport.kill
+    with pytest.raises(TransferFailed, match="killed"):
+        transport.transfer(gather_blocks(src, [0]))
+    transport.fault = None
+    payload = gather_blocks(src, [2, 4])
+    assert torch.equal(transport.transfer(payload), payload)
+    assert (transport.stats.num_transfers, transport.stats.num_failed, transport.stats.generation) == (2, 1, 2)
