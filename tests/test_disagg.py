@@ -397,3 +397,18 @@ def test_transport_ships_blocks_between_pools_and_recovers_from_a_kill():
     payload = gather_blocks(src, [2, 4])
     assert torch.equal(transport.transfer(payload), payload)
     assert (transport.stats.num_transfers, transport.stats.num_failed, transport.stats.generation) == (2, 1, 2)
+
+
+def test_serve_refuses_half_a_pair(capsys):
+    from sluice.app.cli import main as sluice
+
+    assert sluice(["serve", "--model", "dummy:tiny", "--device", "cpu", "--kv-role", "prefill"]) == 2
+    assert "runs in a pair" in capsys.readouterr().err
+    assert sluice(["serve", "--model", "dummy:tiny", "--device", "cpu", "--prefill-device", "cpu"]) == 2
+    assert "both --prefill-device and --decode-device" in capsys.readouterr().err
+
+
+async def test_a_lone_role_engine_is_refused():
+    with pytest.raises(InvalidRequestError, match="half of a prefill/decode pair"):
+        async with AsyncEngine(EngineArgs(**TINY, kv_role="decode")):
+            pass
