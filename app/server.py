@@ -36,6 +36,7 @@ from sluice.app import schemas as S
 from sluice.app.errors import APIError, engine_error, internal_error, validation_error
 from sluice.app.metrics import RequestTracker, ServerMetrics
 from sluice.app.openapi import openapi_schema
+from sluice.app.stream_chunks import ChatChunks, CompletionChunks
 from sluice.core import __version__
 from sluice.core.errors import EngineStoppedError, InvalidRequestError, SluiceError
 from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
@@ -529,11 +530,18 @@ class OpenAIServer:
             )
             return c.model_dump_json(exclude_unset=True)
 
+        fast = ChatChunks(rid, created, model, req.include_usage)
+
         def make_chunk(out: RequestOutput) -> str | None:
             emit, lps = self._delta_logprobs(out, want_lp, pending)
             if not emit:
                 return None
-            if out.index not in role_sent:
+            first = out.index not in role_sent
+            if lps is None:
+                if first:
+                    role_sent.add(out.index)
+                return fast.chunk(out.index, out.delta_text, first, out.finish_reason)
+            if first:
                 role_sent.add(out.index)
                 delta = S.DeltaMessage(role="assistant", content=out.delta_text)
             else:
@@ -583,10 +591,14 @@ class OpenAIServer:
             )
             return c.model_dump_json(exclude_unset=True)
 
+        fast = CompletionChunks(rid, created, model, req.include_usage)
+
         def make_chunk(out: RequestOutput) -> str | None:
             emit, lps = self._delta_logprobs(out, want_lp, pending)
             if not emit:
                 return None
+            if lps is None:
+                return fast.chunk(out.index, out.delta_text, out.finish_reason)
             lp = None
             if lps is not None:
                 lp = self._completion_logprobs(lps, offsets.get(out.index, 0))

@@ -78,9 +78,18 @@ def register(subparsers) -> None:
         metavar="FILE",
         help="write every engine step to FILE (JSON lines) for `sluice inspect --trace FILE`; turns the inspector on",
     )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log a line per HTTP request (default: off: at thousands of requests a second it costs the front end "
+        "time it needs for streaming)",
+    )
     add_engine_args(p)
     add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/disagg_cli.py)
-    p.set_defaults(func=cmd_serve)
+    # A server runs its engine core in a process of its own: HTTP, detokenization and SSE encoding then never
+    # take time from scheduling (--no-engine-core-process keeps one process).
+    p.set_defaults(func=cmd_serve, engine_core_process=True)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -116,6 +125,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         host=ns.host,
         port=ns.port,
         log_level=ns.log_level,
+        access_log=ns.access_log,
         lifespan="on",
         # At shutdown_timeout the server ends what is still in flight with an error (OpenAIServer.drain); the
         # margin lets those answers go out before uvicorn cancels what is left.

@@ -77,6 +77,12 @@ class EngineArgs:
     tensor_parallel_local_size: int | None = _arg(
         None, "ranks on this host (the others join from other hosts via MASTER_ADDR/MASTER_PORT); default: all"
     )
+    engine_core_process: bool = _arg(
+        False,
+        "run the engine core (scheduler, executor, model) in a process of its own, so HTTP, detokenization and "
+        "streaming never take time from scheduling; `sluice serve` turns it on. Off: one process (debugging, the "
+        "smallest machines). The inspector needs one process: with it on this is ignored",
+    )
     enable_inspector: bool = _arg(False, "record per-step metadata and KV snapshots for the /inspect page")
     async_scheduling: bool = _arg(
         True,

@@ -125,11 +125,24 @@ class DisaggEngine:
             bad = set(extra or ()) - known
             if bad:
                 raise InvalidRequestError(f"unknown engine argument(s): {', '.join(sorted(bad))}")
+        # Both engine cores run in this process (engine_core_process off): the transfer reads and writes their KV
+        # pools, and the router talks to their scheduler actors directly.
+        one_process = {"engine_core_process": False}
         self.prefill = AsyncEngine(
-            replace(self.args, kv_role="prefill", device=prefill_device or self.args.device, **(prefill_args or {}))
+            replace(
+                self.args,
+                kv_role="prefill",
+                device=prefill_device or self.args.device,
+                **{**one_process, **(prefill_args or {})},
+            )
         )
         self.decode = AsyncEngine(
-            replace(self.args, kv_role="decode", device=decode_device or self.args.device, **(decode_args or {}))
+            replace(
+                self.args,
+                kv_role="decode",
+                device=decode_device or self.args.device,
+                **{**one_process, **(decode_args or {})},
+            )
         )
         self.prefill.paired = self.decode.paired = True  # each is half of this pair (AsyncEngine refuses alone)
         self.pair_stats = PairStats()

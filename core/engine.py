@@ -1,8 +1,10 @@
 """AsyncEngine (the embeddable async API) and LLM (the sync offline API over the same engine).
 
-`AsyncEngine` wires the actors into one task group: a SchedulerActor, an ExecutorActor, and one
-RequestActor per `generate()` call (running in the caller's task). They share nothing mutable and
-talk only over bounded anyio memory streams.
+`AsyncEngine` is the front end: one RequestActor per `generate()` call (running in the caller's task) puts
+its requests on the engine's inbox and reads its events. Behind the inbox runs the engine core (the
+SchedulerActor and the ExecutorActor, `core/engine_core.py`): in this process's task group, or with
+``engine_core_process`` in a process of its own, reached through a bridge (`core/core_client.py`) that
+presents the same streams. The actors share nothing mutable and talk only over bounded anyio memory streams.
 """
 
 from __future__ import annotations
@@ -20,19 +22,16 @@ from typing import Any
 import anyio
 from sluice.core.admission import AdmissionGate
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
-from sluice.core.disagg_scheduler import scheduler_class
+from sluice.core.engine_core import EngineCore
 from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
-from sluice.core.executor import ExecutorActor
 from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import PromptOutput, RequestOutput
 from sluice.core.request_actor import RequestLimits, make_requests, run_request
 from sluice.core.sampling_params import SamplingParams
-from sluice.core.scheduler import Scheduler, SchedulerConfig
-from sluice.core.scheduler_actor import EngineStats, SchedulerActor
+from sluice.core.scheduler_actor import EngineStats
 from sluice.core.tokenizer import apply_chat_template, load_tokenizer
-from sluice.kv.manager import KVCacheManager
 
 logger = logging.getLogger("sluice")
 
@@ -54,6 +53,7 @@ class AsyncEngine:
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
         self._entered = False  # inside `async with` (starting, running or stopping)
+        self._client = None  # the bridge to the core's own process (engine_core_process), while it runs
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -64,19 +64,21 @@ class AsyncEngine:
         self._entered = True
         try:
             await anyio.to_thread.run_sync(self._load)
+            if self._split:
+                await self._start_core()
         except BaseException:
             self._entered = False
             raise
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
-        steps_send, steps_recv = anyio.create_memory_object_stream(1)
-        results_send, results_recv = anyio.create_memory_object_stream(1)
         # Library callers wait here for room (back-pressure) instead of being refused; see core/admission.py.
         self._gate = AdmissionGate(self.args.max_num_seqs + self.args.max_waiting_requests)
         self._request_ended = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        self._tg.start_soon(self._executor.run, steps_recv, results_send)
-        self._tg.start_soon(self._scheduler_actor.run, inbox_recv, steps_send, results_recv)
+        if self._client is not None:
+            self._tg.start_soon(self._client.run, inbox_recv)
+        else:
+            self._tg.start_soon(self._core.run, inbox_recv)
         return self
 
     async def __aexit__(self, *exc) -> bool | None:
@@ -87,6 +89,27 @@ class AsyncEngine:
         finally:
             self._tg = None
             self._entered = False
+            if self._client is not None:
+                with anyio.CancelScope(shield=True):  # also when the caller was cancelled: no orphan process
+                    await anyio.to_thread.run_sync(self._client.close)
+
+    @property
+    def _split(self) -> bool:
+        """The core runs in a process of its own (the inspector reads the recorder live: one process)."""
+        return self.args.engine_core_process and not self.args.enable_inspector
+
+    async def _start_core(self) -> None:
+        from sluice.core.core_client import CoreClient
+
+        client = CoreClient(self.args, self.max_model_len)
+        try:
+            await client.start()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(client.close)
+            raise
+        self._client = client
+        self._set_limits(client.num_kv_blocks)
 
     def _load(self) -> None:
         # prefill/decode disaggregation: alone, a prefill engine would pin every prompt's blocks for a peer that
@@ -112,33 +135,24 @@ class AsyncEngine:
                 f"max_model_len: {self.args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
             )
         self.max_model_len = self.args.max_model_len or min(limit, MAX_MODEL_LEN_DEFAULT)
-        self._executor = ExecutorActor.start(self.args, source, self.max_model_len)
-        runner = self._executor.runner
-        kv = KVCacheManager(runner.num_kv_blocks, self.args.block_size, self.args.enable_prefix_caching)
-        # prefill/decode disaggregation: a pair's engines run role schedulers (core/disagg_scheduler.py)
-        scheduler_cls = Scheduler if self.args.kv_role == "both" else scheduler_class(self.args.kv_role)
-        self._scheduler_actor = SchedulerActor(
-            scheduler_cls(
-                SchedulerConfig(
-                    max_num_seqs=self.args.max_num_seqs,
-                    max_num_batched_tokens=self.args.max_num_batched_tokens,
-                    max_model_len=self.max_model_len,
-                    max_waiting_requests=self.args.max_waiting_requests,
-                    num_speculative_tokens=self.args.num_speculative_tokens if runner.drafter is not None else 0,
-                    speculative_disable_batch_size=self.args.speculative_disable_batch_size,
-                    async_scheduling=self.args.async_scheduling and self._executor.overlaps_steps,
-                ),
-                kv,
-            ),
-            inspector=self.args.enable_inspector,
-        )
+        self._eos = tuple(source.eos_token_ids)
+        self._client = None
+        if self._split:
+            return  # the core loads the model in its own process (`_start_core`)
+        if self.args.engine_core_process:
+            logger.warning("engine_core_process: the inspector needs the engine in one process; running in one")
+        self._core = EngineCore.build(self.args, source, self.max_model_len)
+        self._executor = self._core.executor
+        self._scheduler_actor = self._core.scheduler_actor
+        self._set_limits(self._core.num_kv_blocks)
+
+    def _set_limits(self, num_kv_blocks: int) -> None:
         self._limits = RequestLimits(
             self.max_model_len,
-            cfg.vocab_size,
-            runner.num_kv_blocks * self.args.block_size,
+            self.source.config.vocab_size,
+            num_kv_blocks * self.args.block_size,
             self.args.max_waiting_requests,
         )
-        self._eos = tuple(source.eos_token_ids)
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -177,8 +191,9 @@ class AsyncEngine:
         arrival = time.time()
         if self._tg is None:
             raise SluiceError("engine is not running: use `async with AsyncEngine(...) as engine`")
-        if self._scheduler_actor.dead is not None:
-            raise EngineDeadError(f"engine is dead: {self._scheduler_actor.dead}")
+        dead = self._dead
+        if dead is not None:
+            raise dead if isinstance(dead, EngineDeadError) else EngineDeadError(f"engine is dead: {dead}")
         params = params or SamplingParams()
         if _text_chars(prompt) > OFF_LOOP_CHARS:
             prompt_ids = await anyio.to_thread.run_sync(self.tokenize_prompt, prompt, limiter=self._tokenizers)
@@ -236,7 +251,7 @@ class AsyncEngine:
         while True:
             with anyio.move_on_after(0.5):
                 await self._request_ended.wait()
-            if self.stats().num_waiting + num_seqs <= limit or self._scheduler_actor.dead is not None:
+            if self.stats().num_waiting + num_seqs <= limit or self._dead is not None:
                 return
 
     async def abort(self, request_id: str) -> None:
@@ -256,20 +271,33 @@ class AsyncEngine:
             await self._inbox_send.send(EndAllRequests(error))
 
     def stats(self) -> EngineStats:
-        """Counters as of the last step (after a stop: as the engine left them)."""
+        """Counters as of the last step (after a stop: as the engine left them). With the core in its own
+        process: as of its last message, which follows every step."""
+        client = getattr(self, "_client", None)
+        if client is not None:
+            return client.stats
         actor = getattr(self, "_scheduler_actor", None)
         if actor is None:
             raise SluiceError("the engine has not started: stats() needs `async with AsyncEngine(...)` first")
         return actor.stats
 
     def host_profile(self) -> HostProfile:
-        """Where the steps' host time went so far, by phase (cumulative; `HostProfile.since` for a window)."""
+        """Where the steps' host time went so far, by phase (cumulative; `HostProfile.since` for a window).
+        Empty with the core in its own process (the profile lives there)."""
+        if getattr(self, "_client", None) is not None:
+            return HostProfile()
         return self._scheduler_actor.profile.merged(self._executor.profile)
+
+    @property
+    def core_pid(self) -> int | None:
+        """The engine core's process id when it runs in a process of its own (``engine_core_process``)."""
+        client = getattr(self, "_client", None)
+        return client.pid if client is not None else None
 
     @property
     def inspector(self) -> StepRecorder | None:
         """The step recorder behind the /inspect page; None unless ``enable_inspector`` (or not started)."""
-        actor = getattr(self, "_scheduler_actor", None)
+        actor = getattr(self, "_scheduler_actor", None) if getattr(self, "_client", None) is None else None
         return actor.recorder if actor is not None else None
 
     @property
@@ -278,8 +306,18 @@ class AsyncEngine:
         return self._tg is not None
 
     @property
+    def _dead(self) -> Exception | None:
+        if self._client is not None:
+            return self._client.dead or (None if self._client.stats.healthy else EngineDeadError("engine failed"))
+        return self._scheduler_actor.dead
+
+    @property
     def is_healthy(self) -> bool:
-        return self._tg is not None and self._scheduler_actor.dead is None and self._executor.failure is None
+        if self._tg is None:
+            return False
+        if self._client is not None:
+            return self._client.dead is None and self._client.stats.healthy
+        return self._scheduler_actor.dead is None and self._executor.failure is None
 
 
 def _text_chars(prompt: Prompt) -> int:

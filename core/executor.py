@@ -4,8 +4,10 @@ the event loop.
 Its inbox carries steps (`SchedulerOutput`) and `FLUSH`. A step is launched at once; the oldest launched
 step is collected, and its `ModelOutput` sent back, when a second step is launched behind it (asynchronous
 scheduling: the device goes straight on to the next step while the host processes this one's tokens) or
-when `FLUSH` asks for it (the scheduler needs the tokens before it can go on). So at most two steps are in
-flight, and outputs come back in step order.
+when `FLUSH` asks for it (the scheduler needs the tokens before it can go on). A step marked ``sync`` (alone,
+and the scheduler waits for it: speculative steps, asynchronous scheduling off) is collected in the same hop
+to the worker thread and answered at once. So at most two steps are in flight, and outputs come back in step
+order.
 """
 
 from __future__ import annotations
@@ -63,34 +65,65 @@ class ExecutorActor:
         try:
             async with inbox, results:
                 async for msg in inbox:
-                    if msg is not FLUSH:
+                    if msg is FLUSH:
+                        await results.send(await self._collect(inflight.popleft()))
+                    elif not self.overlaps_steps:  # whole steps; the output waits for FLUSH like a launched one
                         inflight.append(await self._launch(msg, out_of_process))
-                        if len(inflight) < 2:
-                            continue
-                    await results.send(await self._collect(inflight.popleft()))
+                        if msg.sync or len(inflight) > 1:
+                            await results.send(inflight.popleft())
+                    else:
+                        # one hop to the worker thread: launch this step, then collect the one before it (and
+                        # this one too, when the scheduler waits for it)
+                        oldest = inflight.popleft() if inflight else None
+                        step, outs = await anyio.to_thread.run_sync(self._launch_then_collect, msg, oldest)
+                        if step is not None:
+                            inflight.append(step)
+                        for out in outs:
+                            await results.send(out)
         finally:
             if out_of_process:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.runner.close)
 
-    async def _launch(self, so: SchedulerOutput, out_of_process: bool) -> LaunchedStep | ModelOutput:
+    async def _launch(self, so: SchedulerOutput, out_of_process: bool) -> ModelOutput:
+        """A whole step, for runners that do not overlap steps. A worker thread: torch releases the GIL in its
+        kernels, so the loop keeps serving."""
         try:
-            if not self.overlaps_steps:
-                # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving.
-                return await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
-            return await anyio.to_thread.run_sync(self._timed_launch, so)
+            return await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
         except Exception as e:
             logger.exception("step %d failed", so.step_id)
             return ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
 
-    async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
+    def _launch_then_collect(
+        self, so: SchedulerOutput, oldest: LaunchedStep | ModelOutput | None
+    ) -> tuple[LaunchedStep | ModelOutput | None, list[ModelOutput]]:
+        """In the worker thread: enqueue ``so``'s device work, then turn the step before it into its output, and
+        ``so`` too when it is a synchronous step (then nothing stays in flight)."""
+        try:
+            step = self._timed_launch(so)
+        except Exception as e:
+            logger.exception("step %d failed", so.step_id)
+            step = ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
+        outs = [] if oldest is None else [self._safe_collect(oldest)]
+        if so.sync:
+            return None, [*outs, self._safe_collect(step)]
+        return step, outs
+
+    def _safe_collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
         if isinstance(step, ModelOutput):
             return step
         try:
-            return await anyio.to_thread.run_sync(self._timed_collect, step)
+            return self._timed_collect(step)
         except Exception as e:
             logger.exception("step %d failed", step.so.step_id)
             return ModelOutput(step.so.step_id, error=e, fatal=is_fatal(e))
+
+    async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
+        if isinstance(step, ModelOutput):
+            return step
+        if step.output is not None:  # complete at launch: nothing to wait for
+            return step.output
+        return await anyio.to_thread.run_sync(self._safe_collect, step)
 
     def _timed_launch(self, so: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()

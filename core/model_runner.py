@@ -361,10 +361,6 @@ class ModelRunner:
             b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
             graph_bs = None
         b.wait_uploaded()  # the last step's inputs have left the pinned buffers
-        started = None
-        if self.device.type == "cuda":
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
         rows = self.batch.build(so, b, graph_bs)
         sample_rows, req_ids = self._sampling_rows(so)
         num_rows = len(req_ids)
@@ -388,6 +384,10 @@ class ModelRunner:
             b.upload(rows.num_tokens, n, b.max_blocks, num_rows)
         self._gather_pending(rows, b)
         prepared_at = time.perf_counter()
+        started = None
+        if self.device.type == "cuda":  # the device's time on the step: from its forward on
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
         if graph_bs is not None:
             logits = self.graphs.replay(graph_bs)
             if num_rows == 0:

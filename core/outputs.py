@@ -27,8 +27,10 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """One sequence's state after an engine step. ``delta_*`` are what is new since the last output;
-    concatenating every ``delta_text`` gives ``text``."""
+    """What one engine step added to one sequence. ``delta_*`` are what is new since the last output;
+    concatenating every ``delta_text`` gives the final ``text``. Streams carry deltas (vLLM's ``DELTA``
+    kind): before the sequence finishes, ``text``, ``token_ids`` and ``logprobs`` are its deltas too; the
+    final output (``finished``) carries the whole sequence in them."""
 
     request_id: str
     index: int  # which of the n sequences

@@ -46,11 +46,13 @@ class Request:
     output_logprobs: list[TokenLogprob] | None = None  # final-only requests that asked for logprobs
     first_token_time: float | None = None  # final-only: time.time() of its first token, for its metrics
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, stop_token_ids)
+    token_limit: int = 0  # prompt + max_tokens: no token is computed at or past it
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
         sp = self.sampling_params
         self.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
+        self.token_limit = len(self.prompt_token_ids) + self.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,13 +22,16 @@ from sluice.core.tokenizer import IncrementalDetokenizer
 
 @dataclass(slots=True)
 class SequenceState:
+    """What the request actor keeps of one sequence: the one copy of its output on the front end. Lists and
+    text grow by appending (text as pieces, joined once at the end), so a long output costs linear time."""
+
     request_id: str
     index: int
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    emitted_chars: int = 0
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)  # the text emitted so far
+    held: str = ""  # decoded but not emitted yet: it may be the start of a stop string
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -131,6 +134,7 @@ async def run_request(
     )
     stop_hold = max((len(s) for s in params.stop), default=1) - 1
     num_cached = 0
+    num_output_tokens = 0  # of every sequence, for the usage
     unfinished = set(seqs)
     metrics = RequestMetrics(arrival_time if arrival_time is not None else time.time())
     try:
@@ -158,46 +162,73 @@ async def run_request(
                     metrics.first_token_time = ev.first_token_time or time.time()
                 new_ids, new_logprobs = ev.token_ids, ev.logprobs
                 seq.token_ids.extend(new_ids)
-                if ev.logprobs is not None:
-                    seq.logprobs = (seq.logprobs or []) + ev.logprobs
-                seq.text += seq.detok.add(new_ids)
+                num_output_tokens += len(new_ids)
+                if new_logprobs is not None:
+                    if seq.logprobs is None:
+                        seq.logprobs = []
+                    seq.logprobs.extend(new_logprobs)
+                piece = seq.detok.add(new_ids)
                 finish, stop_reason = ev.finish_reason, ev.stop_reason
-                if params.stop and finish != "abort":
-                    cut = _find_stop(seq.text, params.stop, seq.emitted_chars - stop_hold)
+                if not params.stop:
+                    delta = piece
+                else:
+                    held = seq.held + piece
+                    cut = _find_stop(held, params.stop, 0) if finish != "abort" else None
                     if cut is not None:
                         pos, stop = cut
-                        seq.text = seq.text[: pos + (len(stop) if params.include_stop_str_in_output else 0)]
+                        delta, held = held[: pos + (len(stop) if params.include_stop_str_in_output else 0)], ""
                         finish, stop_reason = "stop", stop
                         await _send_abort(inbox, ev.request_id)  # the scheduler may not know yet
+                    elif finish is not None:
+                        delta, held = held, ""
+                    else:  # hold back what may still become a stop string
+                        split = max(0, len(held) - stop_hold)
+                        delta, held = held[:split], held[split:]
+                    seq.held = held
+                seq.pieces.append(delta)
                 seq.finish_reason, seq.stop_reason = finish, stop_reason
                 if finish is not None:
                     unfinished.discard(ev.request_id)
                     metrics.finished_time = time.time()
-                    visible = len(seq.text)
-                else:
-                    visible = max(seq.emitted_chars, len(seq.text) - stop_hold) if params.stop else len(seq.text)
-                if final_only:
-                    if finish is None:
-                        continue
-                    new_ids, new_logprobs = seq.token_ids, seq.logprobs  # the one output's delta is all of it
-                delta = seq.text[seq.emitted_chars : visible]
-                seq.emitted_chars = visible
-                yield RequestOutput(
-                    request_id=request_id,
-                    index=seq.index,
-                    prompt_token_ids=prompt_ids,
-                    text=seq.text[:visible],
-                    token_ids=list(seq.token_ids),
-                    delta_text=delta,
-                    delta_token_ids=list(new_ids),
-                    finished=finish is not None,
-                    finish_reason=finish,
-                    usage=Usage(len(prompt_ids), sum(len(s.token_ids) for s in seqs.values()), num_cached),
-                    logprobs=seq.logprobs,
-                    delta_logprobs=new_logprobs,
-                    stop_reason=stop_reason,
-                    metrics=metrics,
-                )
+                    text = "".join(seq.pieces)
+                    # The final output carries the whole sequence (and, final-only, that is its delta too).
+                    out = RequestOutput(
+                        request_id=request_id,
+                        index=seq.index,
+                        prompt_token_ids=prompt_ids,
+                        text=text,
+                        token_ids=seq.token_ids,
+                        delta_text=text if final_only else delta,
+                        delta_token_ids=seq.token_ids if final_only else new_ids,
+                        finished=True,
+                        finish_reason=finish,
+                        usage=Usage(len(prompt_ids), num_output_tokens, num_cached),
+                        logprobs=seq.logprobs,
+                        delta_logprobs=seq.logprobs if final_only else new_logprobs,
+                        stop_reason=stop_reason,
+                        metrics=metrics,
+                    )
+                    seq.pieces = [text]
+                    yield out
+                elif not final_only:
+                    # Streams carry deltas (vLLM's DELTA kind): rebuilding the whole text and lists for every
+                    # output would cost time quadratic in the output's length.
+                    yield RequestOutput(
+                        request_id=request_id,
+                        index=seq.index,
+                        prompt_token_ids=prompt_ids,
+                        text=delta,
+                        token_ids=new_ids,
+                        delta_text=delta,
+                        delta_token_ids=new_ids,
+                        finished=False,
+                        finish_reason=None,
+                        usage=Usage(len(prompt_ids), num_output_tokens, num_cached),
+                        logprobs=new_logprobs,
+                        delta_logprobs=new_logprobs,
+                        stop_reason=None,
+                        metrics=metrics,
+                    )
     finally:
         if unfinished:
             for rid in unfinished:

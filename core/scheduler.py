@@ -95,6 +95,9 @@ class Scheduler:
         req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         for sib in forks:
             sib.draft_synced = False  # forks decode without the draft head
+        max_len = self.config.max_model_len
+        for r in (req, *forks):
+            r.token_limit = min(r.token_limit, max_len)
         self.requests[req.request_id] = req
         for sib in forks:
             self.requests[sib.request_id] = sib
@@ -151,16 +154,54 @@ class Scheduler:
         max_len = self.config.max_model_len
         forked: list[Request] = []  # siblings forked this step; they run from the next step on
         # 1. running requests, oldest first
+        running = self.running
+        req_blocks = self.kv.req_blocks
+        bs = self.kv.block_size
+        pending_forks = self._pending_forks
+        row_ids, row_starts = so.req_ids, so.num_computed_tokens
+
+        def fill() -> None:
+            """Lengths and samples of the inline decode rows so far (one token each, sampled)."""
+            pad = len(row_ids) - len(so.samples)
+            if pad:
+                so.num_scheduled_tokens.extend([1] * pad)
+                so.samples.extend([True] * pad)
+
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        end = len(running)
+        while i < end and budget > 0:
+            req = running[i]
             pending = req.num_pending
             known = len(req.all_token_ids) + pending
-            n = min(known - req.num_computed_tokens, budget)
+            start = req.num_computed_tokens
+            n = known - start
+            if n > budget:
+                n = budget
             # nothing to compute yet, or every further token would be past the request's end
-            if n <= 0 or known - req.num_prompt_tokens >= req.max_tokens or known >= max_len:
+            if n <= 0 or known >= req.token_limit or known >= max_len:
                 i += 1
                 continue
+            if n == 1 and not spec_on and req.in_batch:
+                # The common case, inline: a decode into its own last block, which the executor already has
+                rid = req.request_id
+                blocks = req_blocks[rid]
+                if (
+                    start < len(blocks) * bs
+                    and blocks[start // bs].ref_cnt == 1
+                    and len(blocks) == req.num_blocks_sent
+                    and rid not in pending_forks
+                ):
+                    row_ids.append(rid)  # its length (1) and sample (True) are filled in below
+                    row_starts.append(start)
+                    req.num_computed_tokens = start + 1
+                    req.num_pending = pending + 1
+                    req.draft_synced = False
+                    if req.spec_token_ids:
+                        req.spec_token_ids = []
+                    budget -= 1
+                    i += 1
+                    continue
+            fill()
             if spec_on and req.draft_synced:
                 drafts = self._drafts_to_verify(req, n, budget)
                 reaches_end = req.num_computed_tokens + n == req.num_tokens
@@ -186,6 +227,8 @@ class Scheduler:
             self._scheduled(so, req, n, forked, cow=bool(got))
             budget -= n
             i += 1
+            end = len(running)  # preemption took requests off the end
+        fill()
         # 2. waiting requests, in arrival order (preempted ones were put back at the front)
         deferred: list[Request] = []
         max_seqs = self.config.max_num_seqs
@@ -350,6 +393,10 @@ class Scheduler:
         spec = out.spec_token_ids
         drafts = out.draft_token_ids
         logprobs = out.logprobs
+        num_cached = self.kv.num_cached_blocks
+        RUNNING = RequestStatus.RUNNING
+        caching = self.kv.enable_prefix_caching
+        finished = 0
         for row, (rid, token) in enumerate(zip(out.req_ids, out.token_ids)):
             req = requests.get(rid)
             if req is None:
@@ -364,18 +411,22 @@ class Scheduler:
                     if reason is not None:
                         tokens = tokens[:n]
                         break
-            else:  # one token: the common case, without a list per row
+                self.num_generation_tokens += len(tokens)
+            else:  # one token: the common case, inline (`_check_stop`), without a list per row
                 tokens = None
-                req.output_token_ids.append(token)
+                outputs = req.output_token_ids
+                outputs.append(token)
                 req.all_token_ids.append(token)
-                reason, stop_reason = self._check_stop(req, token)
+                reason = stop_reason = None
+                if token in req.stop_ids and len(outputs) >= req.sampling_params.min_tokens:
+                    reason, stop_reason = "stop", token
+                elif len(req.all_token_ids) >= req.token_limit:  # max_tokens or max_model_len
+                    reason = "length"
+                self.num_generation_tokens += 1
             if drafts is not None:
                 req.spec_token_ids = drafts.get(rid, [])
-            self.num_generation_tokens += 1 if tokens is None else len(tokens)
             # publish the blocks this token completed (its KV is computed by this step or the one in flight)
-            if req.status is RequestStatus.RUNNING and req.num_computed_tokens // bs > self.kv.num_cached_blocks.get(
-                rid, 0
-            ):
+            if caching and req.status is RUNNING and req.num_computed_tokens // bs > num_cached.get(rid, 0):
                 self.kv.cache_blocks(req, req.num_computed_tokens)
             lp = logprobs[row] if logprobs is not None else None
             if req.final_only:
@@ -398,7 +449,10 @@ class Scheduler:
                     )
                 )
             if reason is not None:
-                self._finish(req)
+                self._finish(req, keep_running_list=True)
+                finished += 1
+        if finished:  # out of the running list in one pass (many requests often end in the same step)
+            self.running = [r for r in self.running if r.status is RUNNING]
         return events
 
     def _fail(self, rid: str, error: Exception, events: list[TokenEvent]) -> None:
@@ -447,9 +501,11 @@ class Scheduler:
             return "length", None
         return None, None
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, keep_running_list: bool = False) -> None:
+        """``keep_running_list``: the caller takes finished requests out of ``running`` itself, all at once."""
         if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
+            if not keep_running_list:
+                self.running.remove(req)
         elif req.status is RequestStatus.WAITING and not self._drop_pending_fork(req):
             self.waiting.remove(req)
         siblings = self._pending_forks.pop(req.request_id, None)

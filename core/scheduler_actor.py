@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -76,6 +77,8 @@ class SchedulerActor:
         self.closed: Exception | None = None  # set by EndAllRequests: every new request is refused with it
         self.prompt_tokens = 0
         self.stats = EngineStats()
+        # Called after every publish: a core in its own process sends the new counters to the front end.
+        self.on_publish: Callable[[], None] | None = None
         self._publish()
 
     def _publish(self) -> None:
@@ -89,6 +92,8 @@ class SchedulerActor:
             spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
         )
+        if self.on_publish is not None:
+            self.on_publish()
 
     async def run(
         self,
@@ -245,9 +250,11 @@ class SchedulerActor:
                     so = s.schedule()
                     prof.schedule += time.perf_counter() - t0
                     if so.req_ids:
+                        # alone, and the next step needs its tokens: the executor answers it at once
+                        so.sync = not inflight and (not overlap or s.needs_sync())
                         await steps.send(so)
                         inflight.append((so, mark))
-                        if len(inflight) < 2:
+                        if not so.sync and len(inflight) < 2:
                             continue  # the executor sends this step's output when the next one arrives
                     elif not inflight:
                         self._fail_unschedulable()

@@ -58,6 +58,9 @@ class SchedulerOutput:
     # whose draft head follows this step's positions (and, if they sample, proposes the next drafts)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     drafting: set[str] = field(default_factory=set)
+    # the scheduler waits for this step's output before scheduling another (no step in flight before it):
+    # the executor sends it as soon as it is collected, not when the next step or FLUSH arrives
+    sync: bool = False
 
     @property
     def num_tokens(self) -> int:

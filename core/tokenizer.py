@@ -83,6 +83,10 @@ def _with_literal_content(tokenizer, messages: list[dict]) -> list[int]:
     return ids + tokenizer.encode(text[pos:], add_special_tokens=False)
 
 
+# More new tokens than this in one `IncrementalDetokenizer.add` are decoded together (`_add_bulk`).
+BULK_TOKENS = 8
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas whose concatenation is the final text.
 
@@ -117,6 +121,10 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_token_ids: list[int]) -> str:
+        if len(new_token_ids) > BULK_TOKENS:
+            delta = self._add_bulk(new_token_ids)
+            if delta is not None:
+                return delta
         delta = ""
         for t in new_token_ids:
             self.token_ids.append(t)
@@ -130,5 +138,23 @@ class IncrementalDetokenizer:
                 delta += piece
                 self.prefix_offset = self.read_offset
                 self.read_offset = len(self.context)
+        self.text += delta
+        return delta
+
+    def _add_bulk(self, new_token_ids: list[int]) -> str | None:
+        """Many tokens at once (a final-only sequence's whole output): the window and the new tokens decoded
+        once, not once per token. Leaves the state the per-token loop would (the window starts where the new
+        text does); None, changing nothing, when the text ends in an incomplete character."""
+        kept = [t for t in new_token_ids if t < self.vocab_size and t not in self._skipped]
+        ctx = self.context
+        prefix = self._decode(ctx[self.prefix_offset : self.read_offset])
+        full = self._decode(ctx[self.prefix_offset :] + kept)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return None
+        self.token_ids += new_token_ids
+        ctx += kept
+        delta = full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(ctx)
         self.text += delta
         return delta

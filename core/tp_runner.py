@@ -195,22 +195,27 @@ class TPRunner:
         self._finalizer.detach()
 
 
-MAIN_GUARD_HINT = (
-    "tensor_parallel_size > 1 starts its workers with multiprocessing's spawn, which re-runs the main script's "
-    'top level in every worker: start the engine under `if __name__ == "__main__":`'
-)
+def main_guard_hint(what: str = "tensor_parallel_size > 1 starts its workers") -> str:
+    return (
+        f"{what} with multiprocessing's spawn, which re-runs the main script's top level in every new process: "
+        'start the engine under `if __name__ == "__main__":`'
+    )
 
 
-def check_main_guard() -> None:
+MAIN_GUARD_HINT = main_guard_hint()
+
+
+def check_main_guard(what: str | None = None) -> None:
     """Refuse to spawn workers from a script's unguarded top level, with what to do. A spawned worker re-runs
     the main script's top level; an engine started there would start workers of its own, and Python kills
     the worker with its bootstrapping error instead. Checked here, in the engine's process (the main thread
     runs the script's line outside any ``if __name__ == "__main__":``), and in a worker re-running it."""
+    hint = MAIN_GUARD_HINT if what is None else main_guard_hint(what)
     if getattr(mp.current_process(), "_inheriting", False):  # a spawned worker, still importing the script
-        raise SluiceError(MAIN_GUARD_HINT)
+        raise SluiceError(hint)
     line = _unguarded_main_line()
     if line is not None:
-        raise SluiceError(f"{MAIN_GUARD_HINT} (line {line} of {sys.modules['__main__'].__file__} is not)")
+        raise SluiceError(f"{hint} (line {line} of {sys.modules['__main__'].__file__} is not)")
 
 
 def _unguarded_main_line() -> int | None:

@@ -250,19 +250,36 @@ def profile(ns: argparse.Namespace) -> dict:
             drop(pair)
             print(json.dumps(row))
             out["decode"].append(row)
-    # prefill 8 x 2048
-    pre = synthetic([(torch.randint(vocab, (2048,), generator=g).tolist(), 0, 2048) for _ in range(8)], "p")
-    ms = timed(pre, 5)
-    tflops = prefill_flops(source.config, 8, 2048) / (ms / 1000) / 1e12
-    out["prefill_8x2048"] = {"ms": ms, "tflops": tflops, "pct_of_770": 100 * tflops / 770}
-    print(json.dumps(out["prefill_8x2048"]))
+    # prefills: the engine's eager step (host launches and device work), e.g. 1x128 and 8x2048
+    pres = {}
+    for shape in ns.prefills:
+        b, n = map(int, shape.split("x"))
+        pre = synthetic([(torch.randint(vocab, (n,), generator=g).tolist(), 0, n) for _ in range(b)], f"p{shape}-")
+        ms = timed(pre, 5)
+        tflops = prefill_flops(source.config, b, n) / (ms / 1000) / 1e12
+        pres[shape] = pre
+        row = {"ms": ms, "tflops": tflops, "pct_of_770": 100 * tflops / 770}
+        if ns.sync_debug:  # every host-device synchronization inside one step, with where it happens
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                run(pre[1])
+                torch.cuda.set_sync_debug_mode(0)
+            row["syncs"] = sorted({f"{w.filename}:{w.lineno}: {str(w.message)[:200]}" for w in caught})
+        out[f"prefill_{shape}"] = row
+        print(json.dumps({shape: row}))
+        if shape != ns.prefills[-1]:
+            drop(pre)
+    pre = pres[ns.prefills[-1]]
     # where the time goes (eager, so kernels are visible one by one)
     runner.graphs = None
     out["profile"] = {}
     for name, pair, steps in (
         ("decode b1 ctx512 eager", decode_step(1, 512), 5),
         (f"decode b{max(ns.batch_sizes)} ctx512 eager", decode_step(max(ns.batch_sizes), 512), 3),
-        ("prefill 8x2048", pre, 2),
+        (f"prefill {ns.prefills[-1]}", pre, 2),
     ):
         if pair is not pre:
             run(pair[0])
@@ -297,6 +314,8 @@ def main() -> int:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized by the memory profile")
     p.add_argument("--quantization", choices=("int8", "int4"), default=None)
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
+    p.add_argument("--prefills", nargs="+", default=["8x2048"], help="prefill steps BxN to time (the last is profiled)")
+    p.add_argument("--sync-debug", action="store_true", help="list host-device synchronizations in each prefill step")
     p.add_argument("--out", required=True)
     ns = ap.parse_args()
     from sluice.app.bench.results import machine_info, utc_now_iso, versions

@@ -317,3 +317,14 @@ def test_serve_against_the_real_server(tmp_path):
     assert r["output_tokens"] == 30  # forced lengths (ignore_eos), counted from the usage chunks
     assert r["total_tokens_per_s"] == pytest.approx((5 * 12 + 30) / r["duration_s"])  # the prompts, exactly
     assert 0 < r["ttft_median_ms"] <= r["e2e_median_ms"] and r["tpot_median_ms"] > 0
+
+
+@pytest.mark.slow
+def test_clients_streams_through_the_openai_client_and_reports_front_end_cpu(tmp_path):
+    """`sluice bench clients` starts `sluice serve` (its core in its own process), streams N clients at once and
+    reports the front end's CPU per token apart from the core's."""
+    r = _run(tmp_path, "bench", "clients", "--num-clients", "24", "--max-tokens", "4")
+    assert (r["completed"], r["failed"], r["streamed_tokens"]) == (24, 0, 96)
+    assert r["engine_core_process"] is True
+    assert r["front_end_cpu_s"] > 0 and r["engine_core_cpu_s"] > 0
+    assert r["front_end_cpu_us_per_token"] == pytest.approx(1e6 * r["front_end_cpu_s"] / 96)

@@ -77,11 +77,13 @@ def test_every_engine_flag_says_what_it_does_and_its_default(command):
 
     help_text = _subparser(command).format_help()
     by_flag = {a.option_strings[0]: a for a in _subparser(command)._actions if a.option_strings}
+    # a server runs its engine core in a process of its own; the library (and the other commands) in one
+    own_defaults = {"engine_core_process": True} if command == "serve" else {}
     for f in fields(EngineArgs):
         action = by_flag["--" + f.name.replace("_", "-")]
         assert action.help and len(action.help) > 15, f.name
         assert "default" in action.help, f.name  # "(default: X)", or what None means
-        assert action.default == f.default, f.name
+        assert action.default == own_defaults.get(f.name, f.default), f.name
     assert "(default: 128)" in " ".join(help_text.split())  # --max-num-seqs, as rendered
 
 

@@ -40,7 +40,9 @@ async def engine():
 
 @pytest.fixture(scope="module")
 async def tiny_engine():
-    args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024, max_num_seqs=32)
+    """The engine core in its own process, as a server runs it."""
+    tiny = dict(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024, max_num_seqs=32)
+    args = EngineArgs(**tiny, engine_core_process=True)
     holder = EngineInTask(args)
     yield await holder.start()
     await holder.stop()
@@ -92,6 +94,7 @@ async def test_long_prompt_is_prefilled_in_chunks_with_the_same_output(engine, d
         max_model_len=2048,
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
+        async_scheduling=False,  # counted exactly: with it on, the next step is scheduled before this token arrives
     )
     async with AsyncEngine(args) as small_budget:
         before = small_budget.stats().num_steps
@@ -219,8 +222,16 @@ async def test_event_loop_keeps_running_during_a_long_prefill(engine, default_to
     assert len(during) >= max(5, int(elapsed / 0.01 * 0.3)), (len(during), elapsed)
 
 
-async def test_overload_without_waiting_raises_at_once_and_spares_admitted_requests():
-    args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=128, max_num_seqs=1, max_waiting_requests=2)
+@pytest.mark.parametrize("core_process", [False, True], ids=["one-process", "core-process"])
+async def test_overload_without_waiting_raises_at_once_and_spares_admitted_requests(core_process):
+    args = EngineArgs(
+        model="dummy:tiny",
+        device="cpu",
+        num_kv_blocks=128,
+        max_num_seqs=1,
+        max_waiting_requests=2,
+        engine_core_process=core_process,
+    )
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     async with AsyncEngine(args) as eng:
         solo, _ = await collect(eng, [5, 6, 7], params)

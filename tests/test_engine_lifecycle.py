@@ -13,7 +13,7 @@ def tiny_args(**kw) -> EngineArgs:
     return EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=128, max_model_len=512, **kw)
 
 
-async def stop_with_requests_in_flight() -> dict[str, object]:
+async def stop_with_requests_in_flight(core_process: bool) -> dict[str, object]:
     """Three consumers in a task group outside the engine's block: two streaming (one of them seen started),
     one final-only. The block exits while all run. Returns how each ended."""
     ended: dict[str, object] = {}
@@ -32,7 +32,7 @@ async def stop_with_requests_in_flight() -> dict[str, object]:
 
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            engine = AsyncEngine(tiny_args())
+            engine = AsyncEngine(tiny_args(engine_core_process=core_process))
             async with engine:
                 for name, final_only in (("a", False), ("b", False), ("final", True)):
                     tg.start_soon(consume, engine, name, final_only)
@@ -44,15 +44,17 @@ async def stop_with_requests_in_flight() -> dict[str, object]:
     return ended
 
 
+@pytest.mark.parametrize("core_process", [False, True], ids=["one-process", "core-process"])
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_exiting_the_engine_ends_every_consumer(backend):
-    ended = anyio.run(stop_with_requests_in_flight, backend=backend)
+def test_exiting_the_engine_ends_every_consumer(backend, core_process):
+    ended = anyio.run(stop_with_requests_in_flight, core_process, backend=backend)
     assert set(ended) == {"a", "b", "final"}
     for name, how in ended.items():
         assert isinstance(how, EngineStoppedError) and isinstance(how, EngineDeadError), (name, how)
 
 
-async def test_a_request_still_queued_when_the_engine_stops_is_answered():
+@pytest.mark.parametrize("core_process", [False, True], ids=["one-process", "core-process"])
+async def test_a_request_still_queued_when_the_engine_stops_is_answered(core_process):
     """Requests admitted in the same instant as the stop: in the inbox, not yet seen by the scheduler."""
     outcomes: list[object] = []
 
@@ -66,7 +68,7 @@ async def test_a_request_still_queued_when_the_engine_stops_is_answered():
 
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            async with AsyncEngine(tiny_args()) as engine:
+            async with AsyncEngine(tiny_args(engine_core_process=core_process)) as engine:
                 for _ in range(20):
                     tg.start_soon(consume, engine)
                 await anyio.sleep(0)  # they run up to their first await: the AddRequest is queued

@@ -33,7 +33,18 @@ def dummy_args(**kw) -> EngineArgs:
 
 @pytest.fixture(scope="session")
 def dummy_server():
-    """Tight queue limits (2 running, 2 waiting) so overload is easy to reach; an API key is required."""
+    """Tight queue limits (2 running, 2 waiting) so overload is easy to reach; an API key is required. The
+    engine core runs in its own process, as under `sluice serve`."""
+    engine = AsyncEngine(dummy_args(max_num_seqs=2, max_waiting_requests=2, engine_core_process=True))
+    srv = ServerThread(build_app(engine, api_key=KEY)).start()
+    srv.engine = engine
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def one_process_server():
+    """The engine in the server's process: a test can reach into its model runner."""
     engine = AsyncEngine(dummy_args(max_num_seqs=2, max_waiting_requests=2))
     srv = ServerThread(build_app(engine, api_key=KEY)).start()
     srv.engine = engine
@@ -299,7 +310,9 @@ def test_openai_client_against_dummy(dummy_server):
     assert ei.value.body["param"] == "temperature"
 
 
-def test_failure_mid_stream_sends_error_event(client, dummy_server, monkeypatch):
+def test_failure_mid_stream_sends_error_event(one_process_server, monkeypatch):
+    dummy_server = one_process_server
+    client = httpx.Client(base_url=dummy_server.url, headers=AUTH, timeout=60)
     runner = dummy_server.engine._executor.runner
     real_launch = runner.launch
     fail = threading.Event()

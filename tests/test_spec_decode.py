@@ -271,9 +271,9 @@ def test_no_leaks_after_cancellations_and_cached_blocks_hold_verified_kv(copy_he
     finished: list[tuple[list[int], str | None]] = []
     original = Scheduler._finish
 
-    def record(self, req):
+    def record(self, req, **kw):
         finished.append((list(req.all_token_ids), req.cache_salt))
-        original(self, req)
+        original(self, req, **kw)
 
     monkeypatch.setattr(Scheduler, "_finish", record)
     args = EngineArgs(

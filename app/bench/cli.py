@@ -13,6 +13,8 @@ BENCHMARKS = (
     "sluice.app.bench.prefix",
     "sluice.app.bench.perplexity",
     "sluice.app.bench.host",
+    "sluice.app.bench.steps",
+    "sluice.app.bench.clients",
     "sluice.app.bench.disagg",
 )
 

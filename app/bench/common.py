@@ -78,7 +78,10 @@ def print_figures(title: str, figures: dict[str, Any]) -> None:
         if isinstance(v, float):
             v = f"{v:,.2f}"
         elif isinstance(v, dict):
-            continue
+            if k.endswith("_ms_per_step"):  # the host profile: one line
+                v = "  ".join(f"{name} {x:.2f}" for name, x in v.items())
+            else:
+                continue
         print(f"  {k.ljust(width)}  {v}")
 
 

@@ -14,6 +14,10 @@ random prompt tokens and ``--output-len`` forced output tokens:
 * ``wall_ms_per_step``: wall time per step (at least the stub's time; more when host work is not overlapped);
 * where the engine reports it, the step's host time by phase (`AsyncEngine.host_profile`).
 
+Both builds run with one intra-op thread for torch (``--intra-op-threads``, ``OMP_NUM_THREADS``): with the
+forward stubbed there is nothing to parallelize, and an OpenMP pool's idle workers spin-wait after every small
+op, which the process CPU clock counts as several times the host work being measured.
+
 ``--baseline REF`` runs the same measurement on another commit of this repository (checked out into a
 temporary worktree, imported from there), alternating with this tree in one run, and prints the ratios.
 The stub only relies on what every build has: the public API and the model's ``forward`` /
@@ -127,6 +131,12 @@ def register(sub) -> None:
         metavar="NAME=JSON",
         help="an EngineArgs field for this tree's runs (repeatable), e.g. async_scheduling=false",
     )
+    p.add_argument(
+        "--intra-op-threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads in both builds' runs (OMP_NUM_THREADS); see the module doc",
+    )
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=main)
 
@@ -143,8 +153,8 @@ def namespace_dir(tree: Path, into: Path) -> Path:
     return into
 
 
-def run_child(path_dir: Path, cfg: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(path_dir))
+def run_child(path_dir: Path, cfg: dict, intra_op_threads: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(path_dir), OMP_NUM_THREADS=str(intra_op_threads))
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(cfg)], env=env, capture_output=True, text=True, timeout=3600
     )
@@ -174,6 +184,7 @@ def main(ns: argparse.Namespace) -> int:
         "stub_ms": ns.stub_ms,
         "logits_width": ns.logits_width,
         "stream": ns.stream,
+        "intra_op_threads": ns.intra_op_threads,
     }
     this_cfg = {**cfg, "engine": parse_engine_args(ns.engine_arg)}
     with tempfile.TemporaryDirectory(prefix="sluice-host-") as tmp:
@@ -188,7 +199,7 @@ def main(ns: argparse.Namespace) -> int:
                 order = list(trees) if r % 2 == 0 else list(reversed(trees))
                 for name in order:
                     path_dir, c = trees[name]
-                    res = run_child(path_dir, c)
+                    res = run_child(path_dir, c, ns.intra_op_threads)
                     runs[name].append(res)
                     print(
                         f"  round {r + 1} {name}: {res['cpu_ms_per_step']:.3f} CPU ms/step, "

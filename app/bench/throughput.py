@@ -80,6 +80,7 @@ def engine_throughput(
             before = engine.stats()
             recorder = engine.inspector
             recorder_s = recorder.cost_s if recorder is not None else 0.0
+            prof = engine.host_profile()
             cpu = time.process_time()
             run = await drive_engine(engine, requests, final_only=not stream)
             cpu = time.process_time() - cpu
@@ -94,6 +95,8 @@ def engine_throughput(
             # CPU seconds of the whole process (every thread): the work done, less blurred than the wall
             # clock by other processes competing for the cores
             facts["cpu_s"] = cpu
+            # where each step's host time went, and the device's time per step (on a GPU)
+            facts["host_profile_ms_per_step"] = engine.host_profile().since(prof).per_step_ms()
             if recorder is not None:  # what recording cost, measured inside the recorder
                 facts["recorder_s"] = recorder.cost_s - recorder_s
                 facts["sse_encode_s"] = _sse_encode_s(recorder)

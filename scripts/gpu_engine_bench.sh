@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The engine-core figures on the GPU machine (issue 20), each a `sluice bench` command, results under $OUT.
+#
+#   scripts/gpu_engine_bench.sh core   # this build: ShareGPT 1000 and 200 offline, latency b1 and b8, host/GPU per step
+#   scripts/gpu_engine_bench.sh peer   # ShareGPT 1000 with the transformers peer in the same run (~6 min)
+#
+# Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
+# dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
+# --only-save-requests`), and for the previous build's run, old/ (`git archive 47cad4b app core kv spec scripts`)
+# with cache/tokenizers/ (the tokenizer that build reads for dummy models).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export SLUICE_CACHE_DIR=$PWD/.stage/cache
+REQ=$PWD/.stage/sharegpt1000.json
+M="--model dummy:llama3-8b"
+run() {  # name, seconds, command...
+    local name=$1 secs=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+    echo "   exit $? after ${SECONDS}s"
+    grep -E "output_tokens_per_s|requests_per_s|num_steps|host_profile|ms per|median|p99|ratio|Error|error" "$OUT/$name.log" | head -20
+}
+# `timeout` runs programs, not shell functions: the two builds as env command lines
+bench="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.cli bench"
+old_bench="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench"
+
+case ${1:-core} in
+core)
+    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
+    run tp1000_prev 150 $old_bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
+    run tp200 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
+    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
+    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    run steps 100 $bench steps $M --batch-sizes 64 256 512 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    ;;
+peer)
+    run tp1000_peer 500 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --peer hf --peer-timeout 400 --out "$OUT/tp1000_peer.json"
+    ;;
+configs)  # the same workloads at other batch limits
+    run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
+    run tp200_t16k 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 16384 --out "$OUT/tp200_t16k.json"
+    ;;
+esac
