@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 def register(subparsers) -> None:
     from sluice.app.cli import add_engine_args
+    from sluice.app.disagg_cli import add_disagg_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -85,6 +86,7 @@ def register(subparsers) -> None:
         "time it needs for streaming)",
     )
     add_engine_args(p)
+    add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/disagg_cli.py)
     # A server runs its engine core in a process of its own: HTTP, detokenization and SSE encoding then never
     # take time from scheduling (--no-engine-core-process keeps one process).
     p.set_defaults(func=cmd_serve, engine_core_process=True)
@@ -93,6 +95,7 @@ def register(subparsers) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
     from sluice.app.cli import engine_args_from
+    from sluice.app.disagg_cli import pair_engine
     from sluice.app.server import SHUTDOWN_MARGIN_S, build_app
     from sluice.core.engine import AsyncEngine
     from sluice.core.models.loader import resolve_model
@@ -104,7 +107,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     resolve_model(args.model)
     if ns.record_trace:
         args.enable_inspector = True
-    engine = AsyncEngine(args)
+    engine = pair_engine(ns, args) or AsyncEngine(args)
     app = build_app(
         engine,
         api_key=ns.api_key,

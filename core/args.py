@@ -22,6 +22,8 @@ _DTYPES = {
 # max_model_len when not given: the model's own limit, capped here (a KV pool and a step buffer per length).
 MAX_MODEL_LEN_DEFAULT = 8192
 
+KV_ROLES = ("both", "prefill", "decode")
+
 
 def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
     """An `EngineArgs` field with its help text (and choices): the one place the command line's flags read."""
@@ -92,6 +94,17 @@ class EngineArgs:
         "tokenize chat messages' special-token text (<|im_end|>) as plain text, so user content cannot end its "
         "turn or forge another; the template's own special tokens stay special",
     )
+    # prefill/decode disaggregation (core/disagg.py): the role this engine plays in a pair
+    kv_role: str = _arg(
+        "both",
+        "both = one engine does prefill and decode; prefill / decode = one half of a disaggregated pair, which "
+        "ships each prompt's KV from the prefill engine to the decode engine (sluice serve --prefill-device ... "
+        "--decode-device ... starts both)",
+        KV_ROLES,
+    )
+    kv_transfer_timeout: float = _arg(
+        30.0, "prefill/decode pair: seconds a prompt's KV transfer may take before the decode engine recomputes it"
+    )
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
@@ -129,6 +142,19 @@ class EngineArgs:
             raise bad("tensor_parallel_local_size", f"must be in [1, tensor_parallel_size={tp}], got {local}")
         if self.tensor_parallel_size > 1 and self.speculative_model is not None:
             raise bad("speculative_model", "speculative decoding is not supported with tensor_parallel_size > 1")
+        if self.kv_role not in KV_ROLES:
+            raise bad("kv_role", f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_role != "both":
+            # The transfer reads and writes the KV pool in this process, in the model's own layout.
+            for name, ok in (
+                ("tensor_parallel_size", self.tensor_parallel_size == 1),
+                ("speculative_model", self.speculative_model is None),  # the draft head's KV is not shipped
+                ("kv_cache_dtype", self.kv_cache_dtype == "auto"),  # fp8 scales are calibrated per engine
+            ):
+                if not ok:
+                    raise bad(name, f"is not supported with kv_role={self.kv_role!r} (prefill/decode disaggregation)")
+        if not self.kv_transfer_timeout > 0:
+            raise bad("kv_transfer_timeout", f"must be > 0, got {self.kv_transfer_timeout}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -112,6 +112,14 @@ class AsyncEngine:
         self._set_limits(client.num_kv_blocks)
 
     def _load(self) -> None:
+        # prefill/decode disaggregation: alone, a prefill engine would pin every prompt's blocks for a peer that
+        # never takes them
+        if self.args.kv_role != "both" and not getattr(self, "paired", False):
+            raise InvalidRequestError(
+                f"kv_role: a {self.args.kv_role} engine runs only as half of a prefill/decode pair (DisaggEngine, or "
+                "sluice serve --prefill-device ... --decode-device ...)",
+                param="kv_role",
+            )
         source: ModelSource = resolve_model(self.args.model)
         self.source = source
         self.model_name = self.args.served_model_name or source.name

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import ObjectReceiveStream
 from sluice.core.args import EngineArgs
+from sluice.core.disagg_scheduler import scheduler_class
 from sluice.core.executor import ExecutorActor
 from sluice.core.models.loader import ModelSource
 from sluice.core.scheduler import Scheduler, SchedulerConfig
@@ -30,7 +31,9 @@ class EngineCore:
         executor = ExecutorActor.start(args, source, max_model_len)
         runner = executor.runner
         kv = KVCacheManager(runner.num_kv_blocks, args.block_size, args.enable_prefix_caching)
-        scheduler = Scheduler(
+        # prefill/decode disaggregation: a pair's engines run role schedulers (core/disagg_scheduler.py)
+        scheduler_cls = Scheduler if args.kv_role == "both" else scheduler_class(args.kv_role)
+        scheduler = scheduler_cls(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,

@@ -516,7 +516,16 @@ class ModelRunner:
         if g is None:
             g = torch.Generator(device=self.device).manual_seed(self.batch.params[slot].seed)
             self.generators[rid] = g
+            if self.args.kv_role == "decode":  # prefill/decode disaggregation (core/disagg.py)
+                self._skip_prefill_draws(g, slot)
         return g
+
+    def _skip_prefill_draws(self, g: torch.Generator, slot: int) -> None:
+        """A decode engine's request arrives with the first token the prefill engine sampled (one draw of the
+        same seed's stream there). Drawing it here too, and dropping it, keeps the stream where one engine's
+        would be: seeded sampling gives the same tokens through the pair as through one engine."""
+        for _ in range(int(self.batch.num_arrived[slot] - self.batch.num_prompt[slot])):
+            torch.empty(self.vocab_size, device=self.device).exponential_(generator=g)
 
     def _sampling_batch(
         self,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from sluice.core.disagg_scheduler import KVOp
 from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedError
 from sluice.core.executor import FLUSH
 from sluice.core.host_profile import HostProfile
@@ -150,6 +151,8 @@ class SchedulerActor:
             self._add(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
+        elif isinstance(msg, KVOp):  # prefill/decode disaggregation: a block hand-over (core/disagg_scheduler.py)
+            msg.answer(self.scheduler.kv_op(msg))
         else:
             self.closed = msg.error
             self._end_all(msg.error)

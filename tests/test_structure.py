@@ -171,13 +171,14 @@ def test_no_import_cycles():
 def test_the_step_contract_is_not_the_schedulers():
     """The executor side (runner, TP workers, speculative steps) reads the step contract from its own module:
     only the engine core's wiring, its scheduler actor, the step recorder (it snapshots the queues and the KV
-    pool) and the cache simulator know the policy."""
+    pool), the cache simulator and the prefill/decode role schedulers (subclasses of the policy) know it."""
     users = {m for m, deps in module_graph().items() if "sluice.core.scheduler" in deps}
     assert users <= {
         "sluice.core.engine_core",
         "sluice.core.scheduler_actor",
         "sluice.core.inspector",
         "sluice.app.cache_sim",
+        "sluice.core.disagg_scheduler",
     }
 
 

@@ -15,6 +15,7 @@ BENCHMARKS = (
     "sluice.app.bench.host",
     "sluice.app.bench.steps",
     "sluice.app.bench.clients",
+    "sluice.app.bench.disagg",
 )
 
 
