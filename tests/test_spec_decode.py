@@ -157,7 +157,7 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(featu
     # An EAGLE-3 head reads the target's layer features in both paths.
     copy_head = copy_head_dir(tmp_path, MODEL, tiny_source.config, feature)
     kw = dict(COMMON, attention_backend="triton")
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = _prompts(3, seed=6)
     with _roughen(LLM(MODEL, **kw)) as plain:
         expected = _ids(plain, prompts, params)
@@ -175,7 +175,7 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(featu
         # every verification took the graph path, the requests' last steps (drafts past max_tokens) too
         assert general.calls == 0
         # a penalized request in the batch sends its steps back to the general path
-        mixed = [params, SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True)]
+        mixed = [params, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)]
         with _roughen(LLM(MODEL, **kw)) as plain:
             ref = [o.outputs[0].token_ids for o in plain.generate(prompts[:2], mixed, use_tqdm=False)]
         n = len(graphs.replayed)
