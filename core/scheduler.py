@@ -85,7 +85,7 @@ class Scheduler:
         unless nothing else runs). In the step that computes the parent's last prompt token each sibling
         forks the parent's block table (`KVCacheManager.fork`: every prompt block shared, the partial
         last one included) and samples its first token from the parent's logits row with its own
-        sampling params and seed (the executor repeats the row: `ScheduledRequest.forks`), so sequence i
+        sampling params and seed (the executor repeats the row: `SchedulerOutput.forks`), so sequence i
         draws exactly what a solo request would. From then on the siblings are ordinary running
         requests; the first decode of each writes into the shared partial last block, which
         `allocate_slots` replaces with a private copy (copy-on-write) before the step's attention.
