@@ -28,7 +28,7 @@ from sluice.core import wire, zmq_io
 from sluice.core.args import EngineArgs
 from sluice.core.core_process import CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineDeadError, EngineStoppedError
-from sluice.core.request import AddRequest, EndAllRequests, TokenEvent
+from sluice.core.request import AddRequest, EndAllRequests, TokenEvent, refuse_queued, reply
 from sluice.core.scheduler_actor import EngineStats
 
 logger = logging.getLogger("sluice")
@@ -133,7 +133,7 @@ class CoreClient:
                         tg.start_soon(self._receive_steps)
                         await self._forward(inbox)
                 finally:
-                    self._refuse_queued(inbox)
+                    refuse_queued(inbox)
         finally:
             self._end_all(EngineStoppedError("the engine stopped before the request finished"))
             try:
@@ -156,7 +156,7 @@ class CoreClient:
                 if isinstance(m, AddRequest):
                     refusal = self.dead or self._closed
                     if refusal is not None:
-                        _reply(m.events, TokenEvent(m.requests[0].request_id, [], finish_reason="abort", error=refusal))
+                        reply(m.events, TokenEvent(m.requests[0].request_id, [], finish_reason="abort", error=refusal))
                         continue
                     ids = [r.request_id for r in m.requests]
                     for rid in ids:
@@ -218,24 +218,7 @@ class CoreClient:
         streams, self._streams = self._streams, {}
         self._admitting.clear()
         for rid, stream in streams.items():
-            _reply(stream, TokenEvent(rid, [], finish_reason="abort", error=error))
-
-    def _refuse_queued(self, inbox: ObjectReceiveStream) -> None:
-        while True:
-            try:
-                msg = inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            if isinstance(msg, AddRequest):
-                error = EngineStoppedError("the engine stopped before the request was admitted")
-                _reply(msg.events, TokenEvent(msg.requests[0].request_id, [], finish_reason="abort", error=error))
-
-
-def _reply(stream: ObjectSendStream[TokenEvent], ev: TokenEvent) -> None:
-    try:
-        stream.send_nowait(ev)
-    except _STREAM_GONE:
-        pass
+            reply(stream, TokenEvent(rid, [], finish_reason="abort", error=error))
 
 
 def _kill(proc) -> None:

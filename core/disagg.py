@@ -46,7 +46,6 @@ from typing import Any
 
 import anyio
 import torch
-from anyio.abc import ObjectSendStream
 from sluice.core.admission import AdmissionGate
 from sluice.core.args import EngineArgs
 from sluice.core.disagg_scheduler import (
@@ -66,7 +65,7 @@ from sluice.core.errors import (
     SluiceError,
 )
 from sluice.core.outputs import RequestOutput
-from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent
+from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent, reply
 from sluice.core.request_actor import run_request
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.scheduler_actor import EngineStats
@@ -337,7 +336,7 @@ class DisaggEngine:
                     break
                 if isinstance(msg, AddRequest):
                     rid = msg.requests[0].request_id
-                    _reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
+                    reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
 
     async def _serve_inbox(self, inbox, tg) -> None:
         async for msg in inbox:
@@ -361,7 +360,7 @@ class DisaggEngine:
         if len(msg.requests) > 1 or req.num_prompt_tokens < self.args.block_size:
             self.pair_stats.num_direct += 1
             if not await _send(self.decode, msg):
-                _reply(msg.events, _refused(rid, "the decode engine has stopped"))
+                reply(msg.events, _refused(rid, "the decode engine has stopped"))
             return
         route = self._routes[rid] = _Route(rid)
         try:
@@ -369,7 +368,7 @@ class DisaggEngine:
         except anyio.get_cancelled_exc_class():
             # the pair stops: the caller's loop ends with an error, as each engine ends its own requests
             stopped = EngineStoppedError("the engine pair stopped before the request finished")
-            _reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
+            reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
             raise
         finally:
             del self._routes[rid]
@@ -381,20 +380,20 @@ class DisaggEngine:
         first_req = Request(rid, list(req.prompt_token_ids), req.sampling_params, 1, req.eos_token_ids)
         send, recv = anyio.create_memory_object_stream[TokenEvent](4)
         if not await _send(self.prefill, AddRequest([first_req], send)):
-            _reply(caller, _refused(rid, "the prefill engine has stopped"))
+            reply(caller, _refused(rid, "the prefill engine has stopped"))
             return
         async with recv:
             admitted = await recv.receive()
             if admitted.error is not None:  # refused: overloaded, dead, shutting down
-                _reply(caller, admitted)
+                reply(caller, admitted)
                 return
-            _reply(caller, TokenEvent(rid, []))
+            reply(caller, TokenEvent(rid, []))
             if route.aborted:  # its abort may have reached the prefill engine before the request did
                 await _send(self.prefill, AbortRequest(rid))
             ev = await recv.receive()
         if ev.error is not None or ev.finish_reason == "abort" or not ev.token_ids:
             await _ask(self.prefill, ReleaseShipment(rid))
-            _reply(caller, ev)
+            reply(caller, ev)
             return
         first_token_time = time.time()
         num_cached = ev.num_cached_tokens
@@ -404,10 +403,10 @@ class DisaggEngine:
             self.pair_stats.num_ended_at_prefill += 1
             await _ask(self.prefill, ReleaseShipment(rid))
             ev.finish_reason = ev.finish_reason if ev.finish_reason == "stop" else "length"
-            _reply(caller, ev)
+            reply(caller, ev)
             return
         if not msg.final_only:
-            _reply(caller, TokenEvent(rid, list(ev.token_ids), ev.logprobs, num_cached_tokens=num_cached))
+            reply(caller, TokenEvent(rid, list(ev.token_ids), ev.logprobs, num_cached_tokens=num_cached))
         # 2. the prompt's KV to the decode engine
         reserved = await self._ship(rid, req, route)
         if route.aborted:
@@ -442,13 +441,13 @@ class DisaggEngine:
                 if reserved:
                     await _ask(self.decode, ReleaseBlocks(rid))
                 if not route.aborted:
-                    _reply(caller, admitted)
+                    reply(caller, admitted)
                 return
             if route.aborted:  # as above, on the decode engine
                 await _send(self.decode, AbortRequest(rid))
             async for ev in recv:
                 ev.num_cached_tokens = num_cached  # the prefill engine's prefix-cache hit, not the shipped blocks
-                _reply(caller, ev)
+                reply(caller, ev)
                 if ev.finish_reason is not None:
                     return
 
@@ -542,13 +541,6 @@ async def _ask(engine: AsyncEngine, op: KVOp) -> Any:
         with anyio.move_on_after(60):
             return await recv.receive()
     return None
-
-
-def _reply(events: ObjectSendStream[TokenEvent], ev: TokenEvent) -> None:
-    try:
-        events.send_nowait(ev)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
-        pass  # the caller is gone; its abort is on the way
 
 
 def _refused(rid: str, why: str) -> TokenEvent:

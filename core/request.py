@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from sluice.core.outputs import TokenLogprob
 from sluice.core.sampling_params import SamplingParams
 
@@ -111,3 +112,31 @@ class EndAllRequests:
     """End every request in flight with ``error``, and refuse every later one with it (a server shutting down)."""
 
     error: Exception
+
+
+_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock)
+
+
+def reply(events: Any, ev: TokenEvent) -> bool:
+    """Send ``ev`` to a caller's event stream without waiting; False if the caller is gone (its abort is on the
+    way)."""
+    try:
+        events.send_nowait(ev)
+    except _GONE:
+        return False
+    return True
+
+
+def refuse_queued(inbox: Any) -> None:
+    """An inbox closes: the requests still queued in it are answered (refused with `EngineStoppedError`), not
+    dropped unanswered. Later senders find it closed."""
+    from sluice.core.errors import EngineStoppedError
+
+    while True:
+        try:
+            msg = inbox.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            return
+        if isinstance(msg, AddRequest):
+            error = EngineStoppedError("the engine stopped before the request was admitted")
+            reply(msg.events, TokenEvent(msg.requests[0].request_id, [], finish_reason="abort", error=error))

@@ -25,7 +25,7 @@ from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedE
 from sluice.core.executor import FLUSH
 from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
-from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent
+from sluice.core.request import AbortRequest, AddRequest, EndAllRequests, Request, TokenEvent, refuse_queued, reply
 from sluice.core.scheduler import Scheduler
 from sluice.core.step import ModelOutput, SchedulerOutput
 
@@ -132,19 +132,7 @@ class SchedulerActor:
                         self._handle(msg)
                     self._publish()
             finally:
-                self._refuse_queued(inbox)
-
-    def _refuse_queued(self, inbox: ObjectReceiveStream[AddRequest | AbortRequest]) -> None:
-        """The inbox closes: requests still queued in it are answered (refused), not dropped unanswered.
-        Later senders find it closed."""
-        while True:
-            try:
-                msg = inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            if isinstance(msg, AddRequest):
-                error = EngineStoppedError("the engine stopped before the request was admitted")
-                self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [], finish_reason="abort", error=error))
+                refuse_queued(inbox)
 
     def _handle(self, msg: AddRequest | AbortRequest | EndAllRequests) -> None:
         if isinstance(msg, AddRequest):
@@ -161,10 +149,10 @@ class SchedulerActor:
         s = self.scheduler
         if self.closed is not None:
             rid = msg.requests[0].request_id
-            self._reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=self.closed))
+            reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=self.closed))
             return
         if self.dead is not None:
-            self._reply(
+            reply(
                 msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
@@ -175,7 +163,7 @@ class SchedulerActor:
             )
             return
         if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
-            self._reply(
+            reply(
                 msg.events,
                 TokenEvent(
                     msg.requests[0].request_id,
@@ -188,7 +176,7 @@ class SchedulerActor:
                 ),
             )
             return
-        if not self._reply(msg.events, TokenEvent(msg.requests[0].request_id, [])):  # admitted
+        if not reply(msg.events, TokenEvent(msg.requests[0].request_id, [])):  # admitted
             return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
@@ -198,14 +186,6 @@ class SchedulerActor:
             self.recorder.admitted(msg.requests)
         s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         self._wakeup.set()
-
-    @staticmethod
-    def _reply(events: ObjectSendStream[TokenEvent], ev: TokenEvent) -> bool:
-        try:
-            events.send_nowait(ev)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
-        return True
 
     def _abort(self, request_id: str) -> None:
         """Abort a request; a caller's id also reaches its n > 1 sequences (``id#i``)."""
