@@ -324,8 +324,10 @@ def _text_chars(prompt: Prompt) -> int:
     """Characters of text in a prompt or in its messages' contents (0 for token ids)."""
     if isinstance(prompt, str):
         return len(prompt)
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], dict):
+        return 0  # token ids: not walked one by one on the event loop
     n = 0
-    for m in prompt if isinstance(prompt, list) else ():
+    for m in prompt:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, str):
             n += len(content)

@@ -497,11 +497,12 @@ class Scheduler:
         for j in range(num_accepted):
             st.accepted_per_position[j] += 1
 
-    def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
-        num_output = len(req.output_token_ids)
-        if token in req.stop_ids and num_output >= req.sampling_params.min_tokens:
+    @staticmethod
+    def _check_stop(req: Request, token: int) -> tuple[str | None, int | None]:
+        """The stop rule (`update_from_output` inlines it for its one-token rows)."""
+        if token in req.stop_ids and len(req.output_token_ids) >= req.sampling_params.min_tokens:
             return "stop", token
-        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.config.max_model_len:
+        if len(req.all_token_ids) >= req.token_limit:  # max_tokens or max_model_len
             return "length", None
         return None, None
 
