@@ -30,6 +30,12 @@ logger = logging.getLogger("sluice")
 FLUSH = "flush"  # collect the oldest step in flight
 
 
+def _failed(step_id: int, e: Exception) -> ModelOutput:
+    """A step that raised: its output fails every request in it (all of them, if the device is lost)."""
+    logger.exception("step %d failed", step_id)
+    return ModelOutput(step_id, error=e, fatal=is_fatal(e))
+
+
 class ExecutorActor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -91,8 +97,7 @@ class ExecutorActor:
         try:
             return await anyio.to_thread.run_sync(self.runner.execute, so, abandon_on_cancel=out_of_process)
         except Exception as e:
-            logger.exception("step %d failed", so.step_id)
-            return ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
+            return _failed(so.step_id, e)
 
     def _launch_then_collect(
         self, so: SchedulerOutput, oldest: LaunchedStep | ModelOutput | None
@@ -102,8 +107,7 @@ class ExecutorActor:
         try:
             step = self._timed_launch(so)
         except Exception as e:
-            logger.exception("step %d failed", so.step_id)
-            step = ModelOutput(so.step_id, error=e, fatal=is_fatal(e))
+            step = _failed(so.step_id, e)
         outs = [] if oldest is None else [self._safe_collect(oldest)]
         if so.sync:
             return None, [*outs, self._safe_collect(step)]
@@ -115,8 +119,7 @@ class ExecutorActor:
         try:
             return self._timed_collect(step)
         except Exception as e:
-            logger.exception("step %d failed", step.so.step_id)
-            return ModelOutput(step.so.step_id, error=e, fatal=is_fatal(e))
+            return _failed(step.so.step_id, e)
 
     async def _collect(self, step: LaunchedStep | ModelOutput) -> ModelOutput:
         if isinstance(step, ModelOutput):
