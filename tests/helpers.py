@@ -201,26 +201,24 @@ def chi2_test(observed: torch.Tensor, expected_probs: torch.Tensor, min_expected
     return stat, df, chi2_sf(stat, df)
 
 
-class EngineInTask:
-    """Runs ``async with AsyncEngine(args)`` inside one background task, so a module-scoped async fixture
-    (whose setup and teardown pytest-asyncio runs in different tasks) enters and exits the engine's task
-    group in the same task."""
+class InTask:
+    """Enters the async context manager ``make()`` returns inside one background task, so a module-scoped async
+    fixture (whose setup and teardown pytest-asyncio runs in different tasks) enters and exits its task group
+    in the same task."""
 
-    def __init__(self, args) -> None:
-        self.args = args
+    def __init__(self, make) -> None:
+        self.make = make
 
     async def start(self):
         import asyncio
-
-        from sluice.core import AsyncEngine
 
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._stop = asyncio.Event()
 
         async def hold() -> None:
             try:
-                async with AsyncEngine(self.args) as engine:
-                    ready.set_result(engine)
+                async with self.make() as value:
+                    ready.set_result(value)
                     await self._stop.wait()
             except BaseException as e:
                 if not ready.done():
@@ -233,6 +231,16 @@ class EngineInTask:
     async def stop(self) -> None:
         self._stop.set()
         await self._task
+
+
+class EngineInTask(InTask):
+    """`InTask` of ``AsyncEngine(args)``."""
+
+    def __init__(self, args) -> None:
+        from sluice.core import AsyncEngine
+
+        super().__init__(lambda: AsyncEngine(args))
+        self.args = args
 
 
 def fake_output(so, token: int = 7):

@@ -7,7 +7,6 @@ of the real default model."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 
@@ -19,49 +18,22 @@ from sluice.core import AsyncEngine, EngineArgs, EngineDeadError, InvalidRequest
 from sluice.core.disagg import DisaggEngine
 from sluice.kv import transfer as kv_transfer
 
+from tests.helpers import InTask
+
 TINY = dict(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=1024, max_num_seqs=32)
 BS = 16
 
 
-class InTask:
-    """Enters an async context manager inside one background task (a module-scoped fixture's setup and
-    teardown run in different tasks; a task group must be entered and exited in the same one)."""
-
-    def __init__(self, cm) -> None:
-        self.cm = cm
-
-    async def start(self):
-        ready = asyncio.get_running_loop().create_future()
-        self._stop = asyncio.Event()
-
-        async def hold() -> None:
-            try:
-                async with self.cm as value:
-                    ready.set_result(value)
-                    await self._stop.wait()
-            except BaseException as e:
-                if not ready.done():
-                    ready.set_exception(e)
-                raise
-
-        self._task = asyncio.get_running_loop().create_task(hold())
-        return await ready
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await self._task
-
-
 @pytest.fixture(scope="module")
 async def single():
-    holder = InTask(AsyncEngine(EngineArgs(**TINY)))
+    holder = InTask(lambda: AsyncEngine(EngineArgs(**TINY)))
     yield await holder.start()
     await holder.stop()
 
 
 @pytest.fixture(scope="module")
 async def pair():
-    holder = InTask(DisaggEngine(EngineArgs(**TINY)))
+    holder = InTask(lambda: DisaggEngine(EngineArgs(**TINY)))
     yield await holder.start()
     await holder.stop()
 
