@@ -54,7 +54,10 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes seen before")
     attention_backend: str = _arg("auto", "auto = triton on a GPU, torch on the CPU", ("auto", "torch", "triton"))
-    enforce_eager: bool = _arg(False, "no CUDA graphs for decode steps")
+    enforce_eager: bool = _arg(False, "no CUDA graphs")
+    max_graph_tokens: int = _arg(
+        2048, "GPU: steps with prefill rows of up to this many tokens replay a CUDA graph; 0 = decode steps only"
+    )
     fused_kernels: str = _arg(
         "auto", "Triton RMSNorm+residual, SiLU-and-mul and RoPE; auto = on for cuda", ("auto", "on", "off")
     )

@@ -1,5 +1,6 @@
 """CUDA graphs for uniform steps (pure decode, or speculative verification of k drafts per request), one per
-batch size of a ladder, over static input buffers.
+batch size of a ladder, and for steps with prefill rows (`MixedGraphs`), one per token count of a ladder,
+all over the same static input buffers.
 
 A decode step of an 8B model launches ~350 kernels (fused) to ~1300 (unfused); launched one by one from
 Python that is several milliseconds of host time, more than the GPU needs. A captured graph replays them
@@ -8,9 +9,9 @@ with one call. What makes a step replayable:
 * every input lives at a fixed address: the runner writes each step's ids, positions, slot mapping,
   sequence lengths and block tables into the first rows of the `StepBuffers` the graph was captured
   over, padded to the graph's batch size (padding rows write no KV: slot -1; read no KV: length 0);
-* the attention backend plans its grid from host values fixed at capture (the batch size and the
-  longest context, ``max_model_len``): see `kv/attention/triton_backend.py`; so only the Triton backend
-  is graph-safe (the torch reference loops over host lists);
+* the attention backend plans its grid from host values fixed at capture (the batch size, the token count
+  and the longest context, ``max_model_len``): see `kv/attention/triton_backend.py`; so only the Triton
+  backend is graph-safe (the torch reference loops over host lists);
 * the plain decode graph ends with the LM head, so its output is the logits of every row; sampling runs
   eagerly after it (per-request generators and penalties do not fit a fixed graph). The speculative graph
   (`core/drafter.py`) goes on through greedy verification and the draft chain.
@@ -125,6 +126,7 @@ class DecodeGraphs:
         self.num_replays = 0
 
     def metadata(self, bs: int) -> AttentionMetadata:
+        """The captured step's metadata: views of the buffers for ``bs`` sequences of ``query_len`` tokens."""
         b, q = self.buffers, self.query_len
         return AttentionMetadata(
             slot_mapping=b.slot_mapping[: bs * q],
@@ -142,19 +144,31 @@ class DecodeGraphs:
         b, t = self.buffers, bs * self.query_len
         return b.input_ids[:t], b.positions[:t], self.metadata(bs)
 
-    def capture(self) -> None:
+    def _idle_inputs(self) -> None:
+        """Inputs for warm-up and capture: no KV writes, empty contexts."""
         b = self.buffers
         largest = self.batch_sizes[-1]
-        t = largest * self.query_len
-        # Idle inputs for warm-up and capture: no KV writes, empty contexts.
+        t, s = self.num_tokens(largest), self.num_seqs(largest)
         b.input_ids[:t].zero_()
         b.positions[:t].zero_()
         b.slot_mapping[:t].fill_(-1)
-        b.seq_lens[:largest].zero_()
-        b.query_start_loc[: largest + 1].copy_(torch.arange(largest + 1, dtype=torch.int32) * self.query_len)
-        b.block_tables[:largest].zero_()
+        b.seq_lens[:s].zero_()
+        b.query_start_loc[: s + 1].copy_(torch.arange(s + 1, dtype=torch.int32) * self.query_len)
+        b.block_tables[:s].zero_()
+
+    def num_tokens(self, size: int) -> int:
+        return size * self.query_len
+
+    def num_seqs(self, size: int) -> int:
+        return size
+
+    def capture(self, pool=None):
+        """Capture every size, largest first, into ``pool`` (a graph memory pool; a new one if None);
+        returns the pool, for graphs to be captured after these into the same memory."""
+        self._idle_inputs()
+        b = self.buffers
+        largest = self.batch_sizes[-1]
         t0 = time.perf_counter()
-        pool = None
         stream = torch.cuda.Stream(device=b.device)
         stream.wait_stream(torch.cuda.current_stream(b.device))
         with torch.cuda.stream(stream):
@@ -172,13 +186,14 @@ class DecodeGraphs:
         torch.cuda.current_stream(b.device).wait_stream(stream)
         torch.cuda.synchronize(b.device)
         logger.info(
-            "captured %d %s CUDA graphs (batch sizes %s..%s) in %.1fs",
+            "captured %d %s CUDA graphs (sizes %s..%s) in %.1fs",
             len(self.graphs),
             self.name,
             self.batch_sizes[0],
             largest,
             time.perf_counter() - t0,
         )
+        return pool
 
     def padded_size(self, n: int) -> int | None:
         for bs in self.batch_sizes:
@@ -193,3 +208,58 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return out
+
+
+def mixed_graph_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the mixed-step graphs, up to ``max_tokens``: every 16 up to 256, then sizes 1/8 apart
+    (32 up to 512, 64 up to 1024, ...). Large steps are compute-bound, so padding costs device time in
+    proportion there: at most 1/8 of a step from 128 tokens up."""
+    sizes = list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(576, 1025, 64))
+    sizes += list(range(1152, 2049, 128)) + list(range(2304, 4097, 256)) + list(range(4608, 16385, 512))
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+class MixedGraphs(DecodeGraphs):
+    """Captured steps with prefill rows (prefill chunks, mixed with decodes), one per token count of a ladder.
+
+    Launched eagerly, such a step is a few hundred kernel launches from Python, tens of milliseconds of host
+    time for a step the device may finish in a few; a prompt's first token waits for it, and so does every
+    running request's next one. Replayed, it is one call. A step of ``t`` tokens and ``n`` sequences runs in
+    the graph of the smallest size ``T >= t``, over ``min(T, max_seqs)`` sequences: the real ones, then
+    padding sequences that own no tokens (their query range is empty) and no context; tokens ``t..T`` belong
+    to no sequence (no KV write, no attention row; their rows are computed and ignored). The prefill kernel's
+    grid depends only on those two sizes (`kv/attention/triton_kernels.py`), so one graph serves any mix.
+    The graph ends at the final hidden states: the rows that sample are picked and projected eagerly.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        buffers: StepBuffers,
+        token_counts: Sequence[int],
+        max_seq_len: int,
+    ) -> None:
+        super().__init__(forward, buffers, token_counts, max_seq_len, 0, "mixed-step")
+
+    def num_tokens(self, size: int) -> int:
+        return size
+
+    def num_seqs(self, size: int) -> int:
+        return min(size, self.buffers.max_seqs)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        b, s = self.buffers, self.num_seqs(size)
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping[:size],
+            query_start_loc=b.query_start_loc[: s + 1],
+            seq_lens=b.seq_lens[:s],
+            block_tables=b.block_tables[:s],
+            max_query_len=size,  # > 1: the prefill kernel, whatever the step's longest query
+            max_seq_len=self.max_seq_len,
+            query_start_loc_host=[0] * (s + 1),  # not read by graph-safe backends
+            seq_lens_host=[0] * s,
+        )
+
+    def step_inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        b = self.buffers
+        return b.input_ids[:size], b.positions[:size], self.metadata(size)

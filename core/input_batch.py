@@ -130,10 +130,14 @@ class InputBatch:
         self.output_tokens[slot] = list(nr.token_ids[nr.num_prompt_tokens :]) if penalized else None
 
     # -- one step's inputs ---------------------------------------------------------------------------
-    def build(self, so: SchedulerOutput, b: StepBuffers, pad_to: int | None = None) -> StepRows:
+    def build(
+        self, so: SchedulerOutput, b: StepBuffers, pad_to: int | None = None, pad_tokens_to: int | None = None
+    ) -> StepRows:
         """Write the step's token ids, positions, slot mapping, sequence lengths and block tables into ``b``'s
         host side. With ``pad_to`` (a graph's batch size; every row then computes the same number of tokens q),
-        rows ``B..pad_to`` are padding of q tokens each that write and read no KV."""
+        rows ``B..pad_to`` are padding of q tokens each that write and read no KV. With ``pad_tokens_to`` too (a
+        mixed-step graph, `MixedGraphs`), tokens ``T..pad_tokens_to`` are padding owned by no row, and rows
+        ``B..pad_to`` own no tokens."""
         n = len(so.req_ids)
         slot_of = self.slot_of
         slots = np.fromiter(map(slot_of.__getitem__, so.req_ids), np.int64, n)
@@ -184,7 +188,15 @@ class InputBatch:
             for rid, d in so.num_draft_tokens.items():
                 f = int(first[row[rid]])
                 ids[f + 1 : f + 1 + d] = self.drafts[slot_of[rid], :d]
-        if pad_to is not None and pad_to > n:
+        if pad_tokens_to is not None:
+            pad = slice(t, pad_tokens_to)
+            ids[pad] = 0
+            b.positions_np[pad] = 0
+            b.slot_mapping_np[pad] = -1
+            if pad_to is not None and pad_to > n:
+                b.seq_lens_np[n:pad_to] = 0
+                b.query_start_loc_np[n + 1 : pad_to + 1] = t
+        elif pad_to is not None and pad_to > n:
             q = t // n
             pad = slice(t, pad_to * q)
             ids[pad] = 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from sluice.core.args import EngineArgs
-from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.cuda_graphs import DecodeGraphs, MixedGraphs, StepBuffers, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.culprit import is_fatal, isolate_culprits
 from sluice.core.input_batch import InputBatch, StepRows, index_tensor
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
@@ -41,9 +41,9 @@ from sluice.kv.attention.fp8 import kv_cache_torch_dtype
 logger = logging.getLogger("sluice")
 
 GiB = 1024**3
-# Room left beside the KV pool for the decode graphs' memory pool (activations of the largest captured
-# batch and its logits), which is allocated after the pool is sized.
-GRAPH_POOL_RESERVE = GiB // 2
+# Room left beside the KV pool for the graphs' memory pool (activations of the largest captured step, the
+# decode graphs' logits), which is allocated after the pool is sized.
+GRAPH_POOL_RESERVE = GiB
 # The executor's worker thread and the event loop share the GIL; under load the loop detokenizes for
 # milliseconds at a time, and a thread waiting for the GIL gets it only after the switch interval
 # (5 ms by default), leaving the GPU idle. A shorter interval bounds that wait. SLUICE_GPU_SWITCH_INTERVAL_S
@@ -141,6 +141,7 @@ class ModelRunner:
         self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
         self.generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
         self._host_bufs = [torch.empty(0, dtype=torch.long) for _ in range(2)]
@@ -178,15 +179,21 @@ class ModelRunner:
                 graphs = DecodeGraphs(
                     self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), max_model_len
                 )
+                max_mixed = min(args.max_graph_tokens, self.max_num_tokens)
+                mixed = None
+                if max_mixed > 1:
+                    mixed = MixedGraphs(self._forward, self.buffers, mixed_graph_sizes(max_mixed), max_model_len)
                 try:
                     with torch.inference_mode():
-                        graphs.capture()
-                    self.graphs = graphs
+                        pool = graphs.capture()
+                        if mixed is not None:
+                            mixed.capture(pool)
+                    self.graphs, self.mixed_graphs = graphs, mixed
                     if self.drafter is not None:
                         self.drafter.capture_graphs()
                 except Exception:  # slower, still correct: serve every step eagerly
-                    logger.exception("CUDA graph capture failed; decode steps run eagerly")
-                    self.graphs = None
+                    logger.exception("CUDA graph capture failed; every step runs eagerly")
+                    self.graphs = self.mixed_graphs = mixed = None
                     if self.drafter is not None:
                         self.drafter.graphs = None
                     del graphs
@@ -356,12 +363,20 @@ class ModelRunner:
         num_tokens = so.num_tokens
         b = self.buffers
         graph_bs = self.graphs.padded_size(n) if self.graphs is not None and num_tokens == n else None
+        # steps with prefill rows (and decodes past the decode graphs' sizes): a mixed-step graph, if one fits
+        graph_t = None
+        if graph_bs is None and self.mixed_graphs is not None:
+            graph_t = self.mixed_graphs.padded_size(num_tokens)
         if num_tokens > b.max_tokens or n > b.max_seqs:
             # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
             b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
-            graph_bs = None
+            graph_bs = graph_t = None
         b.wait_uploaded()  # the last step's inputs have left the pinned buffers
-        rows = self.batch.build(so, b, graph_bs)
+        if graph_t is not None:
+            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
+            rows = self.batch.build(so, b, graph_seqs, graph_t)
+        else:
+            rows = self.batch.build(so, b, graph_bs)
         sample_rows, req_ids = self._sampling_rows(so)
         num_rows = len(req_ids)
         if so.forks:  # a fork samples with its own parameters (its own slot) from its parent's row
@@ -381,7 +396,10 @@ class ModelRunner:
         else:
             if num_rows:
                 b.logit_rows_np[:num_rows] = rows.query_start_loc[1:][sample_rows] - 1
-            b.upload(rows.num_tokens, n, b.max_blocks, num_rows)
+            if graph_t is not None:
+                b.upload(graph_t, graph_seqs, b.max_blocks, num_rows)
+            else:
+                b.upload(rows.num_tokens, n, b.max_blocks, num_rows)
         self._gather_pending(rows, b)
         prepared_at = time.perf_counter()
         started = None
@@ -394,9 +412,11 @@ class ModelRunner:
                 return LaunchedStep(so, ModelOutput(so.step_id))
             logits = logits[:n] if whole else logits[b.logit_rows[:num_rows]]
         else:
-            meta = self._metadata(rows, b)
-            ctx = ForwardContext(meta, self.kv_caches, self.backend)
-            hidden = self.model(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], ctx)
+            if graph_t is not None:
+                hidden = self.mixed_graphs.replay(graph_t)
+            else:
+                t = rows.num_tokens
+                hidden = self._forward(b.input_ids[:t], b.positions[:t], self._metadata(rows, b))
             if num_rows == 0:
                 return LaunchedStep(so, ModelOutput(so.step_id))
             logits = self.model.compute_logits(hidden[b.logit_rows[:num_rows]])
@@ -489,10 +509,13 @@ class ModelRunner:
         dst = index_tensor(rows.gather_dst, self.device)
         b.input_ids[dst] = self._last_sampled[src]
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward over a step's tokens: final hidden states (what a mixed-step graph captures)."""
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The captured part of a decode step: embedding to logits of every row."""
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self._forward(input_ids, positions, meta))
 
     def _metadata(self, rows: StepRows, b: StepBuffers) -> AttentionMetadata:
         n = len(rows.slots)

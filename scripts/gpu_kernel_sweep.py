@@ -327,7 +327,7 @@ def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, sha
                       for i in range(2)])  # fmt: skip
     c16 = torch.stack([fp8.dequantize(c8[i], scale[i], torch.bfloat16) for i in range(2)])
     outb = torch.empty_like(q)
-    num_seqs, max_q = len(seq_lens), max(q_lens)
+    num_seqs = len(seq_lens)
     heuristic = be.decode_splits(max(seq_lens), num_seqs, kv_heads, q.device)
     if decode:
         configs = [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp)
@@ -347,7 +347,7 @@ def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, sha
 
         def launch(c, kvc, sc, out_t=outb):
             tk.paged_prefill(q, kvc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out_t, d**-0.5,
-                             num_seqs, max_q, block_m=c["block_m"], block_n=c["block_n"],
+                             num_seqs, block_m=c["block_m"], block_n=c["block_n"],
                              num_warps=c["num_warps"], num_stages=c["num_stages"], kv_scale=sc)  # fmt: skip
 
     refs = {}

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from sluice.core import LLM, SamplingParams
-from sluice.core.cuda_graphs import StepBuffers, graph_batch_sizes
+from sluice.core.cuda_graphs import StepBuffers, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.input_batch import InputBatch
 from sluice.core.step import NewRequest, SchedulerOutput
 
-from tests.graph_helpers import EagerReplay
+from tests.graph_helpers import EagerMixedReplay, EagerReplay
 
 
 def step_of(rows, step_id: int = 1) -> SchedulerOutput:
@@ -133,6 +133,53 @@ def test_decode_through_the_graph_path_matches_eager():
     assert [o.outputs[0].token_ids for o in mixed] == [eager[0], eager[1][:2], eager[2]]
     assert 4 in graphs.replayed and set(graphs.replayed) <= {1, 2, 4}  # 3 running requests padded to 4
     assert np.all(np.array([len(t) for t in graphed]) == 6)
+
+
+def test_build_pads_a_mixed_graph_step_with_tokens_and_rows_of_nothing():
+    batch = InputBatch(8, 16, 16)
+    so = step_of([("a", list(range(30)), 20, 10, [3, 4], True), ("b", list(range(6)), 5, 1, [9], True)])
+    batch.apply(so)
+    b = StepBuffers(64, 8, 16, torch.device("cpu"))
+    for buf in (b.input_ids_np, b.positions_np, b.slot_mapping_np, b.seq_lens_np, b.query_start_loc_np):
+        buf.fill(99)
+    batch.build(so, b, pad_to=4, pad_tokens_to=16)
+    assert b.query_start_loc_np[:5].tolist() == [0, 10, 11, 11, 11]  # padding rows own no tokens
+    assert b.seq_lens_np[:4].tolist() == [30, 6, 0, 0]
+    assert b.slot_mapping_np[11:16].tolist() == [-1] * 5 and b.positions_np[11:16].tolist() == [0] * 5
+    assert b.input_ids_np[:11].tolist() == list(range(20, 30)) + [5]
+    assert b.input_ids_np[11:16].tolist() == [0] * 5
+
+
+def test_mixed_graph_sizes_cover_every_step():
+    sizes = mixed_graph_sizes(8192)
+    assert sizes[0] == 16 and sizes[-1] == 8192 and sizes == sorted(set(sizes))
+    assert all(b / a <= 1.125 for a, b in zip(sizes, sizes[1:]) if a >= 128)
+    assert mixed_graph_sizes(100) == [16, 32, 48, 64, 80, 96, 100]
+
+
+def test_steps_with_prefill_rows_through_the_mixed_graph_path_match_eager():
+    """Prompts of many lengths, prefilled in chunks beside running decodes, some over cached prefixes: every
+    step through the mixed-step (and decode) graph stand-ins gives the eager engine's tokens."""
+    kw = dict(
+        model="dummy:tiny", device="cpu", attention_backend="triton", num_kv_blocks=96, max_model_len=512,
+        max_num_batched_tokens=100, max_num_seqs=8,
+    )  # fmt: skip
+    shared = list(range(100, 140))
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], shared + [7, 8], list(range(40, 141)), [7] * 3, shared + [9] * 20]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with LLM(**kw) as llm:
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(**kw) as llm:
+        runner = llm.engine._executor.runner
+        runner.graphs = EagerReplay(runner._decode_forward, runner.buffers, [1, 2, 4, 8], runner.max_model_len)
+        runner.mixed_graphs = EagerMixedReplay(runner._forward, runner.buffers, [16, 32, 64, 100], runner.max_model_len)
+        for g in (runner.graphs, runner.mixed_graphs):
+            g.capture()
+        graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert graphed == eager
+    replayed = runner.mixed_graphs.replayed
+    assert set(replayed) <= {16, 32, 64, 100} and len(set(replayed)) >= 2, replayed
+    assert runner.graphs.replayed  # the decode-only steps still take the decode graphs
 
 
 def test_requests_submitted_together_share_their_first_step():

@@ -185,6 +185,38 @@ def test_mixed_prefill_and_decode_rows(group, dtype):
     _check(TritonAttentionBackend().forward(query, cache, meta, 0.125), query, cache, meta, 0.125)
 
 
+def test_one_long_prompt_beside_many_decodes():
+    """The grid follows the tokens, not (sequences x the longest query): every tile of the long prompt and
+    every decode row is computed, and each by one program only."""
+    seq_lens = [3, 40, 17, 200, 1, 33, 64, 150, 9]
+    q_lens = [1, 1, 1, 150, 1, 1, 1, 1, 1]
+    query, cache, meta = _build(seq_lens, q_lens, 2, 3, 64, seed=51)
+    _check(TritonAttentionBackend().forward(query, cache, meta, 0.125), query, cache, meta, 0.125)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_over_graph_padding(group):
+    """A step padded to a CUDA graph's size: tokens past the last sequence's belong to no sequence, padding
+    sequences own no tokens and no context. The real rows come out as without padding; the padding rows are
+    never written (the output stays as it was allocated)."""
+    seq_lens, q_lens = [30, 5, 81], [12, 1, 40]
+    query, cache, meta = _build(seq_lens, q_lens, 2, group, 64, seed=61 + group)
+    n, t = len(seq_lens), query.shape[0]
+    pad_seqs, pad_tokens = 8, 96
+    padded_q = torch.full((pad_tokens, *query.shape[1:]), 7.0, dtype=query.dtype, device=DEVICE)
+    padded_q[:t] = query
+    tables = torch.zeros(pad_seqs, meta.block_tables.shape[1], dtype=torch.int32, device=DEVICE)
+    tables[:n] = meta.block_tables
+    qsl = torch.full((pad_seqs + 1,), t, dtype=torch.int32, device=DEVICE)
+    qsl[: n + 1] = meta.query_start_loc
+    lens = torch.zeros(pad_seqs, dtype=torch.int32, device=DEVICE)
+    lens[:n] = meta.seq_lens
+    out = torch.full_like(padded_q, 5.0)
+    tk.paged_prefill(padded_q, cache, tables, lens, qsl, out, 0.125, pad_seqs)
+    _check(out[:t], query, cache, meta, 0.125)
+    assert (out[t:] == 5.0).all()
+
+
 def test_prefill_head_dim_128_block_32_gqa4():
     seq_lens, q_lens = [90, 33, 64], [40, 33, 1]
     query, cache, meta = _build(seq_lens, q_lens, 1, 4, 128, block_size=32, seed=41)

@@ -154,3 +154,9 @@ def release_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def graph_replays(engine) -> tuple[int, int]:
+    """CUDA-graph replays so far of the engine's (one-process) model runner: decode steps, mixed steps."""
+    runner = engine._executor.runner
+    return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, runner.mixed_graphs))

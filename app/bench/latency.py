@@ -18,6 +18,7 @@ from sluice.app.bench.common import (
     EngineRun,
     drive_engine,
     engine_args_for,
+    graph_replays,
     percentiles,
     print_figures,
     release_device_memory,
@@ -68,14 +69,14 @@ def engine_latency(args, ns: argparse.Namespace, vocab: int) -> tuple[list[Engin
         async with AsyncEngine(args) as engine:
             for i in range(ns.num_iters_warmup):
                 await drive_engine(engine, _batch(ns, vocab, 10_000 + i), tag=f"warmup{i}")
-            graphs = engine._executor.runner.graphs
-            replays = graphs.num_replays if graphs is not None else 0
+            replays = graph_replays(engine)
             steps = engine.stats().num_steps
             for i in range(ns.num_iters):
                 runs.append(await drive_engine(engine, _batch(ns, vocab, i), tag=f"iter{i}"))
             facts = {
                 "num_steps": engine.stats().num_steps - steps,
-                "graph_steps": (graphs.num_replays - replays) if graphs is not None else 0,
+                "graph_steps": graph_replays(engine)[0] - replays[0],
+                "mixed_graph_steps": graph_replays(engine)[1] - replays[1],
             }
         return runs, facts
 

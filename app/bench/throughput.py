@@ -22,6 +22,7 @@ from sluice.app.bench.common import (
     add_dataset_args,
     drive_engine,
     engine_args_for,
+    graph_replays,
     load_bench_requests,
     print_figures,
     release_device_memory,
@@ -75,8 +76,7 @@ def engine_throughput(
             if warmup:
                 vocab = engine.source.config.vocab_size
                 await drive_engine(engine, sample_random(4, 24, 8, vocab, seed=12345), tag="warmup")
-            graphs = engine._executor.runner.graphs
-            replays = graphs.num_replays if graphs is not None else 0
+            replays = graph_replays(engine)
             before = engine.stats()
             recorder = engine.inspector
             recorder_s = recorder.cost_s if recorder is not None else 0.0
@@ -89,7 +89,8 @@ def engine_throughput(
                 "kv_blocks": after.kv_blocks_total,
                 "kv_tokens": after.kv_blocks_total * args.block_size,
                 "num_steps": after.num_steps - before.num_steps,
-                "graph_steps": (graphs.num_replays - replays) if graphs is not None else 0,
+                "graph_steps": graph_replays(engine)[0] - replays[0],
+                "mixed_graph_steps": graph_replays(engine)[1] - replays[1],
                 "num_preemptions": after.num_preemptions - before.num_preemptions,
             }
             # CPU seconds of the whole process (every thread): the work done, less blurred than the wall

@@ -2,7 +2,7 @@
 
 Pure decode batches (``max_query_len == 1``) take the split-K decode kernel; everything else (prefill,
 chunked prefill, prefill mixed with decode rows) the prefill kernel. ``forward`` never syncs the device:
-grid sizes come from ``meta.num_seqs``, ``meta.max_query_len`` and ``meta.max_seq_len`` (host values).
+grid sizes come from the query's size, ``meta.num_seqs`` and (decode) ``meta.max_seq_len`` (host values).
 
 CUDA graphs (decode): the grid is ``(num_seqs, num_kv_heads, num_splits)`` and ``num_splits`` depends only
 on ``num_seqs`` and ``meta.max_seq_len`` rounded up to a power of two, so capture with the largest context
@@ -84,6 +84,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             tk.paged_prefill(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, meta.max_query_len, kv_scale=kv_scale,
+                num_seqs, kv_scale=kv_scale,
             )  # fmt: skip
         return out

@@ -374,6 +374,7 @@ def _prefill_kernel(
     stride_c_head,
     stride_bt,
     head_dim,
+    num_seqs,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -385,10 +386,20 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     F16_DOT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    qtile = tl.program_id(1)
-    kvh = tl.program_id(2)
+    # Tile t belongs to the last sequence s whose first tile, qsl[s] // BLOCK_Q + s, is <= t (found by
+    # binary search); sequence s has at least as many tile numbers as it needs (see `paged_prefill`).
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        go_right = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo - 1
     q_start = tl.load(qsl_ptr + seq)
+    qtile = tile - (q_start // BLOCK_Q + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if qtile * BLOCK_Q >= q_len:
         return
@@ -434,7 +445,7 @@ def _prefill_kernel(
     )  # fmt: skip
 
     if KV_FP8:  # the V scale multiplies the output
-        acc = acc * tl.load(kv_scale_ptr + tl.num_programs(2) + kvh)
+        acc = acc * tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -562,7 +573,6 @@ def paged_prefill(
     out: torch.Tensor,
     scale: float,
     num_seqs: int,
-    max_query_len: int,
     block_m: int = 64,
     block_n: int | None = None,
     num_warps: int = 4,
@@ -583,13 +593,18 @@ def paged_prefill(
     block_q = block_m // group
     dot_f32, precision = _dot_args(query.dtype, query.device)
     assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    # Tiles of BLOCK_Q queries never span two sequences. Sequence s takes the tile numbers from
+    # qsl[s] // BLOCK_Q + s on: that leaves it qsl[s+1] // BLOCK_Q - qsl[s] // BLOCK_Q + 1 of them, at least
+    # cdiv(its queries, BLOCK_Q); numbers it does not need end at once. The grid depends only on the tensors'
+    # sizes (tokens, sequences), not on how the queries are spread: a CUDA graph of a step with prefill rows
+    # serves any step of its size, and a step of one long prompt beside many decodes launches no idle grid.
+    grid = (query.shape[0] // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), head_dim,
+        block_tables.stride(0), head_dim, num_seqs,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=_block_d(head_dim),
         BLOCK_N=block_n, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
         F16_DOT=_f16_dot(kv_fp8, query.dtype), num_warps=num_warps, num_stages=num_stages,
