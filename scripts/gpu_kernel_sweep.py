@@ -3,6 +3,7 @@
     python scripts/gpu_kernel_sweep.py gemv --out gemv_sweep.json     # int4 GEMV (batch-1 decode)
     python scripts/gpu_kernel_sweep.py attn --out attn_sweep.json     # paged attention, fp8 vs bf16 cache
     python scripts/gpu_kernel_sweep.py pdl --out pdl_sweep.json       # int4 GEMV with / without PDL
+    python scripts/gpu_kernel_sweep.py dense --out dense_sweep.json   # bf16 GEMV (1-16 rows) vs F.linear
 
 Timing: the calls under test are captured back to back in one CUDA graph (as a decode step replays them,
 without launch gaps) and the graph is replayed; the figure is the median replay over the calls in it. The
@@ -378,6 +379,91 @@ def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, sha
             "default": cur, "best": best, "rows": rows}  # fmt: skip
 
 
+def sweep_dense(ns) -> dict:
+    """bf16 weights, 1-16 rows: the GEMV of `core/models/gemv.py` over a grid of configs (every one at one row;
+    the four best of those, and the engine's rule, at more rows) against ``F.linear``, each call behind a fused
+    RMSNorm as in a decoder layer."""
+    import torch
+    from sluice.core.models.gemv import gemv_config
+
+    out = {"shapes": {}}
+    g = torch.Generator(device=ns.device).manual_seed(0)
+    num_sms = 8 if ns.tiny else torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in (TINY_SHAPES if ns.tiny else LINEAR_SHAPES).items():
+        if ns.shapes and name not in ns.shapes:
+            continue
+        out["shapes"][name] = _dense_shape(ns, g, n, k, gemv_config(n, k, num_sms))
+        _write(ns.out, out)
+        torch.cuda.empty_cache()
+    if set(out["shapes"]) == set(LINEAR_SHAPES):  # one decode step: 32 layers x 4 projections + the LM head
+        sh, layer = out["shapes"], ("qkv", "o", "gate_up", "down")
+        totals = {}
+        for m in sh["qkv"]["rows"]:
+            for label in ("bf16_us", "rule_us", "best_us"):
+                per = [sh[s]["rows"][m].get(label, float("nan")) for s in (*layer, "lm_head")]
+                totals[f"m{m}_{label[:-3]}_ms"] = (32 * sum(per[:4]) + per[4]) / 1e3
+        out["decode_step_matmuls_with_norms_ms"] = totals
+        print("decode step, matmuls + a norm before each (ms):", totals, flush=True)
+    return out
+
+
+def _dense_cfg(c) -> list:
+    return [c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages]
+
+
+def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
+    import torch
+    from sluice.core.models.fused import add_rmsnorm
+    from sluice.core.models.gemv import GemvConfig, gemv
+
+    ws = _bf16_copies(ns, g, n, k)
+    cnt = torch.zeros(-(-n // 32), dtype=torch.int32, device=ns.device)
+    norm_w = torch.ones(k, device=ns.device, dtype=torch.bfloat16)
+    grid = [
+        GemvConfig(bn, bk, split, 4, stages)
+        for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4, 8) for stages in (3, 4)
+        if not (split > 1 and n >= 16384)  # enough tiles already
+    ]  # fmt: skip
+    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rule": _dense_cfg(rule), "rows": {}}
+    ranked: list = []
+    for m in (1, 3) if ns.tiny else (1, 2, 4, 8, 16):
+        x = torch.randn(m, k, device=ns.device, generator=g).bfloat16()
+
+        def normed(x=x) -> torch.Tensor:
+            return add_rmsnorm(x, None, norm_w, 1e-5)[0]
+
+        ref = normed().float() @ ws[0].float().t()
+        r = {"bf16_us": 1e3 * graph_ms([lambda w=w: torch.nn.functional.linear(normed(), w) for w in ws])}
+        r["norm_us"] = 1e3 * graph_ms([normed for _ in ws])
+        configs = grid if m == 1 else list(dict.fromkeys([*ranked[:4], rule]))
+        t0, timed = time.perf_counter(), []
+        for c in configs:
+            if ns.time_limit and time.perf_counter() - t0 > ns.time_limit:
+                break
+            try:
+                err = _rel(gemv(normed(), ws[0], None, cnt, c), ref)
+                if err > 2e-2 or cnt.any():
+                    r.setdefault("wrong", []).append({"config": _dense_cfg(c), "rel_err": err})
+                    cnt.zero_()
+                    continue
+                us = 1e3 * graph_ms([lambda w=w, c=c: gemv(normed(), w, None, cnt, c) for w in ws])
+                timed.append((us, c, err))
+            except Exception as e:  # noqa: BLE001 - a config that fails is no candidate
+                r.setdefault("errors", []).append(f"{_dense_cfg(c)}: {type(e).__name__}: {str(e)[:200]}")
+        timed.sort(key=lambda t: t[0])
+        if m == 1:
+            ranked = [c for _, c, _ in timed]
+        r["best"] = [
+            {"config": _dense_cfg(c), "us": us, "tb_s": n * k * 2 / us / 1e6, "rel_err": e} for us, c, e in timed[:5]
+        ]
+        r["best_us"] = timed[0][0] if timed else float("nan")
+        r["rule_us"] = next((us for us, c, _ in timed if c == rule), float("nan"))
+        row["rows"][m] = r
+        print(f"{n}x{k} m={m}: bf16 {r['bf16_us']:.1f} us (norm {r['norm_us']:.1f}), rule {r['rule_us']:.1f}, "
+              f"best {r['best'][:2]}", flush=True)  # fmt: skip
+    return row
+
+
 def _fmt(row, dt) -> str:
     if row is None:
         return "none"
@@ -392,7 +478,7 @@ def _write(path: str, result: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("gemv", "attn", "pdl"))
+    ap.add_argument("what", choices=("gemv", "attn", "pdl", "dense"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--shapes", nargs="*", help="gemv: only these shapes (qkv o gate_up down lm_head)")
     ap.add_argument("--time-limit", type=float, default=0, help="per shape or case: no more configs after this (s)")
@@ -406,7 +492,7 @@ def main() -> int:
         return 2
     from sluice.app.bench.results import machine_info, utc_now_iso, versions
 
-    result = {"gemv": sweep_gemv, "attn": sweep_attn, "pdl": sweep_pdl}[ns.what](ns)
+    result = {"gemv": sweep_gemv, "attn": sweep_attn, "pdl": sweep_pdl, "dense": sweep_dense}[ns.what](ns)
     result.update(command=" ".join(["python scripts/gpu_kernel_sweep.py", *sys.argv[1:]]), machine=machine_info(),
                   versions=versions(), date=utc_now_iso())  # fmt: skip
     _write(ns.out, result)

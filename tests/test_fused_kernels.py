@@ -105,3 +105,50 @@ def test_model_with_fused_kernels_gives_the_same_logits():
     ref = logits()
     assert enable_fused_kernels(model) == 2 * 2 + 1 + 2 + 1  # 2 norms per layer + final, 2 MLPs, rotary
     torch.testing.assert_close(logits(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gemv_matches_linear(dtype, rows):
+    """The few-row GEMV against F.linear: N not a multiple of the tile, K split unevenly and evenly, a bias,
+    and the split-K counters left at zero for the next launch (as a graph replay needs)."""
+    from sluice.core.models import gemv
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 100, 320
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    counters = torch.zeros(-(-n // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
+    ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+    for cfg in (gemv.GemvConfig(32, 64, 1), gemv.GemvConfig(64, 64, 3), gemv.GemvConfig(32, 32, 2)):
+        for b in (bias, None):
+            out = gemv.gemv(x, w, b, counters, cfg)
+            expect = ref if b is not None else ref - bias.float()
+            assert out.shape == (rows, n) and out.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+            else:  # inputs are bf16-exact; only the output's rounding differs
+                torch.testing.assert_close(out.float(), expect, rtol=2**-7, atol=2e-2)
+            assert not counters.any()
+
+
+def test_linear_layer_takes_the_gemv_only_for_few_rows():
+    from sluice.core.models import gemv
+    from sluice.core.models.layers import Linear
+
+    lin = Linear(64, 48, bias=False).to(DEVICE, torch.bfloat16)
+    assert enable_fused_kernels(lin) == 1 and lin.fused is gemv.linear
+    calls = []
+    real = gemv.gemv
+    gemv.gemv = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+    try:
+        for m in (1, 16, 17):
+            x = torch.randn(m, 64).to(DEVICE, torch.bfloat16)
+            torch.testing.assert_close(
+                lin(x).float(), torch.nn.functional.linear(x, lin.weight).float(), rtol=2**-7, atol=2e-2
+            )
+    finally:
+        gemv.gemv = real
+    assert calls == [(1, 64), (16, 64)]  # 17 rows: cuBLAS (F.linear)
+    assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear

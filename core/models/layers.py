@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,21 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose few-row products (decode steps at small batch) may run the Triton GEMV of
+    `core/models/gemv.py` (set by `enable_fused_kernels`); larger ones, and the CPU, stay with ``F.linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.fused = None
+        self.counters: torch.Tensor | None = None  # the GEMV's split-K arrival counters (not a parameter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(x, self.weight, self.bias, self.counters)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -94,10 +110,16 @@ class RotaryEmbedding(nn.Module):
 
 def enable_fused_kernels(model: nn.Module) -> int:
     """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
-    shapes allow (rotary needs ``head_dim / 2`` a power of two); returns how many modules switched."""
-    from sluice.core.models import fused
+    shapes allow (rotary needs ``head_dim / 2`` a power of two), and its 16-bit linear layers to the few-row
+    GEMV; returns how many modules switched."""
+    from sluice.core.models import fused, gemv
 
-    kernels = {RMSNorm: fused.add_rmsnorm, SiluAndMul: fused.silu_and_mul, RotaryEmbedding: fused.rope_}
+    kernels = {
+        RMSNorm: fused.add_rmsnorm,
+        SiluAndMul: fused.silu_and_mul,
+        RotaryEmbedding: fused.rope_,
+        Linear: gemv.linear,
+    }
     n = 0
     for m in model.modules():
         kernel = kernels.get(type(m))
@@ -107,6 +129,12 @@ def enable_fused_kernels(model: nn.Module) -> int:
             half = m.cos.shape[-1] // 2
             if half & (half - 1):
                 continue
+        if isinstance(m, Linear):
+            # SLUICE_GEMV=0 keeps cuBLAS for every linear layer (for side-by-side timing)
+            if m.weight.dtype not in (torch.float16, torch.bfloat16) or os.environ.get("SLUICE_GEMV", "1") == "0":
+                continue
+            tiles = -(-m.out_features // gemv.MIN_BLOCK_N)
+            m.counters = torch.zeros(tiles, dtype=torch.int32, device=m.weight.device)
         m.fused = kernel
         n += 1
     return n

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.layers import ForwardContext, RMSNorm, RotaryEmbedding, SiluAndMul
+from sluice.core.models.layers import ForwardContext, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 from torch import nn
 
@@ -49,8 +49,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.layer_idx = layer_idx
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, h, bias=False)
         # shard sizes along dim 0 of qkv_proj, in _STACKED order
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         # fp8 KV cache: per-head scales [2, num_kv_heads], set once before the first write
@@ -79,8 +79,8 @@ class LlamaMLP(nn.Module):
         if tp is not None:
             start, end = shard_range(m, tp.rank, tp.world_size)
             m = end - start
-        self.gate_up_proj = nn.Linear(h, 2 * m, bias=False)
-        self.down_proj = nn.Linear(m, h, bias=False)
+        self.gate_up_proj = Linear(h, 2 * m, bias=False)
+        self.down_proj = Linear(m, h, bias=False)
         self.act = SiluAndMul()
         self.shard_sizes = (m, m)
 
@@ -134,7 +134,7 @@ class LlamaForCausalLM(nn.Module):
         if tp is not None:
             self.vocab_ranges = [shard_range(vocab, r, tp.world_size) for r in range(tp.world_size)]
             vocab = self.vocab_ranges[tp.rank][1] - self.vocab_ranges[tp.rank][0]
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, vocab, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, vocab, bias=False)
         head_dim = self.model.layers[0].self_attn.head_dim
         self.rotary = RotaryEmbedding(config, head_dim, max_position)
 

@@ -1,0 +1,164 @@
+"""``y = x @ W^T (+ bias)`` for a few rows of ``x`` (decode steps at small batch) over a 16-bit ``W``.
+
+At one to a few rows a linear layer is a read of its weight: a batch-1 decode step of an 8B model reads
+~15 GiB, and the step takes as long as that read. cuBLAS's kernels for these shapes reach ~4.1 TB/s on the
+largest projections of Llama-3-8B but ~3.1 TB/s on the small ones (q/k/v, o), whose launch and ramp-up are
+a larger share of their time (docs/benchmarks.md).
+
+`_gemv_kernel` streams the weight in ``[BLOCK_N, BLOCK_K]`` tiles through the tensor cores against a
+``[BLOCK_K, BLOCK_M]`` tile of ``x`` (its rows, zero-padded to 16), so every weight byte is read once for
+all rows, with the software pipelining Triton gives ``tl.dot`` loops. K may be split ``SPLIT_K`` ways to
+fill the GPU when ``N / BLOCK_N`` is short of the SM count; the program that finishes a tile's last split
+adds the partials (an arrival counter per tile, reset by that program: one launch, no memset, one node of
+a CUDA graph). It is launched with programmatic dependent launch (`kv/attention/pdl.py`): its programs
+become resident while the kernel before them (a fused norm, SiLU-and-mul, attention) finishes, and read
+``x`` once that kernel's writes are visible.
+
+Accumulation is fp32 like cuBLAS's; the sums run in another order, so outputs agree with ``F.linear`` to
+the rounding of the output dtype, not bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from sluice.kv.attention.pdl import pdl_launch
+
+# Rows of x one launch serves (the MMA's smallest N); more rows go to cuBLAS.
+MAX_ROWS = 16
+# The smallest BLOCK_N of any config: sizes the split-K counters.
+MIN_BLOCK_N = 32
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    rows64 = rows.to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    lo = pid_k * per_split
+    hi = tl.minimum(lo + per_split, K)
+    if PDL:  # the next kernel may launch; x is the previous kernel's output: wait for it
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    mmask = offs_m < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + offs_k
+        if EVEN_K:  # every step whole: no per-element K mask (it would split the vector loads)
+            kmask = offs_k >= 0
+        else:
+            kmask = k < hi
+        w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        if DOT_F32:  # fp32 activations stay fp32; the CPU interpreter's bf16 dot is wrong (see triton_kernels)
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    omask = rmask[:, None] & mmask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs_m[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        tile = ws_ptr + offs_m[None, :] * N + rows[:, None]  # workspace [SPLIT_K, BLOCK_M, N] fp32
+        tl.store(tile + pid_k * BLOCK_M * N, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partials are written before the counter moves
+        count = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if count == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(tile + s * BLOCK_M * N, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+            out = out_ptr + offs_m[None, :] * stride_om + rows[:, None]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch (or graph replay)
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
+    """The config for an ``N x K`` weight: 64 rows by 128 columns per step, K split while the grid has fewer
+    than ~4 programs per SM and each split keeps >= 1024 of K."""
+    tiles = triton.cdiv(n, 64)
+    split = 1
+    while split < 8 and tiles * split * 2 <= 4 * num_sms and k // (split * 2) >= 1024:
+        split *= 2
+    return GemvConfig(64, 128, split)
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T (+ bias)`` for ``M <= MAX_ROWS``; ``counters``: int32 zeros, at least one per
+    ``MIN_BLOCK_N`` output features (the split-K arrival counters)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    c = config or gemv_config(n, k, num_sms)
+    split = c.split_k
+    if split > 1 and counters.numel() < triton.cdiv(n, c.block_n):
+        split = 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = torch.empty((split, MAX_ROWS, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    even_k = k % (c.block_k * split) == 0
+    dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
+    _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
+        x, weight, bias if bias is not None else weight, out, ws, counters,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=MAX_ROWS, SPLIT_K=split, HAS_BIAS=bias is not None,
+        EVEN_K=even_k, DOT_F32=dot_f32, num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
+    )  # fmt: skip
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:
+    """``F.linear``, through `gemv` when ``x`` has at most `MAX_ROWS` rows."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0 or x2.shape[0] > MAX_ROWS:
+        return F.linear(x, weight, bias)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return gemv(x2, weight, bias, counters).reshape(*x.shape[:-1], weight.shape[0])
