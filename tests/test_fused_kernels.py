@@ -137,8 +137,13 @@ def test_linear_layer_takes_the_gemv_only_for_few_rows():
     from sluice.core.models import gemv
     from sluice.core.models.layers import Linear
 
+    assert enable_fused_kernels(Linear(64, 48).to(DEVICE, torch.bfloat16)) == 0  # small weights keep cuBLAS
     lin = Linear(64, 48, bias=False).to(DEVICE, torch.bfloat16)
-    assert enable_fused_kernels(lin) == 1 and lin.fused is gemv.linear
+    old, gemv.MIN_WEIGHT_BYTES = gemv.MIN_WEIGHT_BYTES, 0
+    try:
+        assert enable_fused_kernels(lin) == 1 and lin.fused is gemv.linear
+    finally:
+        gemv.MIN_WEIGHT_BYTES = old
     calls = []
     real = gemv.gemv
     gemv.gemv = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
@@ -151,4 +156,8 @@ def test_linear_layer_takes_the_gemv_only_for_few_rows():
     finally:
         gemv.gemv = real
     assert calls == [(1, 64), (16, 64)]  # 17 rows: cuBLAS (F.linear)
-    assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear
+    gemv.MIN_WEIGHT_BYTES = 0
+    try:
+        assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear
+    finally:
+        gemv.MIN_WEIGHT_BYTES = old

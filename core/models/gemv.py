@@ -32,6 +32,9 @@ from sluice.kv.attention.pdl import pdl_launch
 MAX_ROWS = 16
 # The smallest BLOCK_N of any config: sizes the split-K counters.
 MIN_BLOCK_N = 32
+# Smaller weights keep cuBLAS: the sweep measured Llama-3-8B's projections (32 MiB and up), and a weight of a
+# few megabytes is a grid of a few programs here.
+MIN_WEIGHT_BYTES = 8 * 2**20
 
 
 @triton.jit
@@ -115,13 +118,17 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
-    """The config for an ``N x K`` weight: 64 rows by 128 columns per step, K split while the grid has fewer
-    than ~4 programs per SM and each split keeps >= 1024 of K."""
+    """The config for an ``N x K`` weight, from the H200 sweep at Llama-3-8B shapes (`scripts/gpu_kernel_sweep.py
+    dense`, docs/benchmarks.md): tiles of 64 rows, 4 stages. Where 64-row tiles are short of ~2 per SM (q/k/v, o,
+    down), steps of 256 columns, and K split in ranges of at least 4096 (down: 2); split-K 4 and 8 with
+    128-column steps were up to 1.2x slower there. Wide weights (gate/up, the LM head) take 128-column steps."""
     tiles = triton.cdiv(n, 64)
+    if tiles >= 2 * num_sms:
+        return GemvConfig(64, 128, 1)
     split = 1
-    while split < 8 and tiles * split * 2 <= 4 * num_sms and k // (split * 2) >= 1024:
+    while split < 8 and k // (split * 2) >= 4096:
         split *= 2
-    return GemvConfig(64, 128, split)
+    return GemvConfig(64, 256, split)
 
 
 def gemv(

@@ -133,6 +133,8 @@ def enable_fused_kernels(model: nn.Module) -> int:
             # SLUICE_GEMV=0 keeps cuBLAS for every linear layer (for side-by-side timing)
             if m.weight.dtype not in (torch.float16, torch.bfloat16) or os.environ.get("SLUICE_GEMV", "1") == "0":
                 continue
+            if m.weight.numel() * m.weight.element_size() < gemv.MIN_WEIGHT_BYTES:
+                continue
             tiles = -(-m.out_features // gemv.MIN_BLOCK_N)
             m.counters = torch.zeros(tiles, dtype=torch.int32, device=m.weight.device)
         m.fused = kernel
