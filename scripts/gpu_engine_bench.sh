@@ -5,6 +5,7 @@
 #   scripts/gpu_engine_bench.sh peer   # ShareGPT 1000 with the transformers peer in the same run (~6 min)
 #   scripts/gpu_engine_bench.sh graphs-a|graphs-b   # mixed-step CUDA graphs on (default) and off, same build
 #   scripts/gpu_engine_bench.sh gemv   # the bf16 GEMV's sweep; batch 1 with it and with cuBLAS, alternating
+#   scripts/gpu_engine_bench.sh final  # ShareGPT 200 (GEMV and cuBLAS), 1000, batch 1 and 8
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
@@ -59,6 +60,13 @@ gemv)  # the few-row bf16 GEMV (core/models/gemv.py): its sweep, then batch 1 wi
         run lat_b1_cublas$i 90 env SLUICE_GEMV=0 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_cublas$i.json"
         run lat_b1_gemv$i 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_gemv$i.json"
     done
+    ;;
+final)  # this build's figures, with ShareGPT 200 also under cuBLAS (SLUICE_GEMV=0) in the same call
+    run tp200 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
+    run tp200_cublas 90 env SLUICE_GEMV=0 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_cublas.json"
+    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
+    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
+    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
