@@ -68,6 +68,12 @@ final)  # this build's figures, with ShareGPT 200 also under cuBLAS (SLUICE_GEMV
     run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
     run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
     ;;
+tp200ab)  # ShareGPT 200 with the GEMV and with cuBLAS, alternating twice (a first run also compiles Triton variants)
+    for i in 1 2; do
+        run tp200_gemv$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_gemv$i.json"
+        run tp200_cublas$i 90 env SLUICE_GEMV=0 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_cublas$i.json"
+    done
+    ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
     run tp200_t16k 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 16384 --out "$OUT/tp200_t16k.json"
