@@ -56,3 +56,27 @@ def test_gguf_conversion_announces_what_it_will_write(default_source):
     announced = _dequantized_bytes(default_source.gguf_file)
     assert abs(announced - written) / written < 0.05  # the tied LM head is not written twice
     assert 0.4e9 < announced < 0.6e9  # "about 0.5 GB", as the README says
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_weights_past_the_tokenizer_never_win_greedy(tied):
+    """A random-weight model whose vocabulary outgrows its borrowed tokenizer (dummy:llama3-8b: 128,256 ids over
+    49,152) zeroes those ids' LM-head rows, in one process and in the checkpoint tensor-parallel ranks shard:
+    greedy decoding then streams text, as a real model's would, over a head of unchanged shape."""
+    from dataclasses import replace
+
+    import torch
+    from sluice.core.models.loader import _random_checkpoint, load_model, model_class_for
+
+    src = resolve_model("dummy:tiny")
+    assert src.text_vocab_size == 49152 and resolve_model("dummy:llama3-8b").text_vocab_size == 49152
+    config = src.config.__class__(**{**src.config.to_dict(), "vocab_size": 50000, "tie_word_embeddings": tied})
+    src = replace(src, config=config, text_vocab_size=30000)
+    model = load_model(src, torch.float32, torch.device("cpu"), max_position=64)
+    head = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    assert head.shape[0] == 50000 and not head[30000:].any() and head[:30000].abs().sum(-1).min() > 0
+    hidden = torch.nn.functional.normalize(torch.randn(256, config.hidden_size), dim=-1) * config.hidden_size**0.5
+    assert int(model.compute_logits(hidden).argmax(-1).max()) < 30000
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    ckpt = dict(_random_checkpoint(model_class_for(config), config, 64, torch.float32, torch.device("cpu"), 0, 30000))
+    assert torch.equal(ckpt[name], head)  # the ranks' shards come from the same tensor

@@ -36,6 +36,8 @@ class ModelSource:
     tokenizer_dir: str
     eos_token_ids: list[int]
     gguf_file: str | None = None  # the GGUF the weights were converted from (its quantized tensors)
+    # random weights with a borrowed tokenizer: the ids it decodes (the model's vocabulary may be larger)
+    text_vocab_size: int | None = None
 
 
 def cache_dir() -> Path:
@@ -113,7 +115,10 @@ def _dummy(model: str) -> ModelSource:
     if shape not in DUMMY_SHAPES:
         raise ModelLoadError(f"unknown dummy shape {shape!r}; choose from {sorted(DUMMY_SHAPES)}")
     config = LlamaConfig(**DUMMY_SHAPES[shape], architectures=["LlamaForCausalLM"], eos_token_id=2)
-    return ModelSource(model, config, None, default_tokenizer_dir(), [2])
+    tokenizer_dir = default_tokenizer_dir()
+    with open(Path(tokenizer_dir) / "tokenizer.json", encoding="utf-8") as f:
+        text_vocab = len(json.load(f)["model"]["vocab"])
+    return ModelSource(model, config, None, tokenizer_dir, [2], text_vocab_size=text_vocab)
 
 
 def default_tokenizer_dir() -> str:
@@ -225,7 +230,9 @@ def load_model(
     model.to(dtype=dtype)
     model.rotary.to(torch.float32)  # keep the cos/sin table in fp32; cast per use
     if source.weights_dir is None and tp is not None:
-        model.load_weights(_random_checkpoint(cls, source.config, max_position, dtype, device, seed))
+        model.load_weights(
+            _random_checkpoint(cls, source.config, max_position, dtype, device, seed, source.text_vocab_size)
+        )
     elif source.weights_dir is None:
         g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
@@ -234,6 +241,7 @@ def load_model(
                     p.fill_(1.0)  # norm weights
                 else:
                     p.normal_(0.0, 0.02, generator=g)
+            _silence_textless_ids(model, source.text_vocab_size)
     else:
         try:
             # One bar, rank 0's (tensor-parallel ranks load their shards at once)
@@ -243,7 +251,21 @@ def load_model(
     return model.eval()
 
 
-def _random_checkpoint(cls, config, max_position: int, dtype: torch.dtype, device: torch.device, seed: int):
+def _silence_textless_ids(model, text_vocab_size: int | None) -> None:
+    """Zero the LM-head rows of ids the borrowed tokenizer cannot decode (a Llama-3-shaped vocabulary over the
+    default model's tokenizer): their logits are 0 while every other id's is random with a spread of ~1, so
+    greedy decoding, as the benchmarks run, picks ids that stream as text, as a real model's would. The head
+    keeps its shape, so each step reads the same bytes."""
+    if text_vocab_size is None:
+        return
+    head = model.lm_head.weight if model.lm_head is not None else model.model.embed_tokens.weight
+    if head.shape[0] > text_vocab_size:
+        head[text_vocab_size:].zero_()
+
+
+def _random_checkpoint(
+    cls, config, max_position: int, dtype: torch.dtype, device: torch.device, seed: int, text_vocab_size=None
+):
     """The random weights the unsharded model would get, as checkpoint tensors, one at a time (merged
     projections split back into their checkpoint names), so every tensor-parallel rank takes its shard
     of the very weights a single process would use."""
@@ -258,6 +280,9 @@ def _random_checkpoint(cls, config, max_position: int, dtype: torch.dtype, devic
             t.fill_(1.0)
         else:
             t.normal_(0.0, 0.02, generator=g)
+        head = "lm_head.weight" if full.lm_head is not None else "model.embed_tokens.weight"
+        if name == head and text_vocab_size is not None:
+            t[text_vocab_size:].zero_()  # as `_silence_textless_ids`
         if not name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
             yield name, t
             continue
