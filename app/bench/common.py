@@ -158,5 +158,6 @@ def release_device_memory() -> None:
 
 def graph_replays(engine) -> tuple[int, int]:
     """CUDA-graph replays so far of the engine's (one-process) model runner: decode steps, mixed steps."""
-    runner = engine._executor.runner
-    return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, runner.mixed_graphs))
+    runner = engine._executor.runner  # a tensor-parallel runner captures none
+    graphs = (getattr(runner, "graphs", None), getattr(runner, "mixed_graphs", None))
+    return tuple(g.num_replays if g is not None else 0 for g in graphs)
