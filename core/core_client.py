@@ -8,6 +8,19 @@ admission was refused: every sequence of it then goes).
 
 A dead core (killed, out of memory, crashed) shows as its process sentinel becoming readable: every open
 request then ends with `EngineDeadError`, later ones are refused with it, and the engine reports unhealthy.
+
+With ``shared`` (`SharedCore`: `sluice serve --api-server-count N`), the core was started by someone else (the
+server's supervisor) and serves N front ends, each with a `CoreClient` of its own: this one binds its own socket
+pair, watches the core's process through a pidfd (it is not this process's child), and leaves starting and
+stopping the process to its owner. Three things differ from the one front end that owns its core:
+
+* request ids cross the wire prefixed with the front end's number (``"1:chatcmpl-..."``), so two front ends can
+  never put the same id into the one scheduler (it keys requests by id); events come back prefixed and are cut
+  back on arrival;
+* `EndAllRequests` (a server's shutdown grace is over) ends this front end's requests only: it is answered
+  here and its requests are aborted in the core, where the core's own `EndAllRequests` would end every front
+  end's;
+* stopping sends `ShutdownMsg` after aborting what is still open; the core stops once every front end has.
 """
 
 from __future__ import annotations
@@ -19,14 +32,14 @@ import shutil
 import signal
 import tempfile
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import anyio
 import zmq
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core import wire, zmq_io
 from sluice.core.args import EngineArgs
-from sluice.core.core_process import CoreProcessSpec, run_core_process
+from sluice.core.core_process import BridgeAddress, CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineDeadError, EngineStoppedError
 from sluice.core.request import AddRequest, EndAllRequests, TokenEvent, refuse_queued, reply
 from sluice.core.scheduler_actor import EngineStats
@@ -38,15 +51,32 @@ STOP_TIMEOUT_S = 30.0  # a step in flight finishes before the core exits; past t
 _STREAM_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock)
 
 
+@dataclass(slots=True)
+class SharedCore:
+    """An engine core process that serves several front ends, started by their supervisor: this front end's
+    number among them, its socket pair (bound here) and the core's process id."""
+
+    index: int
+    bridge: BridgeAddress
+    pid: int
+
+    @property
+    def id_prefix(self) -> str:
+        return f"{self.index}:"
+
+
 class CoreClient:
-    def __init__(self, args: EngineArgs, max_model_len: int) -> None:
+    def __init__(self, args: EngineArgs, max_model_len: int, shared: SharedCore | None = None) -> None:
         self.args = args
         self.max_model_len = max_model_len
+        self.shared = shared
         self.stats = EngineStats()
         self.dead: EngineDeadError | None = None
         self.num_kv_blocks = 0
         self.pid: int | None = None
         self.proc = None
+        self._pidfd: int | None = None  # shared: the core's process, readable once it has ended
+        self._prefix = shared.id_prefix if shared is not None else ""
         self._streams: dict[str, ObjectSendStream[TokenEvent]] = {}
         self._admitting: dict[str, list[str]] = {}  # first sequence's id -> every sequence id, until answered
         self._closed: Exception | None = None  # EndAllRequests: later requests are refused with it
@@ -55,17 +85,22 @@ class CoreClient:
 
     # -- process -------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn the core and wait until its model is loaded; raises what its start raised."""
+        """Spawn the core (or, shared, attach to it) and wait until its model is loaded; raises what its start
+        raised."""
+        if self.shared is not None:
+            self._bind(self.shared.bridge)
+            self.pid = self.shared.pid
+            self._pidfd = _open_pidfd(self.pid)
+            await self._answer_of_start()
+            return
         from sluice.core.tp_runner import check_main_guard
 
         check_main_guard("engine_core_process starts the engine core")
         self._dir = tempfile.mkdtemp(prefix="sluice-core-")
-        to_core, to_front = f"ipc://{self._dir}/to-core", f"ipc://{self._dir}/to-front"
-        self._ctx = zmq.Context()
-        self._out = zmq_io.socket(self._ctx, zmq.PUSH, to_core, bind=True)
-        self._in = zmq_io.socket(self._ctx, zmq.PULL, to_front, bind=True)
+        bridge = BridgeAddress(f"ipc://{self._dir}/to-core", f"ipc://{self._dir}/to-front")
+        self._bind(bridge)
         level = logging.getLogger("sluice").getEffectiveLevel()
-        spec = CoreProcessSpec(self.args, self.max_model_len, to_core, to_front, os.getpid(), level)
+        spec = CoreProcessSpec(self.args, self.max_model_len, [bridge], os.getpid(), level)
         # spawn, not fork: a forked CUDA context is unusable, and the front end's threads would be copied.
         # Not a daemon: a daemon may not start processes of its own (tensor-parallel workers).
         self.proc = mp.get_context("spawn").Process(
@@ -74,18 +109,36 @@ class CoreClient:
         self.proc.start()
         self.pid = self.proc.pid
         self._finalizer = weakref.finalize(self, _kill, self.proc)  # dropped without close(): no orphan
+        await self._answer_of_start()
+
+    def _bind(self, bridge: BridgeAddress) -> None:
+        self._ctx = zmq.Context()
+        self._out = zmq_io.socket(self._ctx, zmq.PUSH, bridge.to_core, bind=True)
+        self._in = zmq_io.socket(self._ctx, zmq.PULL, bridge.to_front, bind=True)
+
+    async def _answer_of_start(self) -> None:
         msg = await self._first_message()
         if isinstance(msg, wire.CoreFailed):
             raise wire.error_from_wire(msg.error)
         self.num_kv_blocks = msg.num_kv_blocks
         self.stats = msg.stats
 
+    async def _core_ended(self) -> None:
+        """Return once the core's process has ended."""
+        if self.proc is not None:
+            await anyio.wait_readable(self.proc.sentinel)
+        elif self._pidfd is not None:
+            await anyio.wait_readable(self._pidfd)
+        else:  # no pidfd (not Linux): ask now and then
+            while _alive(self.pid):
+                await anyio.sleep(0.2)
+
     async def _first_message(self) -> wire.CoreReady | wire.CoreFailed:
         msg = None
         async with anyio.create_task_group() as tg:
 
             async def died() -> None:
-                await anyio.wait_readable(self.proc.sentinel)
+                await self._core_ended()
                 tg.cancel_scope.cancel()
 
             tg.start_soon(died)
@@ -99,15 +152,17 @@ class CoreClient:
         return msg
 
     def _exit_status(self) -> str:
+        if self.proc is None:
+            return "exited"  # not this process's child: its owner knows (and logs) how
         self.proc.join(5.0)
-        code = self.proc.exitcode
-        if code is not None and code < 0:
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"exited with code {code}"
+        return exit_status(self.proc.exitcode)
 
     def close(self) -> None:
         """Stop the process (blocking: run it in a thread). It was told to stop by `run`; one that does not
-        within `STOP_TIMEOUT_S`, or never started serving, is killed."""
+        within `STOP_TIMEOUT_S`, or never started serving, is killed. A shared core is its owner's to stop."""
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         if self.proc is not None:
             self.proc.join(STOP_TIMEOUT_S if self.dead is None and self.num_kv_blocks else 0.0)
             _kill(self.proc)
@@ -135,9 +190,11 @@ class CoreClient:
                 finally:
                     refuse_queued(inbox)
         finally:
+            # Shared, the core goes on serving the other front ends: what is still open here is aborted there.
+            aborts = [wire.AbortMsg(self._prefix + rid) for rid in self._streams] if self.shared is not None else []
             self._end_all(EngineStoppedError("the engine stopped before the request finished"))
             try:
-                zmq_io.send(self._out, wire.front_encoder.encode(wire.FrontBatch([wire.ShutdownMsg()])))
+                zmq_io.send(self._out, wire.front_encoder.encode(wire.FrontBatch([*aborts, wire.ShutdownMsg()])))
             except zmq.ZMQError:
                 pass  # already gone
 
@@ -164,7 +221,11 @@ class CoreClient:
                     self._admitting[ids[0]] = ids
                 elif isinstance(m, EndAllRequests):
                     self._closed = m.error
-                out.append(wire.front_to_wire(m))
+                    if self.shared is not None:  # this front end's requests only, not the other front ends'
+                        out += [wire.AbortMsg(self._prefix + rid) for rid in self._streams]
+                        self._end_all(m.error)
+                        continue
+                out.append(wire.front_to_wire(m, self._prefix))
             if not out or self.dead is not None:
                 continue
             try:
@@ -176,6 +237,7 @@ class CoreClient:
     async def _receive_steps(self) -> None:
         decode = wire.core_decoder.decode
         from_wire = wire.event_from_wire
+        cut = len(self._prefix)
         while True:
             msg = decode(await zmq_io.recv(self._in))
             if not isinstance(msg, wire.CoreStep):
@@ -183,6 +245,8 @@ class CoreClient:
             if self.dead is None:
                 self.stats = msg.stats
             for w in msg.events:
+                if cut:
+                    w.request_id = w.request_id[cut:]
                 self._route(from_wire(w))
 
     def _route(self, ev: TokenEvent) -> None:
@@ -202,7 +266,7 @@ class CoreClient:
             self._streams.pop(rid, None)
 
     async def _watch_death(self) -> None:
-        await anyio.wait_readable(self.proc.sentinel)
+        await self._core_ended()
         status = await anyio.to_thread.run_sync(self._exit_status)
         logger.error("the engine core process (pid %s) %s", self.pid, status)
         self._die(EngineDeadError(f"the engine core process {status}"))
@@ -221,7 +285,37 @@ class CoreClient:
             reply(stream, TokenEvent(rid, [], finish_reason="abort", error=error))
 
 
+def exit_status(code: int | None) -> str:
+    """How a process ended, from its ``exitcode``: "exited with code 1", "was killed by SIGKILL"."""
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
 def _kill(proc) -> None:
     if proc.is_alive():
         proc.kill()  # it ignores SIGTERM (see core/core_process.py)
     proc.join(5.0)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A file descriptor that turns readable when process ``pid`` ends (Linux 5.3+), or None where there is
+    none. A process that has already ended (and been reaped) raises `EngineDeadError`."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise EngineDeadError("the engine core process exited before this front end started") from None
+    except OSError:  # a kernel without pidfds
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True

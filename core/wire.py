@@ -7,7 +7,8 @@ socket, so the actors on either side see the same objects as in one process.
 
 Front end -> core: one `FrontBatch` per wake-up of the front's bridge (every message queued by then).
 Core -> front end: one `CoreStep` per engine step (every request's new tokens, logprobs and finishes of the
-step, and the engine's counters), and `CoreReady` / `CoreFailed` once at start.
+step, and the engine's counters; to each front end its own requests', when several share the core), and
+`CoreReady` / `CoreFailed` once at start.
 """
 
 from __future__ import annotations
@@ -133,11 +134,11 @@ def error_from_wire(w: WireError) -> Exception:
 
 
 # -- front end -> core ----------------------------------------------------------------------------------------
-def add_to_wire(msg: AddRequest) -> AddMsg:
+def add_to_wire(msg: AddRequest, id_prefix: str = "") -> AddMsg:
     first = msg.requests[0]
     return AddMsg(
         first.prompt_token_ids,
-        [WireSequence(r.request_id, r.sampling_params) for r in msg.requests],
+        [WireSequence(id_prefix + r.request_id, r.sampling_params) for r in msg.requests],
         first.max_tokens,
         first.eos_token_ids,
         first.arrival_time,
@@ -161,11 +162,12 @@ def add_from_wire(msg: AddMsg, events) -> AddRequest:
     return AddRequest(requests, events, final_only=msg.final_only)
 
 
-def front_to_wire(msg: AddRequest | AbortRequest | EndAllRequests) -> FrontMsg:
+def front_to_wire(msg: AddRequest | AbortRequest | EndAllRequests, id_prefix: str = "") -> FrontMsg:
+    """``id_prefix``: one of several front ends sharing a core marks its request ids with it (`SharedCore`)."""
     if isinstance(msg, AddRequest):
-        return add_to_wire(msg)
+        return add_to_wire(msg, id_prefix)
     if isinstance(msg, AbortRequest):
-        return AbortMsg(msg.request_id)
+        return AbortMsg(id_prefix + msg.request_id)
     return EndAllMsg(error_to_wire(msg.error))
 
 
