@@ -4,17 +4,27 @@ Engine-wide figures (queue lengths, KV usage, prefix-cache and token counters) a
 ``engine.stats()`` when /metrics is scraped, so they cost nothing per step; latency histograms are
 observed per request by the server. Each app owns its `CollectorRegistry`: two apps in one process (or
 one test session) never share or clash over metric state.
+
+Several server processes in front of one engine core (`sluice serve --api-server-count N`) use
+prometheus-client's multiprocess mode: with ``PROMETHEUS_MULTIPROC_DIR`` set (the supervisor sets it to a
+directory of its own), each process's per-request histograms and counters live in files there, and a scrape of
+any process reads and sums every process's files. The engine's figures are not summed: every front end
+receives the same core's counters, so each reports them as they are. The prefix-cache hit rate over the
+recent requests merges the windows of all the processes (`SharedRecentHitRate`).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sluice.core.outputs import Usage
 
@@ -70,6 +80,56 @@ class RecentHitRate:
         return self.hits / self.queries if self.queries else 0.0
 
 
+# Multiprocess mode: each process's hit-rate window, as gauges summed over the processes; read by
+# `SharedRecentHitRate`, never exported themselves.
+_WINDOW_QUERIES = PREFIX + "prefix_cache_window_queries"
+_WINDOW_HITS = PREFIX + "prefix_cache_window_hits"
+_PRIVATE = frozenset((_WINDOW_QUERIES, _WINDOW_HITS))
+
+
+class SharedRecentHitRate(RecentHitRate):
+    """`RecentHitRate` over several server processes: each keeps the window of the requests it served and
+    publishes its sums in prometheus-client's multiprocess files (``sum`` gauges); the value is the sum of the
+    hits over the sum of the queries, so N processes cover their last ``window`` requests each."""
+
+    def __init__(self, path: str, window: int = HIT_RATE_WINDOW) -> None:
+        super().__init__(window)
+        self.path = path
+        self._queries = Gauge(_WINDOW_QUERIES, "Window: prompt tokens.", multiprocess_mode="sum", registry=None)
+        self._hits = Gauge(_WINDOW_HITS, "Window: cached tokens.", multiprocess_mode="sum", registry=None)
+
+    def add(self, prompt_tokens: int, cached_tokens: int) -> None:
+        super().add(prompt_tokens, cached_tokens)
+        self._queries.set(self.queries)
+        self._hits.set(self.hits)
+
+    @property
+    def value(self) -> float:
+        sums = dict.fromkeys(_PRIVATE, 0.0)
+        for metric in MultiProcessCollector.merge(glob.glob(os.path.join(self.path, "gauge_sum_*.db"))):
+            for sample in metric.samples:
+                if sample.name in sums:
+                    sums[sample.name] += sample.value
+        queries = sums[_WINDOW_QUERIES]
+        return sums[_WINDOW_HITS] / queries if queries else 0.0
+
+
+class _FilesCollector(Collector):
+    """Multiprocess mode: what every process wrote to ``path`` (prometheus-client's `MultiProcessCollector`),
+    less the hit-rate window's own gauges."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def describe(self) -> list[Metric]:
+        return []  # its names are not known before a scrape (and never clash with the engine's)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in MultiProcessCollector.merge(glob.glob(os.path.join(self.path, "*.db"))):
+            if metric.name not in _PRIVATE:
+                yield metric
+
+
 class _EngineCollector(Collector):
     def __init__(self, engine: Any, recent: RecentHitRate) -> None:
         self.engine = engine
@@ -92,7 +152,7 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "prefix_cache_hit_rate",
             f"Prefix-cache hit rate (cached / prompt tokens, 0 to 1) over the last {self.recent.requests.maxlen} "
-            "finished requests.",
+            f"finished requests{' of each API server' if isinstance(self.recent, SharedRecentHitRate) else ''}.",
             value=self.recent.value,
         )
         per_pos = getattr(stats, "spec_accepted_per_position", ())
@@ -115,9 +175,16 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.recent_hit_rate = RecentHitRate()
+        # prometheus-client itself keeps its values in that directory's files when the variable is set
+        multiproc_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if multiproc_dir:
+            self.recent_hit_rate: RecentHitRate = SharedRecentHitRate(multiproc_dir)
+            self.registry.register(_FilesCollector(multiproc_dir))
+            r = None  # the per-request metrics are read back from the files, every process's
+        else:
+            self.recent_hit_rate = RecentHitRate()
+            r = self.registry
         self.registry.register(_EngineCollector(engine, self.recent_hit_rate))
-        r = self.registry
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds", "Arrival to first token.", buckets=_TTFT_BUCKETS, registry=r
         )
