@@ -10,9 +10,9 @@ A dead core (killed, out of memory, crashed) shows as its process sentinel becom
 request then ends with `EngineDeadError`, later ones are refused with it, and the engine reports unhealthy.
 
 With ``shared`` (`SharedCore`: `sluice serve --api-server-count N`), the core was started by someone else (the
-server's supervisor) and serves N front ends, each with a `CoreClient` of its own: this one binds its own socket
-pair, watches the core's process through a pidfd (it is not this process's child), and leaves starting and
-stopping the process to its owner. Three things differ from the one front end that owns its core:
+server's supervisor) and serves N front ends, each with a `CoreClient` of its own: this one connects to its own
+socket pair, watches the core's process through a pidfd (it is not this process's child), and leaves starting
+and stopping the process to its owner. Three things differ from the one front end that owns its core:
 
 * request ids cross the wire prefixed with the front end's number (``"1:chatcmpl-..."``), so two front ends can
   never put the same id into the one scheduler (it keys requests by id); events come back prefixed and are cut
@@ -54,7 +54,7 @@ _STREAM_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.Woul
 @dataclass(slots=True)
 class SharedCore:
     """An engine core process that serves several front ends, started by their supervisor: this front end's
-    number among them, its socket pair (bound here) and the core's process id."""
+    number among them, its socket pair and the core's process id."""
 
     index: int
     bridge: BridgeAddress
@@ -112,8 +112,9 @@ class CoreClient:
         await self._answer_of_start()
 
     def _bind(self, bridge: BridgeAddress) -> None:
+        """This front end's sockets; shared, the core binds ``to_core`` (see `CoreProcessSpec.core_binds`)."""
         self._ctx = zmq.Context()
-        self._out = zmq_io.socket(self._ctx, zmq.PUSH, bridge.to_core, bind=True)
+        self._out = zmq_io.socket(self._ctx, zmq.PUSH, bridge.to_core, bind=self.shared is None)
         self._in = zmq_io.socket(self._ctx, zmq.PULL, bridge.to_front, bind=True)
 
     async def _answer_of_start(self) -> None:
@@ -168,6 +169,8 @@ class CoreClient:
             _kill(self.proc)
             self._finalizer.detach()
         if self._ctx is not None:
+            if self.shared is not None and self.dead is None:  # let ShutdownMsg out (nothing waited for the core)
+                self._out.setsockopt(zmq.LINGER, 2000)
             self._out.close()
             self._in.close()
             self._ctx.term()

@@ -48,10 +48,10 @@ PARENT_POLL_S = 0.2  # how soon an orphaned core notices
 
 @dataclass(slots=True)
 class BridgeAddress:
-    """One front end's two sockets, both bound by the front end; the core connects to them."""
+    """One front end's two sockets."""
 
-    to_core: str  # the front end's PUSH socket
-    to_front: str  # the front end's PULL socket
+    to_core: str  # the front end's PUSH socket, the core's PULL
+    to_front: str  # the core's PUSH socket, the front end's PULL (bound by the front end)
 
 
 @dataclass(slots=True)
@@ -61,6 +61,11 @@ class CoreProcessSpec:
     bridges: list[BridgeAddress]  # one per front end
     parent_pid: int
     log_level: int
+    # Who binds each ``to_core`` socket. The one front end that starts its core binds both of its sockets before
+    # the core exists, so the core finds them and its sends can fail fast once it is gone. Front ends of a
+    # shared core start on their own schedule: the core binds, and a front end connects its PUSH, which then
+    # queues until the core is there (a bound PUSH with no peer yet would refuse the front end's first request).
+    core_binds: bool = False
 
 
 class StepCollector:
@@ -104,7 +109,10 @@ def run_core_process(spec: CoreProcessSpec) -> None:
     watch_parent(spec.parent_pid)
     ctx = zmq.Context()
     socks = [
-        (zmq_io.socket(ctx, zmq.PULL, b.to_core, bind=False), zmq_io.socket(ctx, zmq.PUSH, b.to_front, bind=False))
+        (
+            zmq_io.socket(ctx, zmq.PULL, b.to_core, bind=spec.core_binds),
+            zmq_io.socket(ctx, zmq.PUSH, b.to_front, bind=False),
+        )
         for b in spec.bridges
     ]
 
