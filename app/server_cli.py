@@ -1,4 +1,5 @@
-"""`sluice serve`: the OpenAI-compatible server under uvicorn.
+"""`sluice serve`: the OpenAI-compatible server under uvicorn (built by `app/uvicorn_server.py`; with
+``--api-server-count N``, N of them in front of one engine core: `app/api_servers.py`).
 
 Shutdown on SIGINT/SIGTERM is graceful: uvicorn stops accepting connections, in-flight streams get
 ``--shutdown-timeout`` seconds to finish before they are cancelled (which aborts their requests), the
@@ -8,10 +9,7 @@ engine stops in the lifespan's exit, and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
-from collections.abc import Iterator
 
 
 def register(subparsers) -> None:
@@ -85,6 +83,14 @@ def register(subparsers) -> None:
         help="log a line per HTTP request (default: off: at thousands of requests a second it costs the front end "
         "time it needs for streaming)",
     )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="front-end processes (HTTP, request actors, detokenizing, SSE), all on the one port, in front of one "
+        "engine core; /metrics and /health cover them all. Needs the engine core process (default: %(default)s)",
+    )
     add_engine_args(p)
     add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/disagg_cli.py)
     # A server runs its engine core in a process of its own: HTTP, detokenization and SSE encoding then never
@@ -93,114 +99,28 @@ def register(subparsers) -> None:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    import uvicorn
     from sluice.app.cli import engine_args_from
     from sluice.app.disagg_cli import pair_engine
-    from sluice.app.server import SHUTDOWN_MARGIN_S, build_app
+    from sluice.app.uvicorn_server import build_server
     from sluice.core.engine import AsyncEngine
     from sluice.core.models.loader import resolve_model
 
     args = engine_args_from(ns)
+    if ns.api_server_count != 1:
+        from sluice.app.api_servers import check_api_server_count
+
+        check_api_server_count(ns, args)
     # A wrong device or model path ends the command with one line here, not with a traceback from inside the
     # server's startup (a GGUF is converted now, once; the engine then finds it in the cache).
     args.resolve_device()
     resolve_model(args.model)
+    if ns.api_server_count > 1:
+        from sluice.app.api_servers import serve_api_servers
+
+        return serve_api_servers(ns, args)
     if ns.record_trace:
         args.enable_inspector = True
     engine = pair_engine(ns, args) or AsyncEngine(args)
-    app = build_app(
-        engine,
-        api_key=ns.api_key,
-        max_body_bytes=ns.max_body_bytes,
-        send_timeout=ns.send_timeout,
-        shutdown_grace_seconds=ns.shutdown_timeout,
-        retry_after_seconds=ns.retry_after,
-        record_trace=ns.record_trace,
-        body_timeout=ns.body_timeout,
-        max_response_bytes=ns.max_response_bytes,
-        metrics_require_key=ns.metrics_require_key,
-    )
-    config = uvicorn.Config(
-        app,
-        host=ns.host,
-        port=ns.port,
-        log_level=ns.log_level,
-        access_log=ns.access_log,
-        lifespan="on",
-        # At shutdown_timeout the server ends what is still in flight with an error (OpenAIServer.drain); the
-        # margin lets those answers go out before uvicorn cancels what is left.
-        timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout + 2 * SHUTDOWN_MARGIN_S),
-        http=_h11_with_header_timeout(ns.body_timeout),
-    )
-    server = _server(config, app.state.openai_server, ns.shutdown_timeout)
+    server = build_server(ns, engine)
     server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
     return 0
-
-
-def _h11_with_header_timeout(timeout_s: float):
-    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all arrived
-    ``timeout_s`` after it opened (or after its last response): uvicorn only times out idle connections, so a
-    client sending its headers a byte at a time could hold a connection forever. The body has its own timeout
-    (`OpenAIServer._read_body`)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class Protocol(H11Protocol):
-        _headers_timer = None
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._headers_timer = self.loop.call_later(timeout_s, self._headers_overdue)
-
-        def _disarm(self) -> None:
-            if self._headers_timer is not None:
-                self._headers_timer.cancel()
-                self._headers_timer = None
-
-        def _headers_overdue(self) -> None:
-            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()  # a request's headers are in
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return Protocol
-
-
-def _server(config, api, grace_seconds: float):
-    """A uvicorn server whose shutdown drains ``api`` (`OpenAIServer.drain`: requests still in flight after
-    the grace end with an error, not a cut body) and, once complete, exits 0. uvicorn re-raises a caught
-    SIGINT/SIGTERM after its graceful shutdown, so the process would die of the signal (exit 130/143); a
-    shutdown we completed on request is a clean exit. uvicorn is imported here so other subcommands run
-    without it."""
-    import anyio
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                yield
-                self._captured_signals.clear()
-
-        async def shutdown(self, sockets=None) -> None:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(api.drain, grace_seconds)
-                await super().shutdown(sockets)
-                tg.cancel_scope.cancel()
-
-    return Server(config)

@@ -1,5 +1,5 @@
-"""Test helpers for the HTTP server: a real uvicorn server on a loopback port in a background thread,
-and a strict parser of OpenAI-style server-sent event streams."""
+"""Test helpers for the HTTP server: a real uvicorn server on a loopback port in a background thread, a
+strict parser of OpenAI-style server-sent event streams, and a few helpers for server processes."""
 
 from __future__ import annotations
 
@@ -186,3 +186,25 @@ def read_sse_events(resp: httpx.Response, n: int) -> list[dict[str, str]]:
         if len(events) == n:
             return events
     raise AssertionError(f"the stream ended after {len(events)} of {n} events")
+
+
+def gone(pid: int) -> bool:
+    """No such process any more (a zombie waiting for a reaper counts as gone: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(pid: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still running"
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

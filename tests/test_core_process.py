@@ -23,7 +23,7 @@ from sluice.core import AsyncEngine, EngineArgs, EngineOverloaded, InvalidReques
 from sluice.core.outputs import TokenLogprob
 from sluice.core.request import TokenEvent
 
-from tests.server_helpers import ServerThread, assert_openai_error, metric_value
+from tests.server_helpers import ServerThread, assert_openai_error, gone, metric_value, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 MSG = [{"role": "user", "content": "Hi"}]
@@ -31,22 +31,6 @@ MSG = [{"role": "user", "content": "Hi"}]
 
 def tiny_args(**kw) -> EngineArgs:
     return EngineArgs(**{**dict(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=512), **kw})
-
-
-def gone(pid: int) -> bool:
-    """No such process any more (a zombie waiting for a reaper counts as gone: it runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def wait_gone(pid: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not gone(pid):
-        assert time.monotonic() < deadline, f"process {pid} is still running"
-        time.sleep(0.05)
 
 
 def test_events_and_errors_cross_the_wire_as_themselves():
