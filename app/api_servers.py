@@ -266,8 +266,8 @@ def _supervise(core, fronts: list[_FrontEnd], wake_fd: int, grace_s: float, url:
             core.join()
             core_watched = False
             if not stopping:
-                logger.error("the engine core process (pid %d) %s; the API servers answer 503 until stopped",
-                             core.pid, exit_status(core.exitcode))  # fmt: skip
+                then = "the API servers answer 503 until stopped" if num_ready == len(fronts) else "while starting"
+                logger.error("the engine core process (pid %d) %s; %s", core.pid, exit_status(core.exitcode), then)
         if deadline is not None and live and time.monotonic() >= deadline:
             logger.error("%d API server(s) still running %.0f s after the shutdown began: killing them", len(live),
                          grace_s + STOP_MARGIN_S)  # fmt: skip

@@ -55,7 +55,8 @@ class EndAllMsg(msgspec.Struct, tag="end_all", array_like=True):
 
 
 class ShutdownMsg(msgspec.Struct, tag="shutdown", array_like=True):
-    """Stop the core: its `async with` ends, then its process."""
+    """This front end is done. The core stops (its `async with` ends, then its process) once every front end it
+    serves has said so."""
 
 
 FrontMsg = AddMsg | AbortMsg | EndAllMsg | ShutdownMsg

@@ -98,10 +98,15 @@ class Serve:
             assert time.monotonic() < deadline, (request_line, seen)
             time.sleep(0.05)
 
-    def kill(self) -> None:
+    def stop(self) -> None:
+        """After a test that failed first: SIGTERM (the supervisor cleans up), a kill if that is not enough."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +117,7 @@ def server():
         s.wait_for("Uvicorn running on")  # logged once every front end serves
         yield s
     finally:
-        s.kill()  # the last test stops it; this is for one that failed first
+        s.stop()  # the last test stops it; this is for one that failed first (or a -k that left it out)
 
 
 def chat(client: openai.OpenAI, prompt: str, stream: bool) -> tuple[str, int, int]:
@@ -225,7 +230,7 @@ def test_a_front_end_that_dies_takes_the_server_down_with_its_core():
             wait_gone(pid, timeout=5)
         assert f"API server 1 (pid {fronts[1]}) was killed by SIGKILL: stopping the server" in s.output
     finally:
-        s.kill()
+        s.stop()
 
 
 async def test_front_ends_on_one_core_keep_their_requests_apart():
