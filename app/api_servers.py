@@ -38,7 +38,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
 from sluice.core.core_client import STOP_TIMEOUT_S, CoreClient, SharedCore, exit_status
 from sluice.core.core_process import BridgeAddress, CoreProcessSpec, run_core_process, watch_parent
@@ -95,16 +94,8 @@ class SharedCoreEngine(AsyncEngine):
         super().__init__(args)
         self._shared = core
 
-    async def _start_core(self) -> None:
-        client = CoreClient(self.args, self.max_model_len, shared=self._shared)
-        try:
-            await client.start()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(client.close)
-            raise
-        self._client = client
-        self._set_limits(client.num_kv_blocks)
+    def _core_client(self) -> CoreClient:
+        return CoreClient(self.args, self.max_model_len, shared=self._shared)
 
 
 def run_api_server(spec: ApiServerSpec) -> None:

@@ -98,10 +98,15 @@ class AsyncEngine:
         """The core runs in a process of its own (the inspector reads the recorder live: one process)."""
         return self.args.engine_core_process and not self.args.enable_inspector
 
-    async def _start_core(self) -> None:
+    def _core_client(self):
+        """The bridge to this engine's core process (a front end of several attaches to a shared core instead:
+        `sluice.app.api_servers`)."""
         from sluice.core.core_client import CoreClient
 
-        client = CoreClient(self.args, self.max_model_len)
+        return CoreClient(self.args, self.max_model_len)
+
+    async def _start_core(self) -> None:
+        client = self._core_client()
         try:
             await client.start()
         except BaseException:
