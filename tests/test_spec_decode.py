@@ -150,17 +150,34 @@ def test_logprobs_requests_decode_without_drafts(plain_llm, spec_llm):
         assert [lp.logprob for lp in o.logprobs] == pytest.approx([lp.logprob for lp in r.logprobs], abs=1e-5)
 
 
+UNIFORM_KW = dict(COMMON, attention_backend="triton")
+UNIFORM_PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+UNIFORM_MIXED = [UNIFORM_PARAMS, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def uniform_plain_outputs():
+    """Plain decoding's greedy tokens for the uniform-step test: the three prompts alone, then the first two
+    with a penalized one beside (each run on a fresh engine). The same for every head's parametrization, so
+    computed once: a plain engine never speculates, and the Triton interpreter is slow."""
+    prompts = _prompts(3, seed=6)
+    with _roughen(LLM(MODEL, **UNIFORM_KW)) as plain:
+        expected = _ids(plain, prompts, UNIFORM_PARAMS)
+    with _roughen(LLM(MODEL, **UNIFORM_KW)) as plain:
+        mixed = [o.outputs[0].token_ids for o in plain.generate(prompts[:2], UNIFORM_MIXED, use_tqdm=False)]
+    return prompts, expected, mixed
+
+
 @pytest.mark.parametrize("feature", ["final", "eagle3"])
-def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(feature, tmp_path, tiny_source):
+def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
+    feature, tmp_path, tiny_source, uniform_plain_outputs
+):
     # The fixed-shape step the GPU captures (verification, catch-up and draft chain without a host sync),
     # run eagerly over the graphs' padded buffers: the Triton backend, as on the GPU, through the interpreter.
     # An EAGLE-3 head reads the target's layer features in both paths.
     copy_head = copy_head_dir(tmp_path, MODEL, tiny_source.config, feature)
-    kw = dict(COMMON, attention_backend="triton")
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    prompts = _prompts(3, seed=6)
-    with _roughen(LLM(MODEL, **kw)) as plain:
-        expected = _ids(plain, prompts, params)
+    kw, params, mixed = UNIFORM_KW, UNIFORM_PARAMS, UNIFORM_MIXED
+    prompts, expected, ref = uniform_plain_outputs
     with _roughen(LLM(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **kw)) as llm:
         spec = llm.engine._executor.runner.drafter
         assert spec.graphs is None  # no CUDA here: every step takes the general path
@@ -175,9 +192,6 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(featu
         # every verification took the graph path, the requests' last steps (drafts past max_tokens) too
         assert general.calls == 0
         # a penalized request in the batch sends its steps back to the general path
-        mixed = [params, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)]
-        with _roughen(LLM(MODEL, **kw)) as plain:
-            ref = [o.outputs[0].token_ids for o in plain.generate(prompts[:2], mixed, use_tqdm=False)]
         n = len(graphs.replayed)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref
     assert 4 in graphs.replayed and set(graphs.replayed) <= {1, 2, 4}  # 3 requests padded to 4
