@@ -31,11 +31,17 @@ browser:
 	if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		apt-get update -q && apt-get install -y -q chromium chromium-driver; fi
 
+# Two pytest-xdist workers (CI has two cores), each given whole modules, so that a module's shared engine or
+# server is built once; tests/conftest.py gives each worker's torch its share of the cores and hands out the
+# longest modules first. TEST_WORKERS=0 runs the suite in this process alone.
+TEST_WORKERS ?= 2
+PYTEST_N := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: install browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_N)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q $(PYTEST_N) -m "not slow"
 
 lint: install
 	$(BIN)/ruff check app core kv spec tests

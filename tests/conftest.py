@@ -9,8 +9,42 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+# `make test` runs the suite in pytest-xdist workers (`-n 2`, whole modules each). Each worker's torch takes its
+# share of the cores, not all of them: two workers of two threads each on CI's two cores only contend.
+# Processes the tests start (an engine core, tensor-parallel ranks, a served CLI) keep torch's default.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+
+# Under xdist, the longest modules (measured on CI's 2-core machine) are handed out first, so that the two
+# workers finish together rather than one starting a minute-long module while the other has nothing left.
+# Only the order changes; a module missing from the list keeps its place after these.
+LONGEST_FIRST = (
+    "test_readme.py",
+    "test_engine.py",
+    "test_schemathesis.py",
+    "test_spec_decode.py",
+    "test_hf_parity.py",
+    "test_tensor_parallel.py",
+    "test_disagg.py",
+    "test_core_process.py",
+    "test_api_servers.py",
+    "test_quant_e2e.py",
+    "test_server_cli.py",
+    "test_bench_commands.py",
+    "test_prefix_cache.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if WORKERS <= 1:
+        return
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each module's own order kept
 
 
 @pytest.fixture(scope="session")
