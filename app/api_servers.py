@@ -38,10 +38,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
+from sluice.core.args import EngineArgs
 from sluice.core.core_client import STOP_TIMEOUT_S, CoreClient, SharedCore, exit_status
 from sluice.core.core_process import BridgeAddress, CoreProcessSpec, run_core_process, watch_parent
-from sluice.core.engine import AsyncEngine
+from sluice.core.engine import AsyncEngine, max_model_len_for
 from sluice.core.errors import InvalidRequestError
 
 logger = logging.getLogger("sluice")
@@ -149,7 +149,7 @@ def serve_api_servers(ns: argparse.Namespace, args: EngineArgs) -> int:
     from sluice.core.models.loader import resolve_model
 
     count = ns.api_server_count
-    max_model_len = _max_model_len(args, resolve_model(args.model).config)
+    max_model_len = max_model_len_for(args, resolve_model(args.model).config)  # the core needs it first
     sock = _bind(ns.host, ns.port)
     url = _url(ns.host, sock.getsockname()[1])
     run_dir = tempfile.mkdtemp(prefix="sluice-serve-")
@@ -278,17 +278,6 @@ def _supervise(core, fronts: list[_FrontEnd], wake_fd: int, grace_s: float, url:
         core.kill()
         core.join(5.0)
     return 1 if failed else 0
-
-
-def _max_model_len(args: EngineArgs, config: Any) -> int:
-    """The model's length limit as `AsyncEngine` works it out (each front end does, from the same arguments):
-    the core needs it before any front end runs."""
-    limit = int(getattr(config, "max_position_embeddings", MAX_MODEL_LEN_DEFAULT) or MAX_MODEL_LEN_DEFAULT)
-    if args.max_model_len is not None and args.max_model_len > limit:
-        raise InvalidRequestError(
-            f"max_model_len: {args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
-        )
-    return args.max_model_len or min(limit, MAX_MODEL_LEN_DEFAULT)
 
 
 def _bind(host: str, port: int) -> socket.socket:

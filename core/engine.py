@@ -134,12 +134,7 @@ class AsyncEngine:
         # cannot fit, whatever it tokenizes to.
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         cfg = source.config
-        limit = int(getattr(cfg, "max_position_embeddings", MAX_MODEL_LEN_DEFAULT) or MAX_MODEL_LEN_DEFAULT)
-        if self.args.max_model_len is not None and self.args.max_model_len > limit:
-            raise InvalidRequestError(
-                f"max_model_len: {self.args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
-            )
-        self.max_model_len = self.args.max_model_len or min(limit, MAX_MODEL_LEN_DEFAULT)
+        self.max_model_len = max_model_len_for(self.args, cfg)
         self._eos = tuple(source.eos_token_ids)
         self._client = None
         if self._split:
@@ -487,3 +482,14 @@ def _close_open_llms() -> None:
             llm.close()
         except Exception:
             logger.exception("closing an LLM at exit failed")
+
+
+def max_model_len_for(args: EngineArgs, config) -> int:
+    """The engine's context limit: ``args.max_model_len`` (refused past the model's own), else the model's, at
+    most `MAX_MODEL_LEN_DEFAULT`."""
+    limit = int(getattr(config, "max_position_embeddings", MAX_MODEL_LEN_DEFAULT) or MAX_MODEL_LEN_DEFAULT)
+    if args.max_model_len is not None and args.max_model_len > limit:
+        raise InvalidRequestError(
+            f"max_model_len: {args.max_model_len} exceeds the model's limit of {limit}", param="max_model_len"
+        )
+    return args.max_model_len or min(limit, MAX_MODEL_LEN_DEFAULT)
