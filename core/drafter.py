@@ -15,9 +15,15 @@ The draft's distribution ``q`` of the pending drafts stays here, on the device, 
 sampled requests; greedy verification needs none), until the next step verifies them.
 
 The steady state of greedy decoding, every request verifying k drafts with no penalties, bans or
-logprobs, has a fixed-shape path (`uniform_step`): verification, draft catch-up and the draft chain in one
-function without a host sync, captured in CUDA graphs per batch size (`capture_graphs`), so that a step
-costs one replay and one read-back instead of hundreds of eager launches.
+logprobs (the scheduler marks such a step `SchedulerOutput.uniform`), has a fixed-shape path
+(`uniform_step`): verification, draft catch-up and the draft chain in one function without a host sync,
+captured in CUDA graphs per batch size (`capture_graphs`), so that a step costs one replay instead of
+hundreds of eager launches. It is launched like a plain step (`launch_uniform`; read back later) and leaves
+each request's next inputs on the device, in a state kept per slot: its last emitted token and next drafts,
+and how many drafts it accepted. A row of the next step fed from the device (`SchedulerOutput.device_fed`,
+scheduled before this step's output was known) takes its tokens from there and moves its positions, slot
+mapping and sequence length by the accepted count, inside the step, so speculative steps overlap the host's
+work as plain ones do.
 """
 
 from __future__ import annotations
@@ -53,7 +59,9 @@ class Drafter:
         self.feature_layers = tuple(self.head.cfg.feature_layers)  # () = the final hidden state (EAGLE-1)
         self.proposer: EagleProposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
-        self.graphs: DecodeGraphs | None = None  # uniform greedy steps (see the module docstring)
+        # uniform greedy steps (see the module docstring): captured on CUDA, run eagerly otherwise; only over a
+        # graph-safe attention backend, whose metadata the step derives on the device
+        self.graphs: DecodeGraphs | None = None
         self.buffers: StepBuffers | None = None  # the catch-up's inputs (the target keeps the runner's)
         self.chain_buffers: StepBuffers | None = None  # the draft chain's
 
@@ -68,6 +76,22 @@ class Drafter:
         )
         self.buffers = StepBuffers(r.max_num_tokens, r.max_num_seqs, r.max_blocks_per_seq, r.device)
         self.chain_buffers = StepBuffers(r.max_num_seqs, r.max_num_seqs, r.max_blocks_per_seq, r.device)
+        if r.tp is None and getattr(r.backend, "graph_safe", False):
+            self.graphs = self.uniform_graphs()
+            top = self.graphs.batch_sizes[-1]
+            slots = r.batch.max_slots + 1  # the last: scratch for padding rows
+            # per slot, what the last uniform step left: the next inputs (last token, k drafts), drafts accepted
+            self.state_inputs = torch.zeros(slots, self.k + 1, dtype=torch.long, device=r.device)
+            self.state_accepted = torch.zeros(slots, dtype=torch.long, device=r.device)
+            # per row of a uniform step: its slot, and 1 when it is fed from the device
+            pin = r.device.type == "cuda"
+            self.h_row_info = torch.zeros(2, top, dtype=torch.long, pin_memory=pin)
+            self.row_info = torch.zeros(2, top, dtype=torch.long, device=r.device) if pin else self.h_row_info
+
+    @property
+    def max_uniform_batch(self) -> int:
+        """The most rows a uniform step may have (0: none, the general path serves every step)."""
+        return self.graphs.batch_sizes[-1] if self.graphs is not None else 0
 
     def uniform_graphs(self, max_batch: int = MAX_UNIFORM_GRAPH_BATCH) -> DecodeGraphs:
         """The (uncaptured) graphs of uniform steps for batch sizes up to the load switch, over their own
@@ -79,10 +103,9 @@ class Drafter:
         return DecodeGraphs(self.uniform_step, buffers, graph_batch_sizes(top), r.max_model_len, q, "speculative")
 
     def capture_graphs(self) -> None:
-        graphs = self.uniform_graphs()
-        with torch.inference_mode():
-            graphs.capture()
-        self.graphs = graphs
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture()
 
     def forget(self, finished_ids, preempted_ids=()) -> None:
         for rid in (*finished_ids, *preempted_ids):
@@ -92,8 +115,6 @@ class Drafter:
     @torch.inference_mode()
     def step(self, so: SchedulerOutput) -> ModelOutput:
         r, ib = self.runner, self.runner.batch
-        if self.graphs is not None and self._uniform(so):
-            return self._uniform_step(so)
         b = r.buffers
         n = len(so.req_ids)
         b.wait_uploaded()
@@ -314,39 +335,47 @@ class Drafter:
         return lambda logits: process_logits(logits, batch).softmax(-1)
 
     # -- the uniform greedy step -------------------------------------------------------------------
-    def _uniform(self, so: SchedulerOutput) -> bool:
-        """Every request verifies k drafts greedily and proposes again, with nothing that needs the
-        general sampler (penalties, min_tokens bans, logprobs, forks), and a graph fits the batch."""
-        n = len(so.req_ids)
-        if so.forks or self.graphs.padded_size(n) is None or len(so.num_draft_tokens) != n or len(so.drafting) != n:
-            return False
-        if any(d != self.k for d in so.num_draft_tokens.values()) or not all(so.samples):
-            return False
-        ib = self.runner.batch
-        slots = np.fromiter(map(ib.slot_of.__getitem__, so.req_ids), np.int64, n)
-        starts = np.fromiter(so.num_computed_tokens, np.int64, n)
-        if ib.temperature[slots].any() or ib.penalized[slots].any() or (ib.num_logprobs[slots] >= 0).any():
-            return False
-        return not (ib.num_outputs(slots, starts) < ib.min_tokens[slots]).any()
-
-    def _uniform_step(self, so: SchedulerOutput) -> ModelOutput:
+    def prepare_uniform(self, so: SchedulerOutput) -> tuple[np.ndarray, int]:
+        """Write a uniform step's inputs (`SchedulerOutput.uniform`) into the graphs' buffers; its rows' slots
+        and the batch size it runs at (`run_uniform`)."""
         k, g, ib = self.k, self.graphs, self.runner.batch
         n = len(so.req_ids)
         bs = g.padded_size(n)
         b = g.buffers
         b.wait_uploaded()
         rows = ib.build(so, b, pad_to=bs)
+        info = self.h_row_info.numpy()
+        info[0, :bs] = ib.max_slots  # padding rows: the scratch slot
+        info[0, :n] = rows.slots
+        info[1, :bs] = 0
+        if so.device_fed:
+            info[1, :n] = [rid in so.device_fed for rid in so.req_ids]
+        if self.row_info is not self.h_row_info:
+            self.row_info[:, :bs].copy_(self.h_row_info[:, :bs], non_blocking=True)  # before upload's event
         b.upload(bs * (k + 1), bs, b.max_blocks, 0)
-        host = g.replay(bs).tolist()  # the step's one host sync
-        tokens, accepted, drafts = host[: bs * (k + 1)], host[bs * (k + 1) : bs * (k + 2)], host[bs * (k + 2) :]
-        out = ModelOutput(so.step_id, so.req_ids, [0] * n, spec_token_ids={}, draft_token_ids={})
-        for i, rid in enumerate(so.req_ids):
-            emitted = tokens[i * (k + 1) : i * (k + 1) + accepted[i] + 1]
-            out.spec_token_ids[rid] = emitted
-            out.token_ids[i] = emitted[-1]
-            out.draft_token_ids[rid] = drafts[i * k : (i + 1) * k]
-        ib.read_back(rows.slots, so.step_id, np.asarray(out.token_ids, np.int64))
-        ib.drafts[rows.slots, :k] = np.asarray(drafts[: n * k], np.int64).reshape(n, k)
+        return rows.slots, bs
+
+    def run_uniform(self, bs: int) -> torch.Tensor:
+        """Enqueue the prepared uniform step; its output vector (see `uniform_step`), read back later."""
+        g = self.graphs
+        return g.replay(bs) if g.graphs else self.uniform_step(*g.step_inputs(bs))
+
+    def uniform_output(self, so: SchedulerOutput, slots: np.ndarray, host: np.ndarray) -> ModelOutput:
+        """A uniform step's output from its read-back vector (see `uniform_step`)."""
+        k, ib = self.k, self.runner.batch
+        n = len(so.req_ids)
+        bs = host.shape[0] // (2 * k + 2)
+        q = k + 1
+        tokens = host[: bs * q].reshape(bs, q)[:n]
+        accepted = host[bs * q : bs * (q + 1)][:n]
+        drafts = host[bs * (q + 1) :].reshape(bs, k)[:n]
+        last = tokens[np.arange(n), accepted]
+        out = ModelOutput(so.step_id, so.req_ids, last.tolist(), spec_token_ids={}, draft_token_ids={})
+        for rid, row, a, d in zip(so.req_ids, tokens.tolist(), accepted.tolist(), drafts.tolist()):
+            out.spec_token_ids[rid] = row[: a + 1]
+            out.draft_token_ids[rid] = d
+        ib.read_back(slots, so.step_id, last)
+        ib.drafts[slots, :k] = drafts
         return out
 
     def uniform_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -356,6 +385,8 @@ class Drafter:
         non-accepted position), accepted counts ``[batch]``, next drafts ``[batch, k]``, flattened."""
         r = self.runner
         batch, q = meta.block_tables.shape[0], self.k + 1
+        slots = self.row_info[0, :batch]
+        self._feed_from_device(input_ids, positions, meta, slots, self.row_info[1, :batch])
         token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
         hidden, features = self._target(input_ids, positions, token_meta)
         argmax = r.model.compute_logits(hidden).argmax(-1)
@@ -363,7 +394,27 @@ class Drafter:
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
         # the pair after each verified position: its next token is the target's argmax there
         drafts = self.proposer.propose_greedy_uniform(features, argmax, positions, meta, token_meta, res.num_accepted)
+        # the next step's inputs, for rows fed from the device
+        last = res.output_token_ids.gather(1, res.num_accepted[:, None])
+        self.state_inputs[slots] = torch.cat([last, drafts], 1)
+        self.state_accepted[slots] = res.num_accepted
         return torch.cat([res.output_token_ids.flatten(), res.num_accepted, drafts.flatten()])
+
+    def _feed_from_device(self, input_ids, positions, meta, slots: torch.Tensor, fed: torch.Tensor) -> None:
+        """Rows fed from the device take their tokens from the last uniform step's state, and move by the
+        drafts it accepted: positions, sequence lengths and slot mapping (the host built them as if it
+        accepted none). In place, in the step's buffers (the host writes them afresh every step)."""
+        batch, q, bs = fed.shape[0], self.k + 1, self.runner.block_size
+        on = fed.bool()[:, None]
+        shift = self.state_accepted[slots] * fed
+        ids = input_ids.view(batch, q)
+        ids.copy_(torch.where(on, self.state_inputs[slots], ids))
+        pos = positions.view(batch, q)
+        pos.add_(shift[:, None])
+        meta.seq_lens.add_(shift.to(meta.seq_lens.dtype))
+        block = meta.block_tables.gather(1, pos // bs).long()
+        mapping = meta.slot_mapping.view(batch, q)
+        mapping.copy_(torch.where(on, block * bs + pos % bs, mapping))
 
     def _target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's forward: its final hidden states (for its LM head) and the head's features."""

@@ -42,6 +42,7 @@ class EngineCore:
                 num_speculative_tokens=args.num_speculative_tokens if runner.drafter is not None else 0,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 async_scheduling=args.async_scheduling and executor.overlaps_steps,
+                max_uniform_batch=runner.drafter.max_uniform_batch if runner.drafter is not None else 0,
             ),
             kv,
         )

@@ -64,6 +64,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None = None
     sampler_out: SamplerOutput | None = None  # logprobs
     read: bool = False  # the host has the tokens (`ModelRunner._read_back`)
+    uniform: bool = False  # a uniform speculative step: ``tokens`` is its output vector (`Drafter.uniform_step`)
     token_list: list[int] = field(default_factory=list)
     # for the host profile: when the inputs were ready, how long the host waited for the tokens, and events
     # around the step's device work
@@ -355,6 +356,13 @@ class ModelRunner:
 
     def _launch_rows(self, so: SchedulerOutput) -> LaunchedStep:
         """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
+        if so.uniform and self.drafter is not None and self.drafter.graphs is not None:
+            # inputs from the host (every step before it read back) or from the device (`device_fed`)
+            slots, bs = self.drafter.prepare_uniform(so)
+            step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
+            step.started = self._device_event()
+            self._enqueue_read_back(step, self.drafter.run_uniform(bs))
+            return step
         if self.drafter is not None and (so.drafting or so.num_draft_tokens):
             # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
             self._read_back(self._inflight)
@@ -402,10 +410,7 @@ class ModelRunner:
                 b.upload(rows.num_tokens, n, b.max_blocks, num_rows)
         self._gather_pending(rows, b)
         prepared_at = time.perf_counter()
-        started = None
-        if self.device.type == "cuda":  # the device's time on the step: from its forward on
-            started = torch.cuda.Event(enable_timing=True)
-            started.record()
+        started = self._device_event()  # the device's time on the step: from its forward on
         if graph_bs is not None:
             logits = self.graphs.replay(graph_bs)
             if num_rows == 0:
@@ -431,15 +436,25 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.broadcast(tokens)
         self.batch.sampled(slots, so.step_id, np.arange(num_rows))
+        self._enqueue_read_back(step, tokens)
+        self._last_sampled = tokens
+        return step
+
+    def _device_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _enqueue_read_back(self, step: LaunchedStep, tokens: torch.Tensor) -> None:
+        """The step's tokens on their way to pinned host memory; it is the step in flight until read back."""
         step.tokens = tokens
         if self.device.type == "cuda":
-            step.host_tokens = self._host_tokens(num_rows)
+            step.host_tokens = self._host_tokens(tokens.numel())
             step.host_tokens.copy_(tokens, non_blocking=True)
-            step.ready = torch.cuda.Event(enable_timing=True)
-            step.ready.record()
-        self._last_sampled = tokens
+            step.ready = self._device_event()
         self._inflight = step
-        return step
 
     def _host_tokens(self, n: int) -> torch.Tensor:
         """Pinned room for a step's sampled tokens; two in turn, as two steps may be in flight."""
@@ -454,6 +469,8 @@ class ModelRunner:
         if step.output is not None:
             return step.output
         self._read_back(step)
+        if step.uniform:
+            return step.output
         if self.tp is not None and self.tp.rank != 0:
             return ModelOutput(step.so.step_id)
         logprobs = None
@@ -473,6 +490,11 @@ class ModelRunner:
             host = step.host_tokens.numpy()
         else:
             host = step.tokens.numpy()
+        if step.uniform:
+            step.output = self.drafter.uniform_output(step.so, step.slots, host)
+            if self._inflight is step:
+                self._inflight = None
+            return
         self.batch.read_back(step.slots, step.so.step_id, host)
         step.token_list = host.tolist()
         ib = self.batch

@@ -25,8 +25,18 @@ tokens are known. A request that samples in a step counts that token as pending 
 its output is processed: it still decodes the next position in the next step (the executor feeds the
 token from the device), is not scheduled past ``max_tokens`` or ``max_model_len`` counting its pending
 tokens, and is not resumed after a preemption while a token is pending. A request that stops on a token
-(EOS, a stop token) costs the step after it one wasted row: its output is dropped, never appended. Steps
-that speculate are scheduled only on known tokens (`needs_sync`).
+(EOS, a stop token) costs the step after it one wasted row: its output is dropped, never appended.
+
+Speculative steps overlap too, in their steady state: a uniform step (`SchedulerOutput.uniform`: every row
+greedy, verifying k drafts and drafting again) leaves its emitted tokens, its accepted counts and the next
+drafts on the device, so the step after it can be scheduled before they are known, its rows fed from the
+device (`SchedulerOutput.device_fed`). Such a row is scheduled as if none of the drafts in flight will be
+accepted (``num_computed_tokens`` back by k: its last token's earliest position), with KV slots reserved
+for the most that can be (k more); the executor moves its positions by the accepted count on the device.
+When the step in flight's output arrives, ``num_computed_tokens`` moves forward by what it accepted
+instead of back over what it rejected. Any other step that may speculate (drafts to catch up after a
+prefill, sampled or penalized requests, requests waiting to be admitted) is scheduled on known tokens
+only (`needs_sync`).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0  # 0 = no speculative decoding
     speculative_disable_batch_size: int = 1 << 30
     async_scheduling: bool = False  # may schedule a step before the last one's tokens are known
+    max_uniform_batch: int = 0  # the most rows the executor runs as a uniform speculative step (0: none)
 
 
 @dataclass(slots=True)
@@ -125,7 +136,35 @@ class Scheduler:
             return False
         # only a request whose draft head has kept up can speculate: the others (decoded without it once, at a
         # larger batch) let the steps overlap as without a head
-        return any(r.draft_synced for r in self.running) or any(r.draft_synced for r in self.waiting)
+        if not (any(r.draft_synced for r in self.running) or any(r.draft_synced for r in self.waiting)):
+            return False
+        # the next step can be fed from the device only if every running request's row in flight is uniform
+        return bool(self.waiting) or not self.running or not all(map(self._feedable, self.running))
+
+    def _uniform_eligible(self, req: Request) -> bool:
+        """Whether ``req``'s verification needs nothing but greedy argmax matching (no penalties, no min_tokens
+        ban, no logprobs, no siblings to fork)."""
+        sp = req.sampling_params
+        return (
+            sp.temperature == 0
+            and sp.logprobs is None
+            and sp.presence_penalty == 0
+            and sp.frequency_penalty == 0
+            and sp.repetition_penalty == 1
+            and len(req.output_token_ids) >= sp.min_tokens
+            and req.request_id not in self._pending_forks
+        )
+
+    def _feedable(self, req: Request) -> bool:
+        """A request whose next row may be fed from the device: its row in flight is uniform, and the furthest
+        position that row could reach (all k drafts in flight accepted, k more verified, k - 1 drafted) is
+        inside max_model_len."""
+        k = self.config.num_speculative_tokens
+        return (
+            req.num_uniform_inflight > 0
+            and req.num_computed_tokens + 2 * k <= self.config.max_model_len
+            and self._uniform_eligible(req)
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -175,6 +214,11 @@ class Scheduler:
         end = len(running)
         while i < end and budget > 0:
             req = running[i]
+            if req.num_uniform_inflight and spec_on:  # `needs_sync` let this step go before that row's output
+                fill()
+                budget -= self._schedule_device_fed(so, req, budget, forked)
+                i += 1
+                continue
             pending = req.num_pending
             known = len(req.all_token_ids) + pending
             start = req.num_computed_tokens
@@ -271,10 +315,46 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         self.running.extend(forked)
         if so.req_ids:
+            if k and self._is_uniform(so):
+                so.uniform = True
+                for rid in so.req_ids:
+                    self.requests[rid].num_uniform_inflight += 1
             self.step_id += 1
             so.finished_request_ids, self._finished_ids = self._finished_ids, []
             so.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
         return so
+
+    def _schedule_device_fed(self, so: SchedulerOutput, req: Request, budget: int, forked: list[Request]) -> int:
+        """A row fed from the device, after ``req``'s uniform row in flight: its last token and k drafts are
+        that row's outputs, from the earliest position they can start at; slots reserved for the latest.
+        Returns the tokens it takes of the budget (0: not scheduled this step)."""
+        k = self.config.num_speculative_tokens
+        if budget < 1 + k or len(req.all_token_ids) + req.num_pending >= req.token_limit:
+            return 0  # no room, or its row in flight already reaches its end
+        start = req.num_computed_tokens
+        req.num_computed_tokens = start - k  # as if the step in flight accepts none of its drafts
+        got = self.kv.allocate_slots(req, 1 + k, num_lookahead_tokens=2 * k - 1)
+        if got is None:  # never preempt under a step in flight: this request waits for its output
+            req.num_computed_tokens = start
+            return 0
+        so.block_copies.extend(got)
+        so.device_fed.add(req.request_id)
+        req.fed_successor = True
+        self._scheduled(so, req, 1, forked, [0] * k, spec=True, cow=bool(got))  # the drafts wait on the device
+        return 1 + k
+
+    def _is_uniform(self, so: SchedulerOutput) -> bool:
+        """Every row greedy, verifying k drafts after its last token and drafting again (see `_uniform_eligible`),
+        within the executor's uniform batch sizes."""
+        k = self.config.num_speculative_tokens
+        if so.forks or not 0 < len(so.req_ids) <= self.config.max_uniform_batch or len(so.drafting) != len(so.req_ids):
+            return False
+        nd = so.num_draft_tokens
+        requests = self.requests
+        return all(
+            nd.get(rid) == k and n == k + 1 and sample and self._uniform_eligible(requests[rid])
+            for rid, n, sample in zip(so.req_ids, so.num_scheduled_tokens, so.samples)
+        )
 
     def _drafts_to_verify(self, req: Request, n: int, budget: int) -> list[int]:
         """The pending drafts this step can verify: only after the last token, within the token budget and
@@ -362,6 +442,8 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.num_uniform_inflight = 0
+        req.fed_successor = False
         # recomputed from scratch, so the draft head can follow again
         req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         req.status = RequestStatus.WAITING
@@ -408,7 +490,7 @@ class Scheduler:
             req.num_pending -= 1
             if spec is not None and rid in spec:
                 tokens = spec[rid]
-                self._roll_back(req, so.num_draft_tokens[rid], len(tokens) - 1)
+                self._roll_back(req, so.num_draft_tokens[rid], len(tokens) - 1, so.uniform)
                 for n, t in enumerate(tokens, 1):
                     req.append_output(t)
                     reason, stop_reason = self._check_stop(req, t)
@@ -486,10 +568,19 @@ class Scheduler:
             first_token_time=req.first_token_time,
         )
 
-    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+    def _roll_back(self, req: Request, num_drafts: int, num_accepted: int, uniform: bool = False) -> None:
         """Rejected drafts were computed optimistically: their KV slots are now past the end, to be
-        overwritten (the cache never hashes them: they are not in all_token_ids)."""
-        req.num_computed_tokens -= num_drafts - num_accepted
+        overwritten (the cache never hashes them: they are not in all_token_ids). When the next step was fed
+        from the device, it was scheduled as if none were accepted: the accepted ones move it forward.
+        A preempted request recomputes from scratch: nothing to move."""
+        if uniform and req.num_uniform_inflight:
+            req.num_uniform_inflight -= 1
+        if req.status is RequestStatus.RUNNING:
+            if req.fed_successor:
+                req.fed_successor = False
+                req.num_computed_tokens += num_accepted
+            else:
+                req.num_computed_tokens -= num_drafts - num_accepted
         st = self.spec_stats
         st.num_drafts += 1
         st.num_draft_tokens += num_drafts

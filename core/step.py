@@ -58,6 +58,12 @@ class SchedulerOutput:
     # whose draft head follows this step's positions (and, if they sample, proposes the next drafts)
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     drafting: set[str] = field(default_factory=set)
+    # a uniform speculative step: every row greedy, verifying k drafts and drafting again, with nothing that
+    # needs the general sampler (the executor's fixed-shape path, `Drafter.launch_uniform`); and the rows whose
+    # inputs wait on the device (asynchronous scheduling): their last token and drafts come from the uniform
+    # step in flight, their positions are ``num_computed_tokens`` plus the drafts it accepts
+    uniform: bool = False
+    device_fed: set[str] = field(default_factory=set)
     # the scheduler waits for this step's output before scheduling another (no step in flight before it):
     # the executor sends it as soon as it is collected, not when the next step or FLUSH arrives
     sync: bool = False

@@ -6,6 +6,7 @@
 #   scripts/gpu_engine_bench.sh graphs-a|graphs-b   # mixed-step CUDA graphs on (default) and off, same build
 #   scripts/gpu_engine_bench.sh gemv   # the bf16 GEMV's sweep; batch 1 with it and with cuBLAS, alternating
 #   scripts/gpu_engine_bench.sh final  # ShareGPT 200 (GEMV and cuBLAS), 1000, batch 1 and 8
+#   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
@@ -24,7 +25,7 @@ run() {  # name, seconds, command...
     echo "== $name: $*"
     timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
     echo "   exit $? after ${SECONDS}s"
-    grep -E "output_tokens_per_s|requests_per_s|num_steps|host_profile|ms per|median|p99|ratio|Error|error" "$OUT/$name.log" | head -20
+    grep -E "speedup|identical|output_tokens_per_s|requests_per_s|num_steps|host_profile|ms per|median|p99|ratio|Error|error" "$OUT/$name.log" | head -20
 }
 # `timeout` runs programs, not shell functions: the two builds as env command lines
 bench="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.cli bench"
@@ -73,6 +74,15 @@ tp200ab)  # ShareGPT 200 with the GEMV and with cuBLAS, alternating twice (a fir
         run tp200_gemv$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_gemv$i.json"
         run tp200_cublas$i 90 env SLUICE_GEMV=0 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_cublas$i.json"
     done
+    ;;
+spec)  # EAGLE, default model + shipped head (GGUF joined at $HOME/stage): batch 1 with a third side, speculation
+    # with asynchronous scheduling off (every step waits: the previous build's speculative steps); 64 concurrent
+    G=$HOME/stage/smollm2-135m-instruct.gguf
+    S="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.bench.spec --model $G --head default --data .stage/g3/heldout.json --max-new-tokens 256"
+    for i in 1 2; do
+        run spec_c1_run$i 200 $S --concurrency 1 --num-prompts 8 --rounds 2 --also-sync --out "$OUT/spec_c1_run$i.json"
+    done
+    run spec_c64 200 $S --concurrency 64 --num-prompts 64 --rounds 3 --out "$OUT/spec_c64.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -174,23 +174,30 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
 ):
     # The fixed-shape step the GPU captures (verification, catch-up and draft chain without a host sync),
     # run eagerly over the graphs' padded buffers: the Triton backend, as on the GPU, through the interpreter.
-    # An EAGLE-3 head reads the target's layer features in both paths.
+    # Asynchronous scheduling is on: its steady state feeds each step's rows from the one in flight, on the
+    # device. An EAGLE-3 head reads the target's layer features in both paths.
     copy_head = copy_head_dir(tmp_path, MODEL, tiny_source.config, feature)
     kw, params, mixed = UNIFORM_KW, UNIFORM_PARAMS, UNIFORM_MIXED
     prompts, expected, ref = uniform_plain_outputs
     with _roughen(LLM(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **kw)) as llm:
         spec = llm.engine._executor.runner.drafter
-        assert spec.graphs is None  # no CUDA here: every step takes the general path
+        sched = llm.engine._scheduler_actor.scheduler
+        assert sched.config.max_uniform_batch == spec.max_uniform_batch > 0
+        sched.config.max_uniform_batch = 0  # first every step through the general path
         s0 = llm.engine.stats()
         assert _ids(llm, prompts, params) == expected
         s1 = llm.engine.stats()
-        spec.graphs = graphs = EagerReplay.like(spec.uniform_graphs())
+        sched.config.max_uniform_batch = spec.max_uniform_batch
+        spec.graphs = graphs = EagerReplay.like(spec.graphs)
         graphs.capture()
         general = _count_calls(spec, "_verify")
+        fed = _count_calls(sched, "_schedule_device_fed")
         assert _ids(llm, prompts, params) == expected
         s2 = llm.engine.stats()
-        # every verification took the graph path, the requests' last steps (drafts past max_tokens) too
+        # every verification took the graph path, the requests' last steps (drafts past max_tokens) too, and
+        # most rows were fed from the device
         assert general.calls == 0
+        assert fed.calls >= (s2.spec_num_drafts - s1.spec_num_drafts) // 2
         # a penalized request in the batch sends its steps back to the general path
         n = len(graphs.replayed)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref

@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--speculative-disable-batch-size", type=int, default=None, help="default: the engine's")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--also-sync",
+        action="store_true",
+        help="a third side: speculation with asynchronous scheduling off (every step waits for the last one's tokens)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
     args = ap.parse_args(argv)
@@ -178,11 +183,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.speculative_disable_batch_size is not None:
         spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
     sides = {"plain": EngineArgs(**common), "spec": EngineArgs(**common, **spec_kw)}
+    if args.also_sync:
+        sides["spec_sync"] = EngineArgs(**common, **spec_kw, async_scheduling=False)
     res = run_sides(sides, rounds, warmup, params, args.concurrency)
     plain, spec = res["plain"], res["spec"]
-    same = sum(a == b for a, b in zip(plain.pop("outputs"), spec.pop("outputs")))
+    plain_outputs = plain.pop("outputs")
+    same = sum(a == b for a, b in zip(plain_outputs, spec.pop("outputs")))
     speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
     rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec (k={args.num_speculative_tokens})", **spec}]
+    sync = res.get("spec_sync")
+    if sync is not None:
+        sync["identical_outputs"] = sum(a == b for a, b in zip(plain_outputs, sync.pop("outputs")))
+        sync["speedup"] = round(sync["tokens_per_s"] / plain["tokens_per_s"], 3)
+        rows.append({"engine": "sluice + spec, async scheduling off", **sync})
     m, v = machine_info(), versions()
     print(
         f"spec bench: {args.model}, head {args.head}, {len(prompts)} held-out prompts, concurrency "
@@ -192,6 +205,9 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows)
     print(f"speedup {speedup:.2f}x; identical outputs {same}/{len(prompts)}")
     figures = {"plain": plain, "spec": spec, "speedup": round(speedup, 3), "identical_outputs": same}
+    if sync is not None:
+        print(f"async scheduling off: speedup {sync['speedup']:.2f}x; identical outputs {sync['identical_outputs']}")
+        figures["spec_sync"] = sync
     if args.out:
         dataset = dict(name=args.data, split=args.split, num_prompts=len(prompts), rounds=args.rounds, seed=args.seed)
         write_result(args.out, command_line(), args.model, dataset, {**figures, "concurrency": args.concurrency})
