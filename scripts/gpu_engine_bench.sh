@@ -78,7 +78,7 @@ tp200ab)  # ShareGPT 200 with the GEMV and with cuBLAS, alternating twice (a fir
 spec)  # EAGLE, default model + shipped head (GGUF joined at $HOME/stage): batch 1 with a third side, speculation
     # with asynchronous scheduling off (every step waits: the previous build's speculative steps); 64 concurrent
     G=$HOME/stage/smollm2-135m-instruct.gguf
-    S="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.bench.spec --model $G --head default --data .stage/g3/heldout.json --max-new-tokens 256"
+    S="env PYTHONPATH=$(scripts/namespace_path.sh)${PYTHONPATH:+:$PYTHONPATH} python -m sluice.app.bench.spec --model $G --head default --data .stage/g3/heldout.json --max-new-tokens 256"
     for i in 1 2; do
         run spec_c1_run$i 200 $S --concurrency 1 --num-prompts 8 --rounds 2 --also-sync --out "$OUT/spec_c1_run$i.json"
     done

@@ -45,25 +45,12 @@ def _graph_replays(engine) -> tuple[int, int]:
     return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, spec))
 
 
-def _time_execute(engine) -> list[float]:
-    """Accumulate the seconds the engine's model runner spends in `execute` (the executor calls the
-    attribute each step) into the returned one-item list."""
-    runner, total = engine._executor.runner, [0.0]
-    execute = runner.execute
-
-    def timed(so):
-        t = time.perf_counter()
-        try:
-            return execute(so)
-        finally:
-            total[0] += time.perf_counter() - t
-
-    runner.execute = timed
-    return total
+def _summed(a, b):
+    return type(a)(*(getattr(a, f) + getattr(b, f) for f in a.__slots__))
 
 
 def _zero_totals() -> dict:
-    return dict(seconds=0.0, outputs=[], steps=0, drafts=0, accepted=0, execute_s=0.0, graph_steps=[0, 0])
+    return dict(seconds=0.0, outputs=[], steps=0, drafts=0, accepted=0, profile=None, graph_steps=[0, 0])
 
 
 def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, params, concurrency: int) -> dict:
@@ -96,8 +83,8 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
                 "steps": r["steps"],
                 "mean_acceptance_length": round(1 + r["accepted"] / r["drafts"], 3) if r["drafts"] else None,
                 "graph_steps": {"plain": r["graph_steps"][0], "speculative": r["graph_steps"][1]},
-                # the model runner's share of a step (inputs, forward, read-back); the rest is the actors'
-                "execute_ms_per_step": round(1e3 * r["execute_s"] / max(r["steps"], 1), 3),
+                # the step's host time by phase, and the device's (`AsyncEngine.host_profile`)
+                "host_profile_ms_per_step": {k: round(v, 3) for k, v in r["profile"].per_step_ms().items()},
                 "outputs": r["outputs"],
             }
         return out
@@ -105,16 +92,16 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
     async def serve_rounds(names: list[str], rounds: list) -> None:
         async with contextlib.AsyncExitStack() as stack:
             engines = {name: await stack.enter_async_context(AsyncEngine(engine_args[name])) for name in names}
-            execute_s = {name: _time_execute(e) for name, e in engines.items()}
             for engine in engines.values():
                 await _serve(engine, warmup, params, concurrency)
             for i, prompts in enumerate(rounds):
                 for name in names if i % 2 == 0 else names[::-1]:
                     engine, r = engines[name], res[name]
-                    before, replays, busy = engine.stats(), _graph_replays(engine), execute_s[name][0]
+                    before, replays, prof = engine.stats(), _graph_replays(engine), engine.host_profile()
                     gc.collect()  # each side starts a round with nothing for the collector to catch up on
                     seconds, outs = await _serve(engine, prompts, params, concurrency)
-                    r["execute_s"] += execute_s[name][0] - busy
+                    delta = engine.host_profile().since(prof)
+                    r["profile"] = delta if r["profile"] is None else _summed(r["profile"], delta)
                     st = engine.stats()
                     r["seconds"] += seconds
                     r["outputs"] += outs
