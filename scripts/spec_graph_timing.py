@@ -93,7 +93,7 @@ def main() -> None:
         def step(i: int, spec: bool) -> SchedulerOutput:
             so = SchedulerOutput(10**6 + 1 + i, ["t"], [k + 1 if spec else 1], [args.context], [True])
             if spec:
-                so.num_draft_tokens, so.drafting = {"t": k}, {"t"}
+                so.num_draft_tokens, so.drafting, so.uniform = {"t": k}, {"t"}, True
             return so
 
         res["plain_execute_ms"] = round(execute_ms(runner, lambda i: step(i, False), args.iters), 4)
