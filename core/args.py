@@ -90,7 +90,8 @@ class EngineArgs:
     async_scheduling: bool = _arg(
         True,
         "schedule and prepare step N+1 while the device runs step N (its sampled tokens feed N+1 on the device); "
-        "off: each step waits for the last one's tokens. Steps that speculate always wait",
+        "off: each step waits for the last one's tokens. Speculative steps overlap only in their uniform greedy steady "
+        "state (every request verifying k drafts: their next inputs stay on the device); others wait",
     )
     split_special_tokens: bool = _arg(
         False,

@@ -5,9 +5,9 @@ Its inbox carries steps (`SchedulerOutput`) and `FLUSH`. A step is launched at o
 step is collected, and its `ModelOutput` sent back, when a second step is launched behind it (asynchronous
 scheduling: the device goes straight on to the next step while the host processes this one's tokens) or
 when `FLUSH` asks for it (the scheduler needs the tokens before it can go on). A step marked ``sync`` (alone,
-and the scheduler waits for it: speculative steps, asynchronous scheduling off) is collected in the same hop
-to the worker thread and answered at once. So at most two steps are in flight, and outputs come back in step
-order.
+and the scheduler waits for it: speculative steps other than uniform ones, asynchronous scheduling off) is
+collected in the same hop to the worker thread and answered at once. So at most two steps are in flight, and
+outputs come back in step order.
 """
 
 from __future__ import annotations

@@ -198,6 +198,17 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
         # most rows were fed from the device
         assert general.calls == 0
         assert fed.calls >= (s2.spec_num_drafts - s1.spec_num_drafts) // 2
+        # rows fed from the device never add a token past a request's end: a stop token met among accepted drafts,
+        # max_tokens reached inside a step, while the others run on
+        stop = expected[0][4]
+        ends = [
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop]),
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        ]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, ends, use_tqdm=False)]
+        assert got == [expected[0][: expected[0].index(stop) + 1], expected[1][:3], expected[2][:7]]
+        assert llm.engine.stats().kv_blocks_free == llm.engine.stats().kv_blocks_total
         # a penalized request in the batch sends its steps back to the general path
         n = len(graphs.replayed)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref
@@ -209,6 +220,55 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
         s2.spec_num_accepted_tokens - s1.spec_num_accepted_tokens,
     )
     assert drafts[0] == drafts[1] and accepted[0] == accepted[1] > 0  # the same drafts, the same verdicts
+
+
+def test_aborts_and_cancellations_under_steps_fed_from_the_device(tmp_path, tiny_source, uniform_plain_outputs):
+    # Requests that end while their next step is already in flight (fed from the device): aborted, cancelled by
+    # the caller, or at max_tokens. Every block comes back, and the ones that finish decode the plain tokens.
+    copy_head = copy_head_dir(tmp_path, MODEL, tiny_source.config)
+    prompts, expected, _ = uniform_plain_outputs
+    rng = random.Random(11)
+    done: dict[int, list[int]] = {}
+    args = EngineArgs(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **UNIFORM_KW)
+
+    async def main():
+        async with AsyncEngine(args) as engine:
+            _roughen(engine)
+            sched = engine._scheduler_actor.scheduler
+            fed = _count_calls(sched, "_schedule_device_fed")
+            limiter = anyio.CapacityLimiter(3)
+
+            async def one(i: int) -> None:
+                n = rng.randrange(2, 11)
+                params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                end = rng.choice(["finish", "finish", "abort", "cancel"])
+                rid = f"d{i}"
+                async with limiter:
+                    tokens: list[int] = []
+                    async for out in engine.generate(prompts[i % 3], params, request_id=rid):
+                        tokens += out.token_ids if not out.finished else []
+                        if out.finished:
+                            done[i] = (out.token_ids, n)
+                        elif end == "abort" and len(tokens) >= 2:
+                            await engine.abort(rid)
+                        elif end == "cancel" and len(tokens) >= 2:
+                            break
+
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(one, i)
+            with anyio.fail_after(30):
+                while engine.stats().num_running or engine.stats().num_waiting:
+                    await anyio.sleep(0.01)
+            return engine.stats(), fed.calls
+
+    stats, fed_calls = anyio.run(main)
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert fed_calls > 0
+    finished = [(i, t, n) for i, (t, n) in done.items() if len(t) == n]
+    assert finished
+    for i, tokens, n in finished:
+        assert tokens == expected[i % 3][:n]
 
 
 def test_speculation_turns_off_above_the_batch_size(copy_head, plain_llm):
