@@ -350,8 +350,8 @@ class Drafter:
         info[1, :bs] = 0
         if so.device_fed:
             info[1, :n] = [rid in so.device_fed for rid in so.req_ids]
-        if self.row_info is not self.h_row_info:
-            self.row_info[:, :bs].copy_(self.h_row_info[:, :bs], non_blocking=True)  # before upload's event
+        if self.row_info is not self.h_row_info:  # whole (a column slice would not be one asynchronous copy)
+            self.row_info.copy_(self.h_row_info, non_blocking=True)  # before upload's event
         b.upload(bs * (k + 1), bs, b.max_blocks, 0)
         return rows.slots, bs
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from sluice.core.cuda_graphs import StepBuffers
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import NewRequest, SchedulerOutput
@@ -225,7 +224,3 @@ class InputBatch:
 
 
 _EMPTY = np.zeros(0, np.int64)
-
-
-def index_tensor(x: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device, non_blocking=True)

@@ -27,7 +27,7 @@ import torch
 from sluice.core.args import EngineArgs
 from sluice.core.cuda_graphs import DecodeGraphs, MixedGraphs, StepBuffers, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.culprit import is_fatal, isolate_culprits
-from sluice.core.input_batch import InputBatch, StepRows, index_tensor
+from sluice.core.input_batch import InputBatch, StepRows
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
@@ -147,6 +147,8 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
         self._host_bufs = [torch.empty(0, dtype=torch.long) for _ in range(2)]
         self._host_turn = 0
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
+        self._event_turn = 0
         if self.device.type == "cuda":
             interval = float(os.environ.get("SLUICE_GPU_SWITCH_INTERVAL_S", GPU_SWITCH_INTERVAL_S))
             sys.setswitchinterval(min(sys.getswitchinterval(), interval))
@@ -397,18 +399,23 @@ class ModelRunner:
             self._read_back(self._inflight)  # penalties count every output token: the one in flight too
         sampling = self._sampling_batch(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
         whole = graph_bs is not None and num_rows == n and not so.forks  # every row samples, in order
+        gather = rows.gather_dst.size
+        if gather:
+            b.gather_src_np[:gather] = rows.gather_src
+            b.gather_dst_np[:gather] = rows.gather_dst
         if graph_bs is not None:
             if not whole and num_rows:
                 b.logit_rows_np[:num_rows] = sample_rows
-            b.upload(graph_bs, graph_bs, b.max_blocks, 0 if whole else num_rows)
+            b.upload(graph_bs, graph_bs, b.max_blocks, 0 if whole else num_rows, gather)
         else:
             if num_rows:
                 b.logit_rows_np[:num_rows] = rows.query_start_loc[1:][sample_rows] - 1
             if graph_t is not None:
-                b.upload(graph_t, graph_seqs, b.max_blocks, num_rows)
+                b.upload(graph_t, graph_seqs, b.max_blocks, num_rows, gather)
             else:
-                b.upload(rows.num_tokens, n, b.max_blocks, num_rows)
-        self._gather_pending(rows, b)
+                b.upload(rows.num_tokens, n, b.max_blocks, num_rows, gather)
+        if gather:  # decodes whose input token the step in flight sampled: copied from its samples on the device
+            b.input_ids[b.gather_dst[:gather]] = self._last_sampled[b.gather_src[:gather]]
         prepared_at = time.perf_counter()
         started = self._device_event()  # the device's time on the step: from its forward on
         if graph_bs is not None:
@@ -441,9 +448,12 @@ class ModelRunner:
         return step
 
     def _device_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded now, from a ring (creating one per step costs host time): a step's two are
+        read within the next two launches, each of which takes two more."""
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event(enable_timing=True)
+        self._event_turn = (self._event_turn + 1) % len(self._events)
+        event = self._events[self._event_turn]
         event.record()
         return event
 
@@ -522,14 +532,6 @@ class ModelRunner:
                     idx.append(i)
                     req_ids.append(r)
         return np.asarray(idx, np.int64), req_ids
-
-    def _gather_pending(self, rows: StepRows, b: StepBuffers) -> None:
-        """Decodes whose input token the step in flight sampled: copied from its samples on the device."""
-        if not rows.gather_dst.size:
-            return
-        src = index_tensor(rows.gather_src, self.device)
-        dst = index_tensor(rows.gather_dst, self.device)
-        b.input_ids[dst] = self._last_sampled[src]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward over a step's tokens: final hidden states (what a mixed-step graph captures)."""

@@ -59,6 +59,23 @@ def test_build_matches_a_plain_reference():
         assert b.block_tables_np[i, : len(row[4])].tolist() == row[4]
 
 
+def test_step_buffers_are_disjoint_views_of_one_arena():
+    """Every input field is its own aligned piece of one arena (one host -> device copy can send a step's
+    inputs), block tables after the per-step fields (the copy sends a prefix of the arena)."""
+    b = StepBuffers(40, 5, 7, torch.device("cpu"))
+    names = ["query_start_loc", "seq_lens", "logit_rows", "gather_src", "gather_dst", "input_ids", "positions"]
+    names += ["slot_mapping", "block_tables", "sampling_f", "top_k"]
+    for value, name in enumerate(names, 1):
+        getattr(b, name + "_np")[...] = value
+    for value, name in enumerate(names, 1):
+        view = getattr(b, name)
+        assert (view == value).all(), name
+        assert view.data_ptr() % 64 == 0
+    offsets = [getattr(b, n).data_ptr() for n in names]
+    assert offsets == sorted(offsets)
+    assert b.block_tables.shape == (5, 7) and b.input_ids.shape == (40,) and b.sampling_f.shape == (6, 5)
+
+
 def test_decodes_take_the_last_token_from_the_host_or_from_the_step_in_flight():
     """After a step samples, the next step's decode reads the token on the device (its row in that step's
     samples) until it is read back; then from the host."""
