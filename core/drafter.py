@@ -117,8 +117,14 @@ class Drafter:
         r, ib = self.runner, self.runner.batch
         b = r.buffers
         n = len(so.req_ids)
+        # the target's forward replays a mixed-step graph when one fits (it keeps the head's features too)
+        graph_t = r.mixed_graphs.padded_size(so.num_tokens) if r.mixed_graphs is not None else None
         b.wait_uploaded()
-        rows = ib.build(so, b)
+        if graph_t is not None:
+            graph_seqs = r.mixed_graphs.num_seqs(graph_t)
+            rows = ib.build(so, b, graph_seqs, graph_t)
+        else:
+            rows = ib.build(so, b)
         qsl = rows.query_start_loc
         sample_idx, req_ids = r._sampling_rows(so)
         verify = [j for j, rid in enumerate(req_ids) if rid in so.num_draft_tokens]
@@ -148,9 +154,13 @@ class Drafter:
                 extra.append(drafts[:t])
         slots_np = np.asarray(slots, np.int64)
         batch = r._sampling_batch(slots_np, np.asarray(outputs, np.int64), b, extra) if slots else None
-        b.upload(rows.num_tokens, n, b.max_blocks, 0)
-        meta = r._metadata(rows, b)
-        hidden, features = self._target(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], meta)
+        if graph_t is not None:
+            b.upload(graph_t, graph_seqs, b.max_blocks, 0)
+            hidden, features = r.replay_mixed(graph_t)
+        else:
+            b.upload(rows.num_tokens, n, b.max_blocks, 0)
+            meta = r._metadata(rows, b)
+            hidden, features = self._target(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], meta)
         parts: list[torch.Tensor] = []
         out_plain = None
         if logit_rows:

@@ -185,7 +185,7 @@ class ModelRunner:
                 max_mixed = min(args.max_graph_tokens, self.max_num_tokens)
                 mixed = None
                 if max_mixed > 1:
-                    mixed = MixedGraphs(self._forward, self.buffers, mixed_graph_sizes(max_mixed), max_model_len)
+                    mixed = MixedGraphs(self.mixed_forward, self.buffers, mixed_graph_sizes(max_mixed), max_model_len)
                 try:
                     with torch.inference_mode():
                         pool = graphs.capture()
@@ -425,7 +425,7 @@ class ModelRunner:
             logits = logits[:n] if whole else logits[b.logit_rows[:num_rows]]
         else:
             if graph_t is not None:
-                hidden = self.mixed_graphs.replay(graph_t)
+                hidden, _ = self.replay_mixed(graph_t)
             else:
                 t = rows.num_tokens
                 hidden = self._forward(b.input_ids[:t], b.positions[:t], self._metadata(rows, b))
@@ -536,6 +536,22 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward over a step's tokens: final hidden states (what a mixed-step graph captures)."""
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+
+    def mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """What a mixed-step graph captures: the final hidden states, and with an EAGLE-3 draft head its features
+        beside them (``[T, hidden + features]``), so that a step that drafts (a prompt's last chunk) replays it too."""
+        layers = self.drafter.feature_layers if self.drafter is not None else ()
+        if not layers:
+            return self._forward(input_ids, positions, meta)
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
+        return torch.cat(self.model(input_ids, positions, ctx, aux_layers=layers), -1)
+
+    def replay_mixed(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the mixed-step graph of ``size`` tokens: its final hidden states and the draft head's features
+        (the hidden states themselves without EAGLE-3 layers)."""
+        out = self.mixed_graphs.replay(size)
+        h = self.model.config.hidden_size
+        return (out[:, :h], out[:, h:]) if out.shape[-1] > h else (out, out)
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The captured part of a decode step: embedding to logits of every row."""

@@ -19,7 +19,7 @@ from sluice.kv.prefix_cache import block_hashes
 from sluice.spec.eagle import DraftHeadError, load_draft_head, new_draft_head, save_draft_head
 from sluice.spec.proposer import paged_metadata
 
-from tests.graph_helpers import EagerReplay
+from tests.graph_helpers import EagerMixedReplay, EagerReplay
 from tests.spec_helpers import copy_head_dir, tiny_config
 
 MODEL = "dummy:tiny"
@@ -209,6 +209,15 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, ends, use_tqdm=False)]
         assert got == [expected[0][: expected[0].index(stop) + 1], expected[1][:3], expected[2][:7]]
         assert llm.engine.stats().kv_blocks_free == llm.engine.stats().kv_blocks_total
+        if feature == "eagle3":
+            # steps that draft after a prompt replay the mixed-step graphs, which keep the head's features beside
+            # the target's hidden states
+            runner = llm.engine._executor.runner
+            runner.mixed_graphs = steps = EagerMixedReplay(runner.mixed_forward, runner.buffers, [16, 48], 512)
+            steps.capture()
+            assert _ids(llm, prompts, params) == expected
+            assert steps.replayed
+            runner.mixed_graphs = None
         # a penalized request in the batch sends its steps back to the general path
         n = len(graphs.replayed)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], mixed, use_tqdm=False)] == ref
