@@ -333,8 +333,10 @@ class ModelRunner:
         try:
             return self._launch_rows(so)
         except Exception as e:
-            if is_fatal(e) or self.tp is not None or (so.num_reqs == 1 and not so.forks):
-                raise  # nobody else to spare (tensor-parallel ranks would each bisect on their own)
+            if is_fatal(e) or self.tp is not None or (so.num_reqs == 1 and not so.forks) or so.uniform:
+                # nobody else to spare (tensor-parallel ranks would each bisect on their own); a uniform step's
+                # rows may take their inputs from the device, which a re-run from host tokens cannot
+                raise
             logger.warning("step %d failed (%s); re-running its rows to find the culprits", so.step_id, e)
             return LaunchedStep(so, self._isolate(so, e))
 
