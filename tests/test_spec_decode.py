@@ -264,7 +264,7 @@ def test_aborts_and_cancellations_under_steps_fed_from_the_device(tmp_path, tiny
                             break
 
             async with anyio.create_task_group() as tg:
-                for i in range(12):
+                for i in range(8):
                     tg.start_soon(one, i)
             with anyio.fail_after(30):
                 while engine.stats().num_running or engine.stats().num_waiting:
