@@ -18,12 +18,12 @@ The steady state of greedy decoding, every request verifying k drafts with no pe
 logprobs (the scheduler marks such a step `SchedulerOutput.uniform`), has a fixed-shape path
 (`uniform_step`): verification, draft catch-up and the draft chain in one function without a host sync,
 captured in CUDA graphs per batch size (`capture_graphs`), so that a step costs one replay instead of
-hundreds of eager launches. It is launched like a plain step (`launch_uniform`; read back later) and leaves
-each request's next inputs on the device, in a state kept per slot: its last emitted token and next drafts,
-and how many drafts it accepted. A row of the next step fed from the device (`SchedulerOutput.device_fed`,
-scheduled before this step's output was known) takes its tokens from there and moves its positions, slot
-mapping and sequence length by the accepted count, inside the step, so speculative steps overlap the host's
-work as plain ones do.
+hundreds of eager launches. It is launched like a plain step (`prepare_uniform`, `run_uniform`; read back
+later) and leaves each request's next inputs on the device, in a state kept per slot: its last emitted
+token and next drafts, and how many drafts it accepted. A row of the next step fed from the device
+(`SchedulerOutput.device_fed`, scheduled before this step's output was known) takes its tokens from there
+and moves its positions, slot mapping and sequence length by the accepted count, inside the step, so
+speculative steps overlap the host's work as plain ones do.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Drafter:
         else:
             b.upload(rows.num_tokens, n, b.max_blocks, 0)
             meta = r._metadata(rows, b)
-            hidden, features = self._target(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], meta)
+            hidden, features = self.target_forward(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], meta)
         parts: list[torch.Tensor] = []
         out_plain = None
         if logit_rows:
@@ -398,7 +398,7 @@ class Drafter:
         slots = self.row_info[0, :batch]
         self._feed_from_device(input_ids, positions, meta, slots, self.row_info[1, :batch])
         token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
-        hidden, features = self._target(input_ids, positions, token_meta)
+        hidden, features = self.target_forward(input_ids, positions, token_meta)
         argmax = r.model.compute_logits(hidden).argmax(-1)
         num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
@@ -426,7 +426,9 @@ class Drafter:
         mapping = meta.slot_mapping.view(batch, q)
         mapping.copy_(torch.where(on, block * bs + pos % bs, mapping))
 
-    def _target(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's forward: its final hidden states (for its LM head) and the head's features."""
         r = self.runner
         ctx = ForwardContext(meta, r.kv_caches, r.backend)

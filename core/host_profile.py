@@ -35,6 +35,9 @@ class HostProfile:
             setattr(out, name, getattr(other, name))
         return out
 
+    def plus(self, other: HostProfile) -> HostProfile:
+        return HostProfile(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
     def since(self, earlier: HostProfile) -> HostProfile:
         return HostProfile(*(getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)))
 

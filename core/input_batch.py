@@ -123,7 +123,7 @@ class InputBatch:
         self.repetition[slot] = p.repetition_penalty
         self.min_tokens[slot] = p.min_tokens
         self.num_logprobs[slot] = -1 if p.logprobs is None else p.logprobs
-        penalized = p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        penalized = p.has_penalties
         self.penalized[slot] = penalized
         self.seeded[slot] = p.seed is not None and p.temperature != 0
         self.output_tokens[slot] = list(nr.token_ids[nr.num_prompt_tokens :]) if penalized else None

@@ -360,7 +360,7 @@ class ModelRunner:
 
     def _launch_rows(self, so: SchedulerOutput) -> LaunchedStep:
         """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
-        if so.uniform and self.drafter is not None and self.drafter.graphs is not None:
+        if so.uniform:  # the scheduler marks one only when the drafter has its uniform graphs
             # inputs from the host (every step before it read back) or from the device (`device_fed`)
             slots, bs = self.drafter.prepare_uniform(so)
             step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
@@ -542,11 +542,9 @@ class ModelRunner:
     def mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """What a mixed-step graph captures: the final hidden states, and with an EAGLE-3 draft head its features
         beside them (``[T, hidden + features]``), so that a step that drafts (a prompt's last chunk) replays it too."""
-        layers = self.drafter.feature_layers if self.drafter is not None else ()
-        if not layers:
+        if self.drafter is None or not self.drafter.feature_layers:
             return self._forward(input_ids, positions, meta)
-        ctx = ForwardContext(meta, self.kv_caches, self.backend)
-        return torch.cat(self.model(input_ids, positions, ctx, aux_layers=layers), -1)
+        return torch.cat(self.drafter.target_forward(input_ids, positions, meta), -1)
 
     def replay_mixed(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the mixed-step graph of ``size`` tokens: its final hidden states and the draft head's features

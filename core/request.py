@@ -42,10 +42,9 @@ class Request:
     num_pending: int = 0
     in_batch: bool = False
     num_blocks_sent: int = 0
-    # Asynchronous speculative steps: this request's uniform rows in flight (`SchedulerOutput.uniform`), and
-    # whether the step after the oldest of them was scheduled before its output, fed from the device
+    # Asynchronous speculative steps: this request's uniform rows in flight (`SchedulerOutput.uniform`); with two,
+    # the younger was scheduled before the older's output, fed from the device
     num_uniform_inflight: int = 0
-    fed_successor: bool = False
     # The caller wants only the final output: no event per token, one with every token at the end.
     final_only: bool = False
     output_logprobs: list[TokenLogprob] | None = None  # final-only requests that asked for logprobs

@@ -146,11 +146,9 @@ class Scheduler:
         ban, no logprobs, no siblings to fork)."""
         sp = req.sampling_params
         return (
-            sp.temperature == 0
+            sp.is_greedy
             and sp.logprobs is None
-            and sp.presence_penalty == 0
-            and sp.frequency_penalty == 0
-            and sp.repetition_penalty == 1
+            and not sp.has_penalties
             and len(req.output_token_ids) >= sp.min_tokens
             and req.request_id not in self._pending_forks
         )
@@ -339,7 +337,6 @@ class Scheduler:
             return 0
         so.block_copies.extend(got)
         so.device_fed.add(req.request_id)
-        req.fed_successor = True
         self._scheduled(so, req, 1, forked, [0] * k, spec=True, cow=bool(got))  # the drafts wait on the device
         return 1 + k
 
@@ -443,7 +440,6 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_uniform_inflight = 0
-        req.fed_successor = False
         # recomputed from scratch, so the draft head can follow again
         req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
         req.status = RequestStatus.WAITING
@@ -573,11 +569,11 @@ class Scheduler:
         overwritten (the cache never hashes them: they are not in all_token_ids). When the next step was fed
         from the device, it was scheduled as if none were accepted: the accepted ones move it forward.
         A preempted request recomputes from scratch: nothing to move."""
+        fed_next = req.num_uniform_inflight > 1  # the row after this one went before this output: fed from the device
         if uniform and req.num_uniform_inflight:
             req.num_uniform_inflight -= 1
         if req.status is RequestStatus.RUNNING:
-            if req.fed_successor:
-                req.fed_successor = False
+            if fed_next:
                 req.num_computed_tokens += num_accepted
             else:
                 req.num_computed_tokens -= num_drafts - num_accepted

@@ -59,7 +59,7 @@ class SchedulerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     drafting: set[str] = field(default_factory=set)
     # a uniform speculative step: every row greedy, verifying k drafts and drafting again, with nothing that
-    # needs the general sampler (the executor's fixed-shape path, `Drafter.launch_uniform`); and the rows whose
+    # needs the general sampler (the executor's fixed-shape path, `Drafter.prepare_uniform`); and the rows whose
     # inputs wait on the device (asynchronous scheduling): their last token and drafts come from the uniform
     # step in flight, their positions are ``num_computed_tokens`` plus the drafts it accepts
     uniform: bool = False

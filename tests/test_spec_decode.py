@@ -264,12 +264,7 @@ def test_aborts_and_cancellations_under_steps_fed_from_the_device(tmp_path, tiny
                         elif end == "cancel" and len(tokens) >= 2:
                             break
 
-            async with anyio.create_task_group() as tg:
-                for i in range(8):
-                    tg.start_soon(one, i)
-            with anyio.fail_after(30):
-                while engine.stats().num_running or engine.stats().num_waiting:
-                    await anyio.sleep(0.01)
+            await _run_all(engine, one, 8, timeout=30)
             return engine.stats(), fed.calls
 
     stats, fed_calls = anyio.run(main)
@@ -403,12 +398,7 @@ def test_no_leaks_after_cancellations_and_cached_blocks_hold_verified_kv(copy_he
                                 await engine.abort(rid)
                             break
 
-            async with anyio.create_task_group() as tg:
-                for i in range(200):
-                    tg.start_soon(one, i)
-            with anyio.fail_after(20):
-                while engine.stats().num_running or engine.stats().num_waiting:
-                    await anyio.sleep(0.01)
+            await _run_all(engine, one, 200, timeout=20)
             await anyio.sleep(0.05)
             return engine.stats(), engine._executor.runner, engine._scheduler_actor.scheduler.kv
 
@@ -434,6 +424,16 @@ def test_no_leaks_after_cancellations_and_cached_blocks_hold_verified_kv(copy_he
         for j, block_id in blocks:
             for layer, pool in zip(dense, runner.kv_caches):
                 torch.testing.assert_close(pool[:, block_id], layer[:, j], atol=1e-4, rtol=1e-4)
+
+
+async def _run_all(engine, one, n: int, timeout: float) -> None:
+    """``one(i)`` for every ``i < n`` at once, then wait until the engine holds no request."""
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    with anyio.fail_after(timeout):
+        while engine.stats().num_running or engine.stats().num_waiting:
+            await anyio.sleep(0.01)
 
 
 async def aenumerate(it):

@@ -45,10 +45,6 @@ def _graph_replays(engine) -> tuple[int, int]:
     return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, spec))
 
 
-def _summed(a, b):
-    return type(a)(*(getattr(a, f) + getattr(b, f) for f in a.__slots__))
-
-
 def _zero_totals() -> dict:
     return dict(seconds=0.0, outputs=[], steps=0, drafts=0, accepted=0, profile=None, graph_steps=[0, 0])
 
@@ -101,7 +97,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
                     gc.collect()  # each side starts a round with nothing for the collector to catch up on
                     seconds, outs = await _serve(engine, prompts, params, concurrency)
                     delta = engine.host_profile().since(prof)
-                    r["profile"] = delta if r["profile"] is None else _summed(r["profile"], delta)
+                    r["profile"] = delta if r["profile"] is None else r["profile"].plus(delta)
                     st = engine.stats()
                     r["seconds"] += seconds
                     r["outputs"] += outs
