@@ -6,6 +6,9 @@
 #   scripts/gpu_engine_bench.sh graphs-a|graphs-b   # mixed-step CUDA graphs on (default) and off, same build
 #   scripts/gpu_engine_bench.sh gemv   # the bf16 GEMV's sweep; batch 1 with it and with cuBLAS, alternating
 #   scripts/gpu_engine_bench.sh final  # ShareGPT 200 (GEMV and cuBLAS), 1000, batch 1 and 8
+#   scripts/gpu_engine_bench.sh rows|rows1000   # the GEMV to 64 rows vs its former 16-row limit: steps at 16-64 and
+#                                               # ShareGPT 200 | ShareGPT 1000
+#   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -83,6 +86,31 @@ spec)  # EAGLE, default model + shipped head (GGUF joined at $HOME/stage): batch
         run spec_c1_run$i 200 $S --concurrency 1 --num-prompts 8 --rounds 2 --also-sync --out "$OUT/spec_c1_run$i.json"
     done
     run spec_c64 200 $S --concurrency 64 --num-prompts 64 --rounds 3 --out "$OUT/spec_c64.json"
+    ;;
+rows)  # the bf16 GEMV up to 64 rows (default) against its former limit of 16 (SLUICE_GEMV_ROWS=16), same build, alternating
+    run steps 150 $bench steps $M --batch-sizes 16 24 32 48 64 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    run steps_r16 150 env SLUICE_GEMV_ROWS=16 $bench steps $M --batch-sizes 16 24 32 48 64 --max-num-batched-tokens 8192 --out "$OUT/steps_r16.json"
+    for i in 1 2; do
+        run tp200_r64_$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_r64_$i.json"
+        run tp200_r16_$i 90 env SLUICE_GEMV_ROWS=16 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_r16_$i.json"
+    done
+    ;;
+rows1000)  # the same pair on ShareGPT 1000
+    run tp1000_r64 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_r64.json"
+    run tp1000_r16 150 env SLUICE_GEMV_ROWS=16 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_r16.json"
+    ;;
+fuse)  # this build against the previous one's kernels in the same call (SLUICE_GEMV_ROWS=16: the GEMV to 16 rows;
+    # SLUICE_FUSED_REDUCE=0: decode attention's split reduce as a second kernel), alternating; kernel tests first
+    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_fused_kernels.py
+    prev="env SLUICE_GEMV_ROWS=16 SLUICE_FUSED_REDUCE=0"
+    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
+    run lat_b1_prev 90 $prev $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_prev.json"
+    for i in 1 2; do
+        run tp200_$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_$i.json"
+        run tp200_prev_$i 90 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_prev_$i.json"
+    done
+    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
+    run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -380,9 +380,10 @@ def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, sha
 
 
 def sweep_dense(ns) -> dict:
-    """bf16 weights, 1-16 rows: the GEMV of `core/models/gemv.py` over a grid of configs (every one at one row;
-    the four best of those, and the engine's rule, at more rows) against ``F.linear``, each call behind a fused
-    RMSNorm as in a decoder layer."""
+    """bf16 weights, 1-64 rows (``--rows``; the engine takes it to 32): the GEMV of `core/models/gemv.py` over a
+    grid of configs (every one at the first row count; the four best of those, and the engine's rule, at more
+    rows; only the rule with ``--rule-only``) against ``F.linear``, each call behind a fused RMSNorm as in a
+    decoder layer."""
     import torch
     from sluice.core.models.gemv import gemv_config
 
@@ -392,7 +393,7 @@ def sweep_dense(ns) -> dict:
     for name, (n, k) in (TINY_SHAPES if ns.tiny else LINEAR_SHAPES).items():
         if ns.shapes and name not in ns.shapes:
             continue
-        out["shapes"][name] = _dense_shape(ns, g, n, k, gemv_config(n, k, num_sms))
+        out["shapes"][name] = _dense_shape(ns, g, n, k, lambda m, n=n, k=k: gemv_config(n, k, num_sms))
         _write(ns.out, out)
         torch.cuda.empty_cache()
     if set(out["shapes"]) == set(LINEAR_SHAPES):  # one decode step: 32 layers x 4 projections + the LM head
@@ -411,7 +412,7 @@ def _dense_cfg(c) -> list:
     return [c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages]
 
 
-def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
+def _dense_shape(ns, g, n: int, k: int, rule_for) -> dict:
     import torch
     from sluice.core.models.fused import add_rmsnorm
     from sluice.core.models.gemv import GemvConfig, gemv
@@ -424,9 +425,11 @@ def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
         for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4, 8) for stages in (3, 4)
         if not (split > 1 and n >= 16384)  # enough tiles already
     ]  # fmt: skip
-    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rule": _dense_cfg(rule), "rows": {}}
+    rows = (1, 3, 17) if ns.tiny else tuple(ns.rows)
+    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rows": {}}
     ranked: list = []
-    for m in (1, 3) if ns.tiny else (1, 2, 4, 8, 16):
+    for m in rows:
+        rule = rule_for(m)
         x = torch.randn(m, k, device=ns.device, generator=g).bfloat16()
 
         def normed(x=x) -> torch.Tensor:
@@ -435,7 +438,10 @@ def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
         ref = normed().float() @ ws[0].float().t()
         r = {"bf16_us": 1e3 * graph_ms([lambda w=w: torch.nn.functional.linear(normed(), w) for w in ws])}
         r["norm_us"] = 1e3 * graph_ms([normed for _ in ws])
-        configs = grid if m == 1 else list(dict.fromkeys([*ranked[:4], rule]))
+        if ns.rule_only:
+            configs = [rule]
+        else:
+            configs = grid if m == rows[0] else list(dict.fromkeys([*ranked[:4], rule]))
         t0, timed = time.perf_counter(), []
         for c in configs:
             if ns.time_limit and time.perf_counter() - t0 > ns.time_limit:
@@ -451,8 +457,9 @@ def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
             except Exception as e:  # noqa: BLE001 - a config that fails is no candidate
                 r.setdefault("errors", []).append(f"{_dense_cfg(c)}: {type(e).__name__}: {str(e)[:200]}")
         timed.sort(key=lambda t: t[0])
-        if m == 1:
+        if m == rows[0]:
             ranked = [c for _, c, _ in timed]
+        r["rule"] = _dense_cfg(rule)
         r["best"] = [
             {"config": _dense_cfg(c), "us": us, "tb_s": n * k * 2 / us / 1e6, "rel_err": e} for us, c, e in timed[:5]
         ]
@@ -483,6 +490,8 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="*", help="gemv: only these shapes (qkv o gate_up down lm_head)")
     ap.add_argument("--time-limit", type=float, default=0, help="per shape or case: no more configs after this (s)")
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (Triton interpreter smoke)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="dense: rows of x")
+    ap.add_argument("--rule-only", action="store_true", help="dense: time only the engine's rule (and F.linear)")
     ns = ap.parse_args()
     import torch
 

@@ -108,7 +108,7 @@ def test_model_with_fused_kernels_gives_the_same_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32])
 def test_gemv_matches_linear(dtype, rows):
     """The few-row GEMV against F.linear: N not a multiple of the tile, K split unevenly and evenly, a bias,
     and the split-K counters left at zero for the next launch (as a graph replay needs)."""
@@ -148,14 +148,14 @@ def test_linear_layer_takes_the_gemv_only_for_few_rows():
     real = gemv.gemv
     gemv.gemv = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
     try:
-        for m in (1, 16, 17):
+        for m in (1, 16, 32, 33):
             x = torch.randn(m, 64).to(DEVICE, torch.bfloat16)
             torch.testing.assert_close(
                 lin(x).float(), torch.nn.functional.linear(x, lin.weight).float(), rtol=2**-7, atol=2e-2
             )
     finally:
         gemv.gemv = real
-    assert calls == [(1, 64), (16, 64)]  # 17 rows: cuBLAS (F.linear)
+    assert calls == [(1, 64), (16, 64), (32, 64)]  # 33 rows: cuBLAS (F.linear)
     gemv.MIN_WEIGHT_BYTES = 0
     try:
         assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear

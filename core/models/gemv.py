@@ -1,4 +1,4 @@
-"""``y = x @ W^T (+ bias)`` for a few rows of ``x`` (decode steps at small batch) over a 16-bit ``W``.
+"""``y = x @ W^T (+ bias)`` for a few rows of ``x`` (decode steps at small and medium batch) over a 16-bit ``W``.
 
 At one to a few rows a linear layer is a read of its weight: a batch-1 decode step of an 8B model reads
 ~15 GiB, and the step takes as long as that read. cuBLAS's kernels for these shapes reach ~4.1 TB/s on the
@@ -6,8 +6,8 @@ largest projections of Llama-3-8B but ~3.1 TB/s on the small ones (q/k/v, o), wh
 a larger share of their time (docs/benchmarks.md).
 
 `_gemv_kernel` streams the weight in ``[BLOCK_N, BLOCK_K]`` tiles through the tensor cores against a
-``[BLOCK_K, BLOCK_M]`` tile of ``x`` (its rows, zero-padded to 16), so every weight byte is read once for
-all rows, with the software pipelining Triton gives ``tl.dot`` loops. K may be split ``SPLIT_K`` ways to
+``[BLOCK_K, BLOCK_M]`` tile of ``x`` (its rows, zero-padded to 16 or 32), so every weight byte is read once
+for all rows, with the software pipelining Triton gives ``tl.dot`` loops. K may be split ``SPLIT_K`` ways to
 fill the GPU when ``N / BLOCK_N`` is short of the SM count; the program that finishes a tile's last split
 adds the partials (an arrival counter per tile, reset by that program: one launch, no memset, one node of
 a CUDA graph). It is launched with programmatic dependent launch (`kv/attention/pdl.py`): its programs
@@ -20,6 +20,8 @@ the rounding of the output dtype, not bit for bit.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +30,11 @@ import triton
 import triton.language as tl
 from sluice.kv.attention.pdl import pdl_launch
 
-# Rows of x one launch serves (the MMA's smallest N); more rows go to cuBLAS.
-MAX_ROWS = 16
+# Rows of x one launch serves; more rows go to cuBLAS, which was faster at 48 and 64 rows on the H200
+# (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 16, the limit before 32-row tiles, for timing).
+MAX_ROWS = 32
+# Rows are padded to the MMA's smallest N (16), else to a power of two.
+MIN_BLOCK_M = 16
 # The smallest BLOCK_N of any config: sizes the split-K counters.
 MIN_BLOCK_N = 32
 # Smaller weights keep cuBLAS: the sweep measured Llama-3-8B's projections (32 MiB and up), and a weight of a
@@ -117,6 +122,17 @@ class GemvConfig:
     num_stages: int = 4
 
 
+def block_m(m: int) -> int:
+    """The row tile for ``m`` rows of ``x``: 16 or 32."""
+    return max(MIN_BLOCK_M, triton.next_power_of_2(m))
+
+
+@functools.cache  # asked at every few-row linear call; fixed for a process
+def max_rows() -> int:
+    """Rows up to which `linear` takes the GEMV (`MAX_ROWS`, or less with ``SLUICE_GEMV_ROWS``)."""
+    return min(MAX_ROWS, int(os.environ.get("SLUICE_GEMV_ROWS", MAX_ROWS)))
+
+
 def gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
     """The config for an ``N x K`` weight, from the H200 sweep at Llama-3-8B shapes (`scripts/gpu_kernel_sweep.py
     dense`, docs/benchmarks.md): tiles of 64 rows, 4 stages. Where 64-row tiles are short of ~2 per SM (q/k/v, o,
@@ -145,26 +161,27 @@ def gemv(
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     c = config or gemv_config(n, k, num_sms)
+    bm = block_m(m)
     split = c.split_k
     if split > 1 and counters.numel() < triton.cdiv(n, c.block_n):
         split = 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, MAX_ROWS, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    ws = torch.empty((split, bm, n), dtype=torch.float32, device=x.device) if split > 1 else out
     even_k = k % (c.block_k * split) == 0
     dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
     _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
         x, weight, bias if bias is not None else weight, out, ws, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=MAX_ROWS, SPLIT_K=split, HAS_BIAS=bias is not None,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=bias is not None,
         EVEN_K=even_k, DOT_F32=dot_f32, num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:
-    """``F.linear``, through `gemv` when ``x`` has at most `MAX_ROWS` rows."""
+    """``F.linear``, through `gemv` when ``x`` has at most `max_rows` rows."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0 or x2.shape[0] > MAX_ROWS:
+    if x2.shape[0] == 0 or x2.shape[0] > max_rows():
         return F.linear(x, weight, bias)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -12,6 +12,8 @@ only stops being the best one. Query row ``i`` of a decode batch is read at ``qu
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from sluice.kv.attention import triton_kernels as tk
@@ -28,8 +30,13 @@ class TritonAttentionBackend(AttentionBackend):
         min_tokens_per_split: int = 256,
         max_splits: int = 32,
         num_sms: int | None = None,
+        fused_reduce: bool | None = None,
     ) -> None:
         self.decode_num_splits = decode_num_splits  # fixed split count; None = heuristic below
+        # the decode splits merged by their last program, not a reduce kernel (SLUICE_FUSED_REDUCE=0: the kernel)
+        if fused_reduce is None:
+            fused_reduce = os.environ.get("SLUICE_FUSED_REDUCE", "1") != "0"
+        self.fused_reduce = fused_reduce
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms
@@ -79,7 +86,7 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.decode_splits(meta.max_seq_len, num_seqs, kv_cache.shape[3], query.device)
             tk.paged_decode(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, splits, kv_scale=kv_scale,
+                num_seqs, splits, kv_scale=kv_scale, fused_reduce=self.fused_reduce,
             )  # fmt: skip
         else:
             tk.paged_prefill(

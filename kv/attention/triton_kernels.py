@@ -5,13 +5,15 @@ token by token through the block table (``block_tables[seq, pos // block_size]``
 ``BLOCK_N`` keys may span several (shuffled) physical blocks and ``BLOCK_N`` need not equal the block size.
 
 * ``_kv_write_kernel``: one program per token, stores its K and V at ``slot_mapping[t]`` (``-1`` = skip).
-* ``_decode_kernel`` + ``_decode_reduce_kernel``: one query per sequence. A program owns one
+* ``_decode_kernel`` (+ ``_decode_reduce_kernel``): one query per sequence. A program owns one
   (sequence, KV head, split) and all ``GROUP`` query heads that share that KV head (padded to 16 rows for
   ``tl.dot``). The context is cut into ``NUM_SPLITS`` equal ranges (flash-decoding); each program writes
-  its unnormalised partial output and its (max, sum) in the log2 domain, and the reduce kernel merges them.
-  With ``NUM_SPLITS == 1`` the decode kernel writes the final output itself. Any split count is correct
-  for any sequence length (empty splits contribute nothing), so a CUDA graph captured with one count
-  stays valid for every shorter context.
+  its unnormalised partial output and its (max, sum) in the log2 domain, and they are merged: by the
+  program that writes its partials last (``FUSED_REDUCE``: an arrival counter per (sequence, KV head), reset
+  by that program, as the split-K GEMV of `core/models/gemv.py` does; one kernel, one CUDA graph node) or by
+  the reduce kernel. With ``NUM_SPLITS == 1`` the decode kernel writes the final output itself. Any split
+  count is correct for any sequence length (empty splits contribute nothing), so a CUDA graph captured with
+  one count stays valid for every shorter context.
 * ``_prefill_kernel``: several queries per sequence (prefill, chunked prefill, or q=1 rows in a mixed
   batch). A program owns (sequence, tile of queries, KV head); its ``BLOCK_M`` rows are (query, head of
   the GQA group) pairs, so K/V tiles are loaded once per group. Keys every query of the tile can see are
@@ -172,6 +174,7 @@ def _decode_kernel(
     part_acc_ptr,
     part_m_ptr,
     part_l_ptr,
+    cnt_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -194,6 +197,8 @@ def _decode_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16_DOT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_then_release(PDL)  # kv/attention/pdl.py
@@ -265,6 +270,61 @@ def _decode_kernel(
             acc,
             mask=hmask[:, None] & dmask[None, :],
         )
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's partials are written before the counter moves
+            cnt = cnt_ptr + seq * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                _merge_splits(
+                    out_ptr + row * stride_ot, part_acc_ptr, part_m_ptr, part_l_ptr,
+                    (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS, hmask, heads, offs_d, dmask, stride_oh,
+                    head_dim, NUM_SPLITS, SPLITS_P2,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt, 0)  # ready for the next launch (or graph replay)
+
+
+@triton.jit
+def _merge_splits(
+    out_row_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    base,
+    hmask,
+    heads,
+    offs_d,
+    dmask,
+    stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    """Merge the ``NUM_SPLITS`` partials of the heads at ``base`` (``[BLOCK_H]`` offsets of split 0) into the
+    output row, the reduce kernel's arithmetic over a group of heads. Partials are read past L1 (``.cg``):
+    other programs wrote them."""
+    offs_s = tl.arange(0, SPLITS_P2)
+    smask = hmask[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    m = tl.load(part_m_ptr + base[:, None] + offs_s[None, :], mask=smask, other=float("-inf"), cache_modifier=".cg")
+    l_s = tl.load(part_l_ptr + base[:, None] + offs_s[None, :], mask=smask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 1)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: all weights 0, output 0
+    w = tl.exp2(m - m_max[:, None])
+    denom = tl.sum(w * l_s, 1)
+    o = tl.zeros([base.shape[0], offs_d.shape[0]], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)
+        a = tl.load(
+            part_acc_ptr + (base + s)[:, None] * head_dim + offs_d[None, :],
+            mask=hmask[:, None] & dmask[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        o += w_s[:, None] * a
+    o = o / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(
+        out_row_ptr + heads[:, None] * stride_oh + offs_d[None, :],
+        o.to(out_row_ptr.dtype.element_ty),
+        mask=hmask[:, None] & dmask[None, :],
+    )
 
 
 @triton.jit
@@ -511,6 +571,22 @@ def write_kv(
     )  # fmt: skip
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# (sequence, KV head) pairs the fused reduce's counters cover; a larger decode batch takes the reduce kernel
+MAX_COUNTERS = 1 << 16
+
+
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """The fused reduce's arrival counters on ``device``: int32 zeros, allocated once and never replaced (a
+    captured CUDA graph keeps their address; every merging program sets its counter back to zero). The
+    first decode step runs before any capture (graphs are warmed up eagerly), so this allocation never
+    lands in a graph's memory."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
 def paged_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -525,10 +601,12 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int = 3,
     kv_scale: torch.Tensor | None = None,
+    fused_reduce: bool = True,
 ) -> torch.Tensor:
     """One query per sequence at row ``query_start_loc[i]``; grid ``(num_seqs, num_kv_heads, num_splits)``.
     The default tile (128 keys, 4 warps, 3 stages) was the fastest on the H200 for both cache dtypes at
-    batch 64 and 128 (`scripts/gpu_kernel_sweep.py attn`)."""
+    batch 64 and 128 (`scripts/gpu_kernel_sweep.py attn`). ``fused_reduce``: the last split of each
+    (sequence, KV head) merges the partials (one kernel) instead of a reduce kernel after it."""
     query = _last_dim_contiguous(query)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -542,19 +620,23 @@ def paged_decode(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
+    counters = _split_counters(query.device) if num_splits > 1 and fused_reduce else None
+    if counters is not None and counters.numel() < num_seqs * num_kv_heads:
+        counters = None
     scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     pdl = pdl_launch(query.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
-        scale * LOG2E,
+        counters if counters is not None else seq_lens, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), num_heads, head_dim,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
-        F16_DOT=_f16_dot(kv_fp8, query.dtype), **pdl, num_warps=num_warps, num_stages=num_stages,
+        F16_DOT=_f16_dot(kv_fp8, query.dtype), FUSED_REDUCE=counters is not None,
+        SPLITS_P2=triton.next_power_of_2(num_splits), **pdl, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_acc, part_m, part_l, query_start_loc,
             out.stride(0), out.stride(1), num_heads, head_dim,
