@@ -9,6 +9,7 @@
 #   scripts/gpu_engine_bench.sh rows|rows1000   # the GEMV to 64 rows vs its former 16-row limit: steps at 16-64 and
 #                                               # ShareGPT 200 | ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
+#   scripts/gpu_engine_bench.sh prefetch  # batch 1 with the GEMV's L2 prefetch before its PDL wait at 0-8 KiB per row
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -111,6 +112,11 @@ fuse)  # this build against the previous one's kernels in the same call (SLUICE_
     done
     run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
     run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
+    ;;
+prefetch)  # the GEMV asking L2 for its first weight bytes per row before its PDL wait (SLUICE_GEMV_PREFETCH bytes)
+    for p in 0 2048 1024 4096 8192; do
+        run lat_b1_p$p 90 env SLUICE_GEMV_PREFETCH=$p $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_p$p.json"
+    done
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from sluice.kv.attention.pdl import pdl_launch
+from sluice.kv.attention.pdl import pdl_launch, prefetch_l2
 
 # Rows of x one launch serves; more rows go to cuBLAS, which was faster at 48 and 64 rows on the H200
 # (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 16, the limit before 32-row tiles, for timing).
@@ -64,6 +64,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,6 +76,9 @@ def _gemv_kernel(
     hi = tl.minimum(lo + per_split, K)
     if PDL:  # the next kernel may launch; x is the previous kernel's output: wait for it
         tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH > 0:  # meanwhile ask L2 for the first weight bytes of each row (no kernel writes them)
+            nbytes = (tl.minimum(hi - lo, PREFETCH // 2) * 2 + rows * 0).to(tl.int32)
+            prefetch_l2((w_ptr + tl.where(rmask, rows64, 0) * stride_wn + lo).to(tl.int64), nbytes)
         tl.extra.cuda.gdc_wait()
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -120,11 +124,19 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    # weight bytes per row asked of L2 before the PDL wait (0: none)
+    prefetch: int = 0
 
 
 def block_m(m: int) -> int:
     """The row tile for ``m`` rows of ``x``: 16 or 32."""
     return max(MIN_BLOCK_M, triton.next_power_of_2(m))
+
+
+@functools.cache
+def _prefetch_bytes() -> int:
+    """``SLUICE_GEMV_PREFETCH``: weight bytes per row prefetched before the PDL wait (a multiple of 16)."""
+    return int(os.environ.get("SLUICE_GEMV_PREFETCH", "0")) // 16 * 16
 
 
 @functools.cache  # asked at every few-row linear call; fixed for a process
@@ -140,11 +152,11 @@ def gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
     128-column steps were up to 1.2x slower there. Wide weights (gate/up, the LM head) take 128-column steps."""
     tiles = triton.cdiv(n, 64)
     if tiles >= 2 * num_sms:
-        return GemvConfig(64, 128, 1)
+        return GemvConfig(64, 128, 1, prefetch=_prefetch_bytes())
     split = 1
     while split < 8 and k // (split * 2) >= 4096:
         split *= 2
-    return GemvConfig(64, 256, split)
+    return GemvConfig(64, 256, split, prefetch=_prefetch_bytes())
 
 
 def gemv(
@@ -169,11 +181,14 @@ def gemv(
     ws = torch.empty((split, bm, n), dtype=torch.float32, device=x.device) if split > 1 else out
     even_k = k % (c.block_k * split) == 0
     dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
+    launch = pdl_launch(x.device)
+    aligned = weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
+    prefetch = c.prefetch if launch["PDL"] and aligned else 0
     _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
         x, weight, bias if bias is not None else weight, out, ws, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
+        EVEN_K=even_k, DOT_F32=dot_f32, PREFETCH=prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **launch,
     )  # fmt: skip
     return out
 
