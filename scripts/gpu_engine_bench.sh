@@ -9,7 +9,6 @@
 #   scripts/gpu_engine_bench.sh rows|rows1000   # the GEMV to 64 rows vs its former 16-row limit: steps at 16-64 and
 #                                               # ShareGPT 200 | ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
-#   scripts/gpu_engine_bench.sh prefetch  # batch 1 with the GEMV's L2 prefetch before its PDL wait at 0-8 KiB per row
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -101,9 +100,10 @@ rows1000)  # the same pair on ShareGPT 1000
     run tp1000_r16 150 env SLUICE_GEMV_ROWS=16 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_r16.json"
     ;;
 fuse)  # this build against the previous one's kernels in the same call (SLUICE_GEMV_ROWS=16: the GEMV to 16 rows;
-    # SLUICE_FUSED_REDUCE=0: decode attention's split reduce as a second kernel), alternating; kernel tests first
-    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider tests/test_triton_attention.py tests/test_fused_kernels.py
-    prev="env SLUICE_GEMV_ROWS=16 SLUICE_FUSED_REDUCE=0"
+    # SLUICE_FUSED_REDUCE=0: decode attention's split reduce as a second kernel; SLUICE_GEMV_SILU=0: SiLU-and-mul
+    # as its own kernel), alternating; kernel tests first
+    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/test_triton_attention.py tests/test_fused_kernels.py}
+    prev="env SLUICE_GEMV_ROWS=16 SLUICE_FUSED_REDUCE=0 SLUICE_GEMV_SILU=0"
     run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
     run lat_b1_prev 90 $prev $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_prev.json"
     for i in 1 2; do
@@ -112,11 +112,7 @@ fuse)  # this build against the previous one's kernels in the same call (SLUICE_
     done
     run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
     run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
-    ;;
-prefetch)  # the GEMV asking L2 for its first weight bytes per row before its PDL wait (SLUICE_GEMV_PREFETCH bytes)
-    for p in 0 2048 1024 4096 8192; do
-        run lat_b1_p$p 90 env SLUICE_GEMV_PREFETCH=$p $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_p$p.json"
-    done
+    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -161,3 +161,86 @@ def test_linear_layer_takes_the_gemv_only_for_few_rows():
         assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear
     finally:
         gemv.MIN_WEIGHT_BYTES = old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_gemv_computes_silu_and_mul_of_its_input(dtype, rows):
+    """``silu_mul``: the GEMV reads ``[gate | up]`` and multiplies ``silu(gate) * up`` by its weight, split-K
+    included, as the SiLU-and-mul kernel followed by the GEMV does (the same roundings: the interpreter truncates
+    where the GPU rounds, in both); the layer helper takes it only for few rows."""
+    from sluice.core.models import gemv
+    from sluice.core.models.layers import Linear, silu_mul_linear
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 72, 192
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    gate_up = torch.randn(rows, 2 * k, generator=g).to(DEVICE, dtype)
+    ref = torch.nn.functional.linear(fused.silu_and_mul(gate_up).float(), w.float())
+    counters = torch.zeros(-(-n // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
+    for cfg in (gemv.GemvConfig(32, 64, 1), gemv.GemvConfig(32, 32, 2)):
+        out = gemv.gemv(gate_up, w, None, counters, cfg, silu_mul=True)
+        assert out.shape == (rows, n) and out.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=5e-2)
+        assert not counters.any()
+    if dtype == torch.float32:
+        return  # fp32 layers keep F.linear
+
+    down = Linear(k, n, bias=False).to(DEVICE, dtype)
+    down.weight.data.copy_(w)
+    old, gemv.MIN_WEIGHT_BYTES = gemv.MIN_WEIGHT_BYTES, 0
+    try:
+        assert enable_fused_kernels(down) == 1 and down.fused_silu_mul is gemv.linear_silu_mul
+    finally:
+        gemv.MIN_WEIGHT_BYTES = old
+    calls = []
+    real = gemv.gemv
+    gemv.gemv = lambda *a, **kw: calls.append(kw.get("silu_mul", False)) or real(*a, **kw)
+    try:
+        for m in (rows, 33):
+            x = torch.randn(m, 2 * k, generator=g).to(DEVICE, dtype)
+            out = silu_mul_linear(down, SiluAndMul(), x)
+            if m <= gemv.MAX_ROWS:
+                expect = torch.nn.functional.linear(fused.silu_and_mul(x).float(), w.float())
+                torch.testing.assert_close(out.float(), expect, rtol=2**-7, atol=5e-2)
+            else:  # the torch activation, then F.linear
+                assert torch.equal(out, torch.nn.functional.linear(SiluAndMul()(x), w))
+    finally:
+        gemv.gemv = real
+    assert calls == [True]  # 33 rows: the activation, then cuBLAS
+
+
+def test_llama_mlp_takes_one_gemv_for_activation_and_down_projection():
+    """The MLP of a decoder layer with fused kernels: at few rows ``down(silu(gate) * up)`` is one GEMV, whose
+    output is that of the SiLU-and-mul kernel followed by the GEMV (the same roundings), and agrees with the
+    torch MLP's to a few bf16 steps (the interpreter truncates where torch rounds, in each of three kernels)."""
+    from types import SimpleNamespace
+
+    from sluice.core.models import gemv
+    from sluice.core.models.llama import LlamaMLP
+
+    g = torch.Generator().manual_seed(3)
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96)).to(DEVICE, torch.bfloat16)
+    for p in mlp.parameters():
+        p.data.copy_(0.2 * torch.randn(p.shape, generator=g))
+    x = torch.randn(4, 64, generator=g).to(DEVICE, torch.bfloat16)
+    plain = mlp(x)
+    old, gemv.MIN_WEIGHT_BYTES = gemv.MIN_WEIGHT_BYTES, 0
+    try:
+        assert enable_fused_kernels(mlp) == 3  # gate/up, down, the activation
+    finally:
+        gemv.MIN_WEIGHT_BYTES = old
+    calls = []
+    real = gemv.gemv
+    gemv.gemv = lambda *a, **kw: calls.append(kw.get("silu_mul", False)) or real(*a, **kw)
+    try:
+        out = mlp(x)
+    finally:
+        gemv.gemv = real
+    assert calls == [False, True]  # gate/up, then the activation inside down's GEMV
+    mlp.down_proj.fused_silu_mul = None  # the activation kernel, then the GEMV
+    torch.testing.assert_close(out, mlp(x), rtol=2**-8, atol=2**-8)
+    torch.testing.assert_close(out.float(), plain.float(), rtol=2**-4, atol=6e-2)

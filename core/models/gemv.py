@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from sluice.kv.attention.pdl import pdl_launch, prefetch_l2
+from sluice.kv.attention.pdl import pdl_launch
 
 # Rows of x one launch serves; more rows go to cuBLAS, which was faster at 48 and 64 rows on the H200
 # (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 16, the limit before 32-row tiles, for timing).
@@ -64,7 +64,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -76,9 +76,6 @@ def _gemv_kernel(
     hi = tl.minimum(lo + per_split, K)
     if PDL:  # the next kernel may launch; x is the previous kernel's output: wait for it
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH > 0:  # meanwhile ask L2 for the first weight bytes of each row (no kernel writes them)
-            nbytes = (tl.minimum(hi - lo, PREFETCH // 2) * 2 + rows * 0).to(tl.int32)
-            prefetch_l2((w_ptr + tl.where(rmask, rows64, 0) * stride_wn + lo).to(tl.int64), nbytes)
         tl.extra.cuda.gdc_wait()
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
@@ -91,7 +88,13 @@ def _gemv_kernel(
         else:
             kmask = k < hi
         w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        xmask = kmask[:, None] & mmask[None, :]
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=xmask, other=0.0)
+        if SILU_MUL:  # x is [gate | up]: silu(gate) * up, rounded as `fused.silu_and_mul` rounds it
+            up = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + K)[:, None], mask=xmask, other=0.0)
+            g = xt.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
+            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
         if DOT_F32:  # fp32 activations stay fp32; the CPU interpreter's bf16 dot is wrong (see triton_kernels)
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -124,19 +127,11 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
-    # weight bytes per row asked of L2 before the PDL wait (0: none)
-    prefetch: int = 0
 
 
 def block_m(m: int) -> int:
     """The row tile for ``m`` rows of ``x``: 16 or 32."""
     return max(MIN_BLOCK_M, triton.next_power_of_2(m))
-
-
-@functools.cache
-def _prefetch_bytes() -> int:
-    """``SLUICE_GEMV_PREFETCH``: weight bytes per row prefetched before the PDL wait (a multiple of 16)."""
-    return int(os.environ.get("SLUICE_GEMV_PREFETCH", "0")) // 16 * 16
 
 
 @functools.cache  # asked at every few-row linear call; fixed for a process
@@ -152,11 +147,11 @@ def gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
     128-column steps were up to 1.2x slower there. Wide weights (gate/up, the LM head) take 128-column steps."""
     tiles = triton.cdiv(n, 64)
     if tiles >= 2 * num_sms:
-        return GemvConfig(64, 128, 1, prefetch=_prefetch_bytes())
+        return GemvConfig(64, 128, 1)
     split = 1
     while split < 8 and k // (split * 2) >= 4096:
         split *= 2
-    return GemvConfig(64, 256, split, prefetch=_prefetch_bytes())
+    return GemvConfig(64, 256, split)
 
 
 def gemv(
@@ -165,10 +160,15 @@ def gemv(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     config: GemvConfig | None = None,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` for ``M <= MAX_ROWS``; ``counters``: int32 zeros, at least one per
-    ``MIN_BLOCK_N`` output features (the split-K arrival counters)."""
+    ``MIN_BLOCK_N`` output features (the split-K arrival counters). ``silu_mul``: ``x`` is ``[M, 2K]``, ``[gate |
+    up]``, and the product is ``(silu(gate) * up) @ weight^T``, the activation computed as the tiles are read
+    (one kernel less per MLP)."""
     m, k = x.shape
+    if silu_mul:
+        k //= 2
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
@@ -181,14 +181,12 @@ def gemv(
     ws = torch.empty((split, bm, n), dtype=torch.float32, device=x.device) if split > 1 else out
     even_k = k % (c.block_k * split) == 0
     dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
-    launch = pdl_launch(x.device)
-    aligned = weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
-    prefetch = c.prefetch if launch["PDL"] and aligned else 0
     _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
         x, weight, bias if bias is not None else weight, out, ws, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, PREFETCH=prefetch, num_warps=c.num_warps, num_stages=c.num_stages, **launch,
+        EVEN_K=even_k, DOT_F32=dot_f32, SILU_MUL=silu_mul, num_warps=c.num_warps, num_stages=c.num_stages,
+        **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -201,3 +199,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cou
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return gemv(x2, weight, bias, counters).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_silu_mul(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor
+) -> torch.Tensor | None:
+    """``F.linear(silu(gate) * up, weight, bias)`` in one `gemv` when ``gate_up`` has at most `max_rows` rows;
+    None otherwise (the caller then runs the activation and the linear layer)."""
+    x2 = gate_up.reshape(-1, gate_up.shape[-1])
+    if x2.shape[0] == 0 or x2.shape[0] > max_rows() or not fuse_silu_mul():
+        return None
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return gemv(x2, weight, bias, counters, silu_mul=True).reshape(*gate_up.shape[:-1], weight.shape[0])
+
+
+@functools.cache
+def fuse_silu_mul() -> bool:
+    """Whether `linear_silu_mul` fuses (``SLUICE_GEMV_SILU=0``: SiLU-and-mul as its own kernel, for timing)."""
+    return os.environ.get("SLUICE_GEMV_SILU", "1") != "0"
