@@ -100,10 +100,9 @@ rows1000)  # the same pair on ShareGPT 1000
     run tp1000_r16 150 env SLUICE_GEMV_ROWS=16 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_r16.json"
     ;;
 fuse)  # this build against the previous one's kernels in the same call (SLUICE_GEMV_ROWS=16: the GEMV to 16 rows;
-    # SLUICE_FUSED_REDUCE=0: decode attention's split reduce as a second kernel; SLUICE_GEMV_SILU=0: SiLU-and-mul
-    # as its own kernel), alternating; kernel tests first
+    # SLUICE_FUSED_REDUCE=0: decode attention's split reduce as a second kernel), alternating; kernel tests first
     run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/test_triton_attention.py tests/test_fused_kernels.py}
-    prev="env SLUICE_GEMV_ROWS=16 SLUICE_FUSED_REDUCE=0 SLUICE_GEMV_SILU=0"
+    prev="env SLUICE_GEMV_ROWS=16 SLUICE_FUSED_REDUCE=0"
     run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
     run lat_b1_prev 90 $prev $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_prev.json"
     for i in 1 2; do

@@ -64,7 +64,6 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -88,13 +87,7 @@ def _gemv_kernel(
         else:
             kmask = k < hi
         w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        xmask = kmask[:, None] & mmask[None, :]
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=xmask, other=0.0)
-        if SILU_MUL:  # x is [gate | up]: silu(gate) * up, rounded as `fused.silu_and_mul` rounds it
-            up = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k + K)[:, None], mask=xmask, other=0.0)
-            g = xt.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
-            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         if DOT_F32:  # fp32 activations stay fp32; the CPU interpreter's bf16 dot is wrong (see triton_kernels)
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -160,15 +153,10 @@ def gemv(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     config: GemvConfig | None = None,
-    silu_mul: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` for ``M <= MAX_ROWS``; ``counters``: int32 zeros, at least one per
-    ``MIN_BLOCK_N`` output features (the split-K arrival counters). ``silu_mul``: ``x`` is ``[M, 2K]``, ``[gate |
-    up]``, and the product is ``(silu(gate) * up) @ weight^T``, the activation computed as the tiles are read
-    (one kernel less per MLP)."""
+    ``MIN_BLOCK_N`` output features (the split-K arrival counters)."""
     m, k = x.shape
-    if silu_mul:
-        k //= 2
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
@@ -185,8 +173,7 @@ def gemv(
         x, weight, bias if bias is not None else weight, out, ws, counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, SILU_MUL=silu_mul, num_warps=c.num_warps, num_stages=c.num_stages,
-        **pdl_launch(x.device),
+        EVEN_K=even_k, DOT_F32=dot_f32, num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -199,22 +186,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cou
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return gemv(x2, weight, bias, counters).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def linear_silu_mul(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor
-) -> torch.Tensor | None:
-    """``F.linear(silu(gate) * up, weight, bias)`` in one `gemv` when ``gate_up`` has at most `max_rows` rows;
-    None otherwise (the caller then runs the activation and the linear layer)."""
-    x2 = gate_up.reshape(-1, gate_up.shape[-1])
-    if x2.shape[0] == 0 or x2.shape[0] > max_rows() or not fuse_silu_mul():
-        return None
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return gemv(x2, weight, bias, counters, silu_mul=True).reshape(*gate_up.shape[:-1], weight.shape[0])
-
-
-@functools.cache
-def fuse_silu_mul() -> bool:
-    """Whether `linear_silu_mul` fuses (``SLUICE_GEMV_SILU=0``: SiLU-and-mul as its own kernel, for timing)."""
-    return os.environ.get("SLUICE_GEMV_SILU", "1") != "0"

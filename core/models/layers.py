@@ -27,7 +27,6 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
         self.fused = None
-        self.fused_silu_mul = None  # the GEMV that also computes SiLU-and-mul of its input (`silu_mul_linear`)
         self.counters: torch.Tensor | None = None  # the GEMV's split-K arrival counters (not a parameter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,17 +67,6 @@ class SiluAndMul(nn.Module):
             return self.fused(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-
-def silu_mul_linear(down: nn.Module, act: SiluAndMul, gate_up: torch.Tensor) -> torch.Tensor:
-    """``down(act(gate_up))``: one kernel where ``down`` is a `Linear` on the few-row GEMV and ``gate_up`` has few
-    rows (`gemv.linear_silu_mul`), else the activation, then the layer (any kind, quantized too)."""
-    fused = getattr(down, "fused_silu_mul", None)
-    if fused is not None:
-        out = fused(gate_up, down.weight, down.bias, down.counters)
-        if out is not None:
-            return out
-    return down(act(gate_up))
 
 
 class RotaryEmbedding(nn.Module):
@@ -149,7 +137,6 @@ def enable_fused_kernels(model: nn.Module) -> int:
                 continue
             tiles = -(-m.out_features // gemv.MIN_BLOCK_N)
             m.counters = torch.zeros(tiles, dtype=torch.int32, device=m.weight.device)
-            m.fused_silu_mul = gemv.linear_silu_mul
         m.fused = kernel
         n += 1
     return n

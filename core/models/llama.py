@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.layers import ForwardContext, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, silu_mul_linear
+from sluice.core.models.layers import ForwardContext, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 from torch import nn
 
@@ -85,7 +85,7 @@ class LlamaMLP(nn.Module):
         self.shard_sizes = (m, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = silu_mul_linear(self.down_proj, self.act, self.gate_up_proj(x))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

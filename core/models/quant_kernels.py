@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import triton
 import triton.language as tl
-from sluice.kv.attention.pdl import pdl_launch, prefetch_l2
+from sluice.kv.attention.pdl import pdl_launch
 
 logger = logging.getLogger("sluice")
 
@@ -227,6 +227,23 @@ def _int4_nibbles16_asm(b, DT: tl.constexpr):
         )
 
 
+_PREFETCH_L2_ASM = tl.constexpr(
+    """{
+    .reg .pred p;
+    setp.gt.s32 p, $2, 0;
+    @p cp.async.bulk.prefetch.L2.global [$1], $2;
+    mov.u32 $0, 0;
+    }"""
+)
+
+
+@triton.jit
+def _prefetch_l2(addr, nbytes):
+    """Ask L2 for ``nbytes`` (a multiple of 16; none if <= 0) from each address of ``addr`` (int64, 16-byte
+    aligned): one bulk prefetch per address, which returns at once (sm_90)."""
+    return tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit
 def _int4_gemv_tc_kernel(
     x_ptr,
@@ -271,7 +288,7 @@ def _int4_gemv_tc_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH > 0:
             nbytes = tl.minimum((g_hi - g_lo) * HALF, PREFETCH) + rows * 0
-            prefetch_l2((w_ptr + tl.where(rmask, rows64, 0) * stride_wn + g_lo * HALF).to(tl.int64), nbytes)
+            _prefetch_l2((w_ptr + tl.where(rmask, rows64, 0) * stride_wn + g_lo * HALF).to(tl.int64), nbytes)
         tl.extra.cuda.gdc_wait()
     offs_c = tl.arange(0, BK)
     offs_j = tl.arange(0, GROUPS)
@@ -599,7 +616,7 @@ def _gemv_dot_f32(x: torch.Tensor) -> bool:
 
 
 def _rows_16b_aligned(w: torch.Tensor) -> bool:
-    # what `prefetch_l2`'s bulk prefetches need of every row start
+    # what `_prefetch_l2`'s bulk prefetches need of every row start
     return w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
 
 

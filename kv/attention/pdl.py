@@ -57,21 +57,3 @@ def wait_then_release(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-_PREFETCH_L2_ASM = tl.constexpr(
-    """{
-    .reg .pred p;
-    setp.gt.s32 p, $2, 0;
-    @p cp.async.bulk.prefetch.L2.global [$1], $2;
-    mov.u32 $0, 0;
-    }"""
-)
-
-
-@triton.jit
-def prefetch_l2(addr, nbytes):
-    """Ask L2 for ``nbytes`` (a multiple of 16; none if <= 0) from each address of ``addr`` (int64, 16-byte
-    aligned): one bulk prefetch per address, which returns at once (sm_90). What a GEMV may do before its
-    ``gdc_wait``: its weights are no earlier kernel's output."""
-    return tl.inline_asm_elementwise(_PREFETCH_L2_ASM, "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
