@@ -40,6 +40,7 @@ class ExecutorActor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.profile = HostProfile()  # prepare, launch, wait (and the device's time per step)
+        self._last_ready = None  # the last launched step's end event on the device (for `HostProfile.gpu_idle`)
 
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, max_model_len: int) -> ExecutorActor:
@@ -131,6 +132,8 @@ class ExecutorActor:
     def _timed_launch(self, so: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
         step = self.runner.launch(so)
+        # the device's end of the step launched before this one, if it had device work of its own (`gpu_idle`)
+        step.after, self._last_ready = self._last_ready, step.ready
         p = self.profile
         p.steps += 1
         p.prepare += step.prepared_at - t0 if step.prepared_at else 0.0
@@ -147,4 +150,10 @@ class ExecutorActor:
         if gpu_s is not None:
             p.gpu += gpu_s
             p.gpu_steps += 1
+            if step.after is not None:  # the event ring still holds it: two steps' events were recorded since
+                idle = step.after.elapsed_time(step.started) / 1e3
+                if idle > 0:
+                    p.gpu_idle += idle
+                    if step.eager:
+                        p.gpu_idle_eager += idle
         return out

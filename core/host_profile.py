@@ -2,8 +2,10 @@
 ``update`` (appending the step's tokens) and ``deliver`` (routing events to requests); on the executor's
 ``prepare`` (applying the step's changes and building its inputs), ``launch`` (enqueueing the device work),
 ``wait`` (blocked on the device for a step's tokens) and ``collect`` (turning them into the step's
-output). With a GPU, ``gpu`` is the device's time per step (CUDA events around each step's work).
-`AsyncEngine.host_profile` returns a snapshot."""
+output). With a GPU, ``gpu`` is the device's time per step (CUDA events around each step's work), and
+``gpu_idle`` the device's time between one step's end and the next one's start (its input copy, and any time the
+host had not yet enqueued the step: what the run loses to the host), ``gpu_idle_eager`` the part of it before
+steps run op by op (no CUDA graph). `AsyncEngine.host_profile` returns a snapshot."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ class HostProfile:
     deliver: float = 0.0
     gpu: float = 0.0
     gpu_steps: int = 0
+    gpu_idle: float = 0.0
+    gpu_idle_eager: float = 0.0
 
     def copy(self) -> HostProfile:
         return HostProfile(*(getattr(self, f.name) for f in fields(self)))
@@ -31,7 +35,7 @@ class HostProfile:
     def merged(self, other: HostProfile) -> HostProfile:
         """This profile's scheduler-side phases with ``other``'s executor-side ones."""
         out = self.copy()
-        for name in ("prepare", "launch", "wait", "collect", "gpu", "gpu_steps"):
+        for name in ("prepare", "launch", "wait", "collect", "gpu", "gpu_steps", "gpu_idle", "gpu_idle_eager"):
             setattr(out, name, getattr(other, name))
         return out
 
@@ -53,4 +57,6 @@ class HostProfile:
         if self.gpu_steps:
             out["gpu"] = 1e3 * self.gpu / self.gpu_steps
             out["host_over_gpu"] = out["host"] / out["gpu"] if out["gpu"] else float("inf")
+            out["gpu_idle"] = 1e3 * self.gpu_idle / self.gpu_steps
+            out["gpu_idle_eager"] = 1e3 * self.gpu_idle_eager / self.gpu_steps
         return out

@@ -71,6 +71,8 @@ class LaunchedStep:
     prepared_at: float = 0.0
     waited_s: float = 0.0
     started: torch.cuda.Event | None = None
+    eager: bool = False  # its forward ran op by op (no graph replayed): the host's launches may idle the device
+    after: torch.cuda.Event | None = None  # the end event of the step launched before it (set by the executor)
 
     def gpu_seconds(self) -> float | None:
         """The device's time on this step (once collected)."""
@@ -434,7 +436,8 @@ class ModelRunner:
             if num_rows == 0:
                 return LaunchedStep(so, ModelOutput(so.step_id))
             logits = self.model.compute_logits(hidden[b.logit_rows[:num_rows]])
-        step = LaunchedStep(so, req_ids=req_ids, slots=slots, prepared_at=prepared_at, started=started)
+        eager = graph_bs is None and graph_t is None
+        step = LaunchedStep(so, req_ids=req_ids, slots=slots, prepared_at=prepared_at, started=started, eager=eager)
         if not rank0:
             tokens = torch.empty(num_rows, dtype=torch.long, device=self.device)
         elif sampling is None:  # every row greedy, no penalties, bans or logprobs

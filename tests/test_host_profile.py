@@ -1,0 +1,59 @@
+"""The executor's host profile: per-step device time and the device's idle time between steps, from the events
+each launched step carries (stand-in events here: the CPU has none)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.core.executor import ExecutorActor
+from sluice.core.model_runner import LaunchedStep
+from sluice.core.step import ModelOutput, SchedulerOutput
+
+
+@dataclass
+class _Event:
+    """A device timestamp in seconds; ``elapsed_time`` in milliseconds, as CUDA events give it."""
+
+    t: float
+
+    def elapsed_time(self, later: _Event) -> float:
+        return (later.t - self.t) * 1e3
+
+
+class _Runner:
+    """Launches steps at given device times: ``(start, end, eager)``, or None for a step complete at launch."""
+
+    def __init__(self, times) -> None:
+        self.times = list(times)
+
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        t = self.times.pop(0)
+        if t is None:
+            return LaunchedStep(so, ModelOutput(so.step_id))
+        start, end, eager = t
+        step = LaunchedStep(so, started=_Event(start), eager=eager)
+        step.ready = _Event(end)
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        return ModelOutput(step.so.step_id)
+
+
+def test_device_idle_between_steps_is_counted_once_and_only_after_a_step_with_device_work():
+    runner = _Runner([(0.0, 1.0, False), (1.25, 2.0, True), (2.0, 3.0, False), None, (5.0, 6.0, False)])
+    ex = ExecutorActor(runner)
+    # two in flight, as with asynchronous scheduling: launch N+1, then collect N
+    launched = [ex._timed_launch(SchedulerOutput(i)) for i in range(2)]
+    ex._timed_collect(launched[0])
+    launched.append(ex._timed_launch(SchedulerOutput(2)))
+    ex._timed_collect(launched[1])
+    ex._timed_collect(launched[2])
+    ex._timed_launch(SchedulerOutput(3))  # no device work of its own: the next step's gap is not measured
+    ex._timed_collect(ex._timed_launch(SchedulerOutput(4)))
+    p = ex.profile
+    assert p.steps == 5 and p.gpu_steps == 4
+    assert abs(p.gpu - 3.75) < 1e-9
+    assert abs(p.gpu_idle - 0.25) < 1e-9  # before the eager step; none before step 2 (it started at 2.0)
+    assert abs(p.gpu_idle_eager - 0.25) < 1e-9
+    ms = p.per_step_ms()
+    assert abs(ms["gpu"] - 937.5) < 1e-6 and abs(ms["gpu_idle"] - 62.5) < 1e-6
