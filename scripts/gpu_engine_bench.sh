@@ -9,6 +9,7 @@
 #   scripts/gpu_engine_bench.sh rows|rows1000   # the GEMV to 64 rows vs its former 16-row limit: steps at 16-64 and
 #                                               # ShareGPT 200 | ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
+#   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 2,048 tokens vs 512 (device idle)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -112,6 +113,13 @@ fuse)  # this build against the previous one's kernels in the same call (SLUICE_
     run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
     run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
     run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    ;;
+graphs2048)  # ShareGPT 1000 with mixed-step graphs to 2,048 tokens against the default 512, alternating; the host
+    # profile's gpu_idle / gpu_idle_eager say how long the device waited between steps, and before eager ones
+    for i in 1 2; do
+        run tp1000_g512_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_g512_$i.json"
+        run tp1000_g2048_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 2048 --out "$OUT/tp1000_g2048_$i.json"
+    done
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
