@@ -336,10 +336,12 @@ def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, sha
                    for st in (2, 3) for sp in sorted({1, heuristic})]  # fmt: skip
         default = dict(block_n=64, num_warps=4, num_stages=2, splits=heuristic)
 
+        counters = torch.zeros(num_seqs * kv_heads, dtype=torch.int32, device=q.device)  # the engine's fused reduce
+
         def launch(c, kvc, sc, out_t=outb):
             tk.paged_decode(q, kvc, meta.block_tables, meta.seq_lens, meta.query_start_loc, out_t, d**-0.5,
                             num_seqs, c["splits"], block_n=c["block_n"], num_warps=c["num_warps"],
-                            num_stages=c["num_stages"], kv_scale=sc)  # fmt: skip
+                            num_stages=c["num_stages"], kv_scale=sc, counters=counters)  # fmt: skip
     else:
         configs = [dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                    for bm, bn, w in ((64, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8))

@@ -19,6 +19,9 @@ import triton
 from sluice.kv.attention import triton_kernels as tk
 from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
 
+# (sequence, KV head) pairs the fused reduce's counters cover; a larger decode batch takes the reduce kernel
+MAX_SPLIT_COUNTERS = 1 << 16
+
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
@@ -37,6 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
         if fused_reduce is None:
             fused_reduce = os.environ.get("SLUICE_FUSED_REDUCE", "1") != "0"
         self.fused_reduce = fused_reduce
+        self._counters: torch.Tensor | None = None
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms
@@ -59,6 +63,18 @@ class TritonAttentionBackend(AttentionBackend):
         by_occupancy = max(1, triton.cdiv(4 * self.num_sms(device), max(1, num_seqs * num_kv_heads)))
         splits = max(1, min(by_len, by_occupancy, self.max_splits))
         return 1 << (splits.bit_length() - 1)  # round down to a power of two: few kernel variants
+
+    def split_counters(self, device: torch.device) -> torch.Tensor | None:
+        """The fused reduce's arrival counters (None: the reduce kernel): int32 zeros, one per (sequence, KV head)
+        of any decode batch up to `MAX_SPLIT_COUNTERS` pairs, this backend's own (one model's layers run one after
+        another; two engines' steps may not). Allocated once and never replaced, since a captured CUDA graph keeps
+        their address; the first decode step runs eagerly (graphs are warmed up before capture), so the allocation
+        never lands in a graph's memory."""
+        if not self.fused_reduce:
+            return None
+        if self._counters is None:
+            self._counters = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        return self._counters
 
     def write_kv(
         self,
@@ -86,7 +102,7 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.decode_splits(meta.max_seq_len, num_seqs, kv_cache.shape[3], query.device)
             tk.paged_decode(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, splits, kv_scale=kv_scale, fused_reduce=self.fused_reduce,
+                num_seqs, splits, kv_scale=kv_scale, counters=self.split_counters(query.device),
             )  # fmt: skip
         else:
             tk.paged_prefill(

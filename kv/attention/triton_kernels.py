@@ -571,22 +571,6 @@ def write_kv(
     )  # fmt: skip
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# (sequence, KV head) pairs the fused reduce's counters cover; a larger decode batch takes the reduce kernel
-MAX_COUNTERS = 1 << 16
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The fused reduce's arrival counters on ``device``: int32 zeros, allocated once and never replaced (a
-    captured CUDA graph keeps their address; every merging program sets its counter back to zero). The
-    first decode step runs before any capture (graphs are warmed up eagerly), so this allocation never
-    lands in a graph's memory."""
-    counters = _COUNTERS.get(device)
-    if counters is None:
-        counters = _COUNTERS[device] = torch.zeros(MAX_COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 def paged_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -601,12 +585,13 @@ def paged_decode(
     num_warps: int = 4,
     num_stages: int = 3,
     kv_scale: torch.Tensor | None = None,
-    fused_reduce: bool = True,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence at row ``query_start_loc[i]``; grid ``(num_seqs, num_kv_heads, num_splits)``.
     The default tile (128 keys, 4 warps, 3 stages) was the fastest on the H200 for both cache dtypes at
-    batch 64 and 128 (`scripts/gpu_kernel_sweep.py attn`). ``fused_reduce``: the last split of each
-    (sequence, KV head) merges the partials (one kernel) instead of a reduce kernel after it."""
+    batch 64 and 128 (`scripts/gpu_kernel_sweep.py attn`). ``counters`` (int32 zeros, one per (sequence, KV
+    head) at least): the last split of each pair merges the partials (one kernel) and sets its counter back to
+    zero; without them (or too few) a reduce kernel runs after the decode kernel."""
     query = _last_dim_contiguous(query)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -620,8 +605,7 @@ def paged_decode(
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
-    counters = _split_counters(query.device) if num_splits > 1 and fused_reduce else None
-    if counters is not None and counters.numel() < num_seqs * num_kv_heads:
+    if num_splits == 1 or (counters is not None and counters.numel() < num_seqs * num_kv_heads):
         counters = None
     scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     pdl = pdl_launch(query.device)
