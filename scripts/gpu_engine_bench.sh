@@ -9,6 +9,7 @@
 #   scripts/gpu_engine_bench.sh rows|rows1000   # the GEMV to 64 rows vs its former 16-row limit: steps at 16-64 and
 #                                               # ShareGPT 200 | ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
+#   scripts/gpu_engine_bench.sh ropekv      # RoPE and the KV write in one kernel vs two: batch 1, ShareGPT 200
 #   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 2,048 tokens vs 512 (device idle)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
@@ -113,6 +114,15 @@ fuse)  # this build against the previous one's kernels in the same call (SLUICE_
     run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
     run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
     run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    ;;
+ropekv)  # RoPE and the KV write in one kernel (SLUICE_FUSED_ROPE_KV=1) against two (the default), alternating; tests first
+    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py
+    for i in 1 2; do
+        run lat_b1_ropekv$i 90 env SLUICE_FUSED_ROPE_KV=1 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_ropekv$i.json"
+        run lat_b1_default$i 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_default$i.json"
+        run tp200_ropekv$i 90 env SLUICE_FUSED_ROPE_KV=1 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_ropekv$i.json"
+        run tp200_default$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_default$i.json"
+    done
     ;;
 graphs2048)  # ShareGPT 1000 with mixed-step graphs to 2,048 tokens against the default 512, alternating; the host
     # profile's gpu_idle / gpu_idle_eager say how long the device waited between steps, and before eager ones

@@ -161,3 +161,78 @@ def test_linear_layer_takes_the_gemv_only_for_few_rows():
         assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear
     finally:
         gemv.MIN_WEIGHT_BYTES = old
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_kv_write_in_one_kernel_match_the_two(dtype):
+    """`rope_and_write_kv_` on views of one qkv row block (as the attention layer has them): q rotated in place
+    and the cache's slots (-1 skipped, shuffled blocks) hold what `rope_` then the backend's write leave there."""
+    from sluice.kv.attention import triton_kernels as tk
+
+    g = torch.Generator().manual_seed(5)
+    t, hq, hk, d = 6, 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(DEVICE, dtype)
+    cos, sin = torch.randn(64, d, generator=g).to(DEVICE), torch.randn(64, d, generator=g).to(DEVICE)
+    pos = torch.tensor([3, 7, 1, 50, 9, 9], device=DEVICE)
+    slots = torch.tensor([21, -1, 5, 0, 30, 12], device=DEVICE)
+    cache = torch.randn(2, 4, 8, hk, d, generator=g).to(DEVICE, dtype)
+
+    def views(x):
+        return (
+            x[:, : hq * d].view(t, hq, d),
+            x[:, hq * d : (hq + hk) * d].view(t, hk, d),
+            x[:, (hq + hk) * d :].view(t, hk, d),
+        )
+
+    two, one = qkv.clone(), qkv.clone()
+    cache_two, cache_one = cache.clone(), cache.clone()
+    q, k, v = views(two)
+    fused.rope_(pos, q, k, cos, sin)
+    tk.write_kv(k, v, cache_two, slots)
+    q1, k1, v1 = views(one)
+    fused.rope_and_write_kv_(pos, q1, k1, v1, cos, sin, cache_one, slots)
+    check = torch.testing.assert_close if ON_GPU else lambda a, b: torch.equal(a, b) or pytest.fail("not equal")
+    check(q1, q)
+    check(cache_one, cache_two)
+    assert torch.equal(k1, views(qkv)[1])  # k itself is not kept rotated: only the cache reads it
+    assert torch.equal(cache_one[:, 0, 1], cache[:, 0, 1])  # a slot no token maps to is untouched
+
+
+def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatch):
+    """SLUICE_FUSED_ROPE_KV=1: the attention layer rotates and writes the KV in one kernel; its output and the
+    cache equal the layer's with the two kernels (prefill and decode rows, the Triton backend)."""
+    from types import SimpleNamespace
+
+    from sluice.core.models.layers import ForwardContext
+    from sluice.core.models.llama import LlamaAttention
+    from sluice.kv.attention.triton_backend import TritonAttentionBackend
+
+    from tests.helpers import random_paged_batch
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    g = torch.Generator().manual_seed(9)
+    attn = LlamaAttention(cfg, 0, qkv_bias=False).to(DEVICE, torch.bfloat16)
+    for p in attn.parameters():
+        p.data.copy_(0.3 * torch.randn(p.shape, generator=g))
+    _, cache, meta = random_paged_batch([20, 7, 33], [20, 1, 1], 2, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.randn(22, 64, generator=g).to(DEVICE, torch.bfloat16)
+    positions = torch.tensor(list(range(20)) + [6, 32], device=DEVICE)
+    backend = TritonAttentionBackend()
+
+    def run(fused_write: bool):
+        if fused_write:
+            monkeypatch.setenv("SLUICE_FUSED_ROPE_KV", "1")
+        else:  # the default: off
+            monkeypatch.delenv("SLUICE_FUSED_ROPE_KV", raising=False)
+        r = RotaryEmbedding(cfg, attn.head_dim, 256).to(DEVICE)
+        assert enable_fused_kernels(r) == 1 and (r.fused_write is not None) == fused_write
+        c = cache.clone()
+        return attn(x, positions, r, ForwardContext(meta, [c], backend)), c
+
+    (out1, c1), (out0, c0) = run(True), run(False)
+    assert not torch.equal(c0, cache)
+    if ON_GPU:  # the same arithmetic in another kernel: the compiler may contract it otherwise
+        _close(out1, out0)
+        _close(c1, c0)
+    else:
+        assert torch.equal(out1, out0) and torch.equal(c1, c0)

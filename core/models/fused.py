@@ -134,6 +134,17 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     PDL: tl.constexpr,
+    v_ptr=None,
+    cache_ptr=None,
+    slot_ptr=None,
+    stride_vt=0,
+    stride_vh=0,
+    stride_c_kv=0,
+    stride_c_blk=0,
+    stride_c_tok=0,
+    stride_c_head=0,
+    block_size=1,
+    WRITE_KV: tl.constexpr = False,
 ):
     wait_then_release(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -163,8 +174,19 @@ def _rope_kernel(
     k2 = tl.load(kp + HALF, mask=km, other=0.0)
     o1 = (k1.to(tl.float32) * c).to(k1.dtype).to(tl.float32) + (-k2.to(tl.float32) * s).to(k1.dtype).to(tl.float32)
     o2 = (k2.to(tl.float32) * c).to(k1.dtype).to(tl.float32) + (k1.to(tl.float32) * s).to(k1.dtype).to(tl.float32)
-    tl.store(kp, o1.to(k1.dtype), mask=km)
-    tl.store(kp + HALF, o2.to(k1.dtype), mask=km)
+    if WRITE_KV:  # the rotated key and the value go to the token's cache slot (-1: none); k itself is not kept
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_tok
+            dst = dst + hk[:, None] * stride_c_head + offs[None, :]
+            tl.store(dst, o1.to(k1.dtype), mask=km)
+            tl.store(dst + HALF, o2.to(k1.dtype), mask=km)
+            vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
+            tl.store(dst + stride_c_kv, tl.load(vp, mask=km, other=0.0), mask=km)
+            tl.store(dst + stride_c_kv + HALF, tl.load(vp + HALF, mask=km, other=0.0), mask=km)
+    else:
+        tl.store(kp, o1.to(k1.dtype), mask=km)
+        tl.store(kp + HALF, o2.to(k1.dtype), mask=km)
 
 
 def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -179,6 +201,36 @@ def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             hq, hk,
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4,
+            **pdl_launch(q.device),
+        )  # fmt: skip
+
+
+def rope_and_write_kv_(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """`rope_` on ``q`` (in place) and ``k``, and the rotated ``k`` with ``v`` stored at ``slot_mapping`` in a 16-bit
+    ``kv_cache`` (the layout of `kv/attention/base.py`; -1 = no slot), in one kernel instead of the rotation and
+    the backend's ``write_kv``; ``k`` is left as it was."""
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1
+    assert triton.next_power_of_2(d // 2) == d // 2 and kv_cache.dtype == k.dtype and kv_cache.stride(-1) == 1
+    if t:
+        _rope_kernel[(t,)](
+            positions, q, k, cos, sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+            hq, hk,
+            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4,
+            v_ptr=v, cache_ptr=kv_cache, slot_ptr=slot_mapping, stride_vt=v.stride(0), stride_vh=v.stride(1),
+            stride_c_kv=kv_cache.stride(0), stride_c_blk=kv_cache.stride(1), stride_c_tok=kv_cache.stride(2),
+            stride_c_head=kv_cache.stride(3), block_size=kv_cache.shape[2], WRITE_KV=True,
             **pdl_launch(q.device),
         )  # fmt: skip
 

@@ -63,9 +63,13 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         kv_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping, self.kv_scale)
+        if rotary.fused_write is not None and self.kv_scale is None and kv_cache.dtype == k.dtype:
+            # one kernel rotates q and k and stores k and v in the cache (its layout is every backend's)
+            rotary.fused_write(positions, q, k, v, rotary.cos, rotary.sin, kv_cache, ctx.attn_metadata.slot_mapping)
+        else:
+            q, k = rotary(positions, q, k)
+            ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping, self.kv_scale)
         o = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale, self.kv_scale)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
