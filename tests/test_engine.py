@@ -133,8 +133,9 @@ async def test_preemption_when_the_pool_is_too_small(engine, default_tokenizer):
 async def test_cancelled_consumer_frees_its_blocks_within_the_steps_in_flight(tiny_engine):
     """A consumer that stops reading ends its request at once: the core applies the abort as it arrives, before
     its next schedule, so the request leaves within the step in flight and the one scheduled behind it
-    (asynchronous scheduling), never at its max_tokens. Counted from the first stats message that shows it gone (the core sends one after every step and
-    after the abort; a later poll would also count the steps run since)."""
+    (asynchronous scheduling), never at its max_tokens. Counted from the first stats message that shows it gone
+    (the core sends one after every step and after the abort; a later poll would also count the steps run
+    since)."""
     long_params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     stop_after = 3
 
