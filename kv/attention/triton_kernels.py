@@ -299,8 +299,8 @@ def _merge_splits(
     SPLITS_P2: tl.constexpr,
 ):
     """Merge the ``NUM_SPLITS`` partials of the heads at ``base`` (``[BLOCK_H]`` offsets of split 0) into the
-    output row, the reduce kernel's arithmetic over a group of heads. Partials are read past L1 (``.cg``):
-    other programs wrote them."""
+    output row: by the decode kernel's last split (fused) or by the reduce kernel. Partials are read past L1
+    (``.cg``): other programs wrote them."""
     offs_s = tl.arange(0, SPLITS_P2)
     smask = hmask[:, None] & (offs_s < NUM_SPLITS)[None, :]
     m = tl.load(part_m_ptr + base[:, None] + offs_s[None, :], mask=smask, other=float("-inf"), cache_modifier=".cg")
@@ -338,33 +338,27 @@ def _decode_reduce_kernel(
     stride_oh,
     num_heads,
     head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """The decode kernel's merge as a kernel of its own (no arrival counters): one program per (sequence, KV
+    head), its ``GROUP`` query heads."""
     wait_then_release(PDL)
     seq = tl.program_id(0)
-    head = tl.program_id(1)
+    kvh = tl.program_id(1)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_P2)
+    offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < NUM_SPLITS
-    dmask = offs_d < head_dim
-    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
-    m = tl.load(part_m_ptr + base + offs_s, mask=smask, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + base + offs_s, mask=smask, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + (base + offs_s)[:, None] * head_dim + offs_d[None, :],
-        mask=smask[:, None] & dmask[None, :],
-        other=0.0,
-    )
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # empty context: all weights 0, output 0
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l_s, 0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+    heads = kvh * GROUP + offs_h
+    _merge_splits(
+        out_ptr + row * stride_ot, part_acc_ptr, part_m_ptr, part_l_ptr,
+        (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS, offs_h < GROUP, heads, offs_d, offs_d < head_dim,
+        stride_oh, head_dim, NUM_SPLITS, SPLITS_P2,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -621,11 +615,11 @@ def paged_decode(
         SPLITS_P2=triton.next_power_of_2(num_splits), **pdl, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1 and counters is None:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
+        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
             out, part_acc, part_m, part_l, query_start_loc,
             out.stride(0), out.stride(1), num_heads, head_dim,
-            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            num_warps=4, **pdl,
+            GROUP=group, BLOCK_H=triton.next_power_of_2(group), BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4, **pdl,
         )  # fmt: skip
     return out
 
