@@ -191,18 +191,7 @@ def _rope_kernel(
 
 def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (neox layout) with the ``[max_pos, D]`` tables."""
-    t, hq, d = q.shape
-    hk = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and d % 2 == 0
-    assert triton.next_power_of_2(d // 2) == d // 2, "head_dim/2 must be a power of two"
-    if t:
-        _rope_kernel[(t,)](
-            positions, q, k, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            hq, hk,
-            HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4,
-            **pdl_launch(q.device),
-        )  # fmt: skip
+    _launch_rope(positions, q, k, cos, sin)
 
 
 def rope_and_write_kv_(
@@ -218,20 +207,28 @@ def rope_and_write_kv_(
     """`rope_` on ``q`` (in place) and ``k``, and the rotated ``k`` with ``v`` stored at ``slot_mapping`` in a 16-bit
     ``kv_cache`` (the layout of `kv/attention/base.py`; -1 = no slot), in one kernel instead of the rotation and
     the backend's ``write_kv``; ``k`` is left as it was."""
+    assert v.stride(-1) == 1 and kv_cache.dtype == k.dtype and kv_cache.stride(-1) == 1
+    _launch_rope(
+        positions, q, k, cos, sin,
+        v_ptr=v, cache_ptr=kv_cache, slot_ptr=slot_mapping, stride_vt=v.stride(0), stride_vh=v.stride(1),
+        stride_c_kv=kv_cache.stride(0), stride_c_blk=kv_cache.stride(1), stride_c_tok=kv_cache.stride(2),
+        stride_c_head=kv_cache.stride(3), block_size=kv_cache.shape[2], WRITE_KV=True,
+    )  # fmt: skip
+
+
+def _launch_rope(positions, q, k, cos, sin, **write_kv) -> None:
+    """`_rope_kernel` over ``q``'s tokens; ``write_kv``: the KV-write arguments of `rope_and_write_kv_`."""
     t, hq, d = q.shape
     hk = k.shape[1]
-    assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and cos.stride(-1) == 1
-    assert triton.next_power_of_2(d // 2) == d // 2 and kv_cache.dtype == k.dtype and kv_cache.stride(-1) == 1
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and d % 2 == 0
+    assert triton.next_power_of_2(d // 2) == d // 2, "head_dim/2 must be a power of two"
     if t:
         _rope_kernel[(t,)](
             positions, q, k, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             hq, hk,
             HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk), num_warps=4,
-            v_ptr=v, cache_ptr=kv_cache, slot_ptr=slot_mapping, stride_vt=v.stride(0), stride_vh=v.stride(1),
-            stride_c_kv=kv_cache.stride(0), stride_c_blk=kv_cache.stride(1), stride_c_tok=kv_cache.stride(2),
-            stride_c_head=kv_cache.stride(3), block_size=kv_cache.shape[2], WRITE_KV=True,
-            **pdl_launch(q.device),
+            **write_kv, **pdl_launch(q.device),
         )  # fmt: skip
 
 
