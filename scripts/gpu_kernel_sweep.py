@@ -395,7 +395,7 @@ def sweep_dense(ns) -> dict:
     for name, (n, k) in (TINY_SHAPES if ns.tiny else LINEAR_SHAPES).items():
         if ns.shapes and name not in ns.shapes:
             continue
-        out["shapes"][name] = _dense_shape(ns, g, n, k, lambda m, n=n, k=k: gemv_config(n, k, num_sms))
+        out["shapes"][name] = _dense_shape(ns, g, n, k, gemv_config(n, k, num_sms))
         _write(ns.out, out)
         torch.cuda.empty_cache()
     if set(out["shapes"]) == set(LINEAR_SHAPES):  # one decode step: 32 layers x 4 projections + the LM head
@@ -414,7 +414,7 @@ def _dense_cfg(c) -> list:
     return [c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages]
 
 
-def _dense_shape(ns, g, n: int, k: int, rule_for) -> dict:
+def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
     import torch
     from sluice.core.models.fused import add_rmsnorm
     from sluice.core.models.gemv import GemvConfig, gemv
@@ -428,10 +428,9 @@ def _dense_shape(ns, g, n: int, k: int, rule_for) -> dict:
         if not (split > 1 and n >= 16384)  # enough tiles already
     ]  # fmt: skip
     rows = (1, 3, 17) if ns.tiny else tuple(ns.rows)
-    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rows": {}}
+    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rule": _dense_cfg(rule), "rows": {}}
     ranked: list = []
     for m in rows:
-        rule = rule_for(m)
         x = torch.randn(m, k, device=ns.device, generator=g).bfloat16()
 
         def normed(x=x) -> torch.Tensor:
@@ -461,7 +460,6 @@ def _dense_shape(ns, g, n: int, k: int, rule_for) -> dict:
         timed.sort(key=lambda t: t[0])
         if m == rows[0]:
             ranked = [c for _, c, _ in timed]
-        r["rule"] = _dense_cfg(rule)
         r["best"] = [
             {"config": _dense_cfg(c), "us": us, "tb_s": n * k * 2 / us / 1e6, "rel_err": e} for us, c, e in timed[:5]
         ]
