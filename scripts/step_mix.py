@@ -57,18 +57,14 @@ def main() -> None:
     ns = ap.parse_args()
     requests = json.load(open(ns.requests_file))["requests"][: ns.num_prompts]
     steps = simulate(requests, ns.max_num_seqs, ns.max_num_batched_tokens)
-    buckets: collections.Counter = collections.Counter()
-    for decodes, prefill in steps:
-        if prefill:
-            tokens = decodes + prefill
-            buckets["with prompt tokens"] += 1
-            buckets["  of which <= max-graph-tokens"] += tokens <= ns.max_graph_tokens
-            buckets["  of which 513-2048 tokens"] += 512 < tokens <= 2048
-        else:
-            buckets[f"decode <= {1 << max(0, (decodes - 1).bit_length())}"] += 1
+    decodes = collections.Counter(1 << max(0, (d - 1).bit_length()) for d, prefill in steps if not prefill)
+    prompt_steps = [d + prefill for d, prefill in steps if prefill]
     print(f"{len(requests)} requests, {len(steps)} steps")
-    for name in sorted(buckets, key=lambda n: (not n.startswith("decode"), int(n.split()[-1]) if n[0] == "d" else 0)):
-        print(f"  {name:32s} {buckets[name]:6d}")
+    for bucket in sorted(decodes):
+        print(f"  decode <= {bucket:<21d} {decodes[bucket]:6d}")
+    print(f"  with prompt tokens               {len(prompt_steps):6d}")
+    print(f"    of which <= max-graph-tokens   {sum(t <= ns.max_graph_tokens for t in prompt_steps):6d}")
+    print(f"    of which 513-2048 tokens       {sum(512 < t <= 2048 for t in prompt_steps):6d}")
 
 
 if __name__ == "__main__":
