@@ -12,7 +12,9 @@ outputs come back in step order.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import deque
 
@@ -41,6 +43,10 @@ class ExecutorActor:
         self.runner = runner
         self.profile = HostProfile()  # prepare, launch, wait (and the device's time per step)
         self._last_ready = None  # the last launched step's end event on the device (for `HostProfile.gpu_idle`)
+        # SLUICE_STEP_TRACE=F: every collected step's shape and device time, written to F as JSON when `run` ends
+        # (`scripts/step_mix.py --trace F` reads it: where a run's device time goes, by batch size)
+        self._trace_path = os.environ.get("SLUICE_STEP_TRACE")
+        self.step_trace: list[tuple[int, int, bool, float]] = []  # (decoding rows, prompt tokens, eager, device s)
 
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, max_model_len: int) -> ExecutorActor:
@@ -88,6 +94,9 @@ class ExecutorActor:
                         for out in outs:
                             await results.send(out)
         finally:
+            if self._trace_path:
+                with open(self._trace_path, "w") as f:
+                    json.dump({"steps": self.step_trace}, f)
             if out_of_process:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.runner.close)
@@ -150,6 +159,9 @@ class ExecutorActor:
         if gpu_s is not None:
             p.gpu += gpu_s
             p.gpu_steps += 1
+            if self._trace_path:
+                decodes = sum(1 for n in step.so.num_scheduled_tokens if n == 1)
+                self.step_trace.append((decodes, step.so.num_tokens - decodes, step.eager, gpu_s))
             if step.after is not None:  # the event ring still holds it: two steps' events were recorded since
                 idle = step.after.elapsed_time(step.started) / 1e3
                 if idle > 0:

@@ -28,9 +28,11 @@ run() {  # name, seconds, command...
     local name=$1 secs=$2
     shift 2
     echo "== $name: $*"
-    timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+    # each step's shape and device time (core/executor.py), summed by batch size below
+    SLUICE_STEP_TRACE=$OUT/$name.trace.json timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
     echo "   exit $? after ${SECONDS}s"
     grep -E "speedup|identical|output_tokens_per_s|requests_per_s|num_steps|host_profile|ms per|median|p99|ratio|Error|error" "$OUT/$name.log" | head -20
+    [ -s "$OUT/$name.trace.json" ] && python scripts/step_mix.py --trace "$OUT/$name.trace.json"
 }
 # `timeout` runs programs, not shell functions: the two builds as env command lines
 bench="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.cli bench"
@@ -126,7 +128,7 @@ ropekv)  # RoPE and the KV write in one kernel (SLUICE_FUSED_ROPE_KV=1) against 
     ;;
 graphs2048)  # ShareGPT 1000 with mixed-step graphs to 2,048 tokens against the default 512, alternating; the host
     # profile's gpu_idle / gpu_idle_eager say how long the device waited between steps, and before eager ones
-    for i in 1 2; do
+    for i in ${PAIRS:-1 2}; do
         run tp1000_g512_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_g512_$i.json"
         run tp1000_g2048_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 2048 --out "$OUT/tp1000_g2048_$i.json"
     done

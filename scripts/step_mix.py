@@ -9,6 +9,10 @@ spends the rest of ``--max-num-batched-tokens`` on prompt chunks (running reques
 fewer than ``--max-num-seqs`` run); a request leaves after its ``output_len`` tokens. No preemption (the KV pool
 of the runs it models never filled). Prints the step count and the steps by decoding requests (power-of-two
 buckets), those with prompt tokens apart: how many fit the mixed-step graphs' tokens, how many have 513-2,048.
+
+    SLUICE_STEP_TRACE=/tmp/trace.json sluice bench throughput ...; python scripts/step_mix.py --trace /tmp/trace.json
+
+reads what a run did instead (its executor's trace): the same groups with their device time.
 """
 
 from __future__ import annotations
@@ -47,24 +51,48 @@ def simulate(requests: list[dict], max_num_seqs: int, max_tokens: int) -> list[t
     return steps
 
 
+def report(steps: list[tuple[int, int]], seconds: list[float] | None, max_graph_tokens: int) -> None:
+    """Steps by decoding requests (power-of-two buckets), those with prompt tokens apart; with ``seconds`` (a
+    trace), each group's device time too."""
+    secs = seconds or [0.0] * len(steps)
+    groups: dict[str, list[float]] = collections.defaultdict(list)
+    for (d, prefill), s in zip(steps, secs):
+        if not prefill:
+            groups[f"decode <= {1 << max(0, (d - 1).bit_length())}"].append(s)
+        elif d + prefill <= max_graph_tokens:
+            groups["prompt, <= max-graph-tokens"].append(s)
+        elif d + prefill <= 2048:
+            groups["prompt, 513-2048 tokens"].append(s)
+        else:
+            groups["prompt, > 2048 tokens"].append(s)
+    decodes = sorted((g for g in groups if g.startswith("decode")), key=lambda g: int(g.split()[-1]))
+    print(f"{len(steps)} steps" + (f", {sum(secs):.3f} s of device time" if seconds else ""))
+    for g in [*decodes, *(g for g in groups if g.startswith("prompt"))]:
+        times = groups[g]
+        line = f"  {g:<30s} {len(times):6d}"
+        if seconds:
+            line += f"  {sum(times):8.3f} s  {1e3 * sum(times) / len(times):7.2f} ms/step"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("requests_file")
+    ap.add_argument("requests_file", nargs="?")
+    ap.add_argument("--trace", help="a run's step trace (SLUICE_STEP_TRACE) instead of a simulation")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-graph-tokens", type=int, default=512)
     ns = ap.parse_args()
+    if ns.trace:
+        trace = json.load(open(ns.trace))["steps"]
+        report([(d, p) for d, p, _eager, _s in trace], [s for *_, s in trace], ns.max_graph_tokens)
+        return
+    if not ns.requests_file:
+        ap.error("a requests file or --trace")
     requests = json.load(open(ns.requests_file))["requests"][: ns.num_prompts]
-    steps = simulate(requests, ns.max_num_seqs, ns.max_num_batched_tokens)
-    decodes = collections.Counter(1 << max(0, (d - 1).bit_length()) for d, prefill in steps if not prefill)
-    prompt_steps = [d + prefill for d, prefill in steps if prefill]
-    print(f"{len(requests)} requests, {len(steps)} steps")
-    for bucket in sorted(decodes):
-        print(f"  decode <= {bucket:<21d} {decodes[bucket]:6d}")
-    print(f"  with prompt tokens               {len(prompt_steps):6d}")
-    print(f"    of which <= max-graph-tokens   {sum(t <= ns.max_graph_tokens for t in prompt_steps):6d}")
-    print(f"    of which 513-2048 tokens       {sum(512 < t <= 2048 for t in prompt_steps):6d}")
+    print(f"{len(requests)} requests")
+    report(simulate(requests, ns.max_num_seqs, ns.max_num_batched_tokens), None, ns.max_graph_tokens)
 
 
 if __name__ == "__main__":

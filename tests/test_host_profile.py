@@ -57,3 +57,25 @@ def test_device_idle_between_steps_is_counted_once_and_only_after_a_step_with_de
     assert abs(p.gpu_idle_eager - 0.25) < 1e-9
     ms = p.per_step_ms()
     assert abs(ms["gpu"] - 937.5) < 1e-6 and abs(ms["gpu_idle"] - 62.5) < 1e-6
+
+
+async def test_step_trace_records_each_steps_shape_and_device_time_and_is_written_when_run_ends(tmp_path, monkeypatch):
+    import json
+
+    import anyio
+    from sluice.core.executor import FLUSH
+
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("SLUICE_STEP_TRACE", str(path))
+    ex = ExecutorActor(_Runner([(0.0, 1.0, True), (1.0, 1.5, False)]))
+    send, inbox = anyio.create_memory_object_stream(8)
+    results, recv = anyio.create_memory_object_stream(8)
+    # a step with a 3-token prompt chunk beside a decode row, then two decode rows
+    await send.send(SchedulerOutput(0, ["a", "b"], [3, 1], [0, 7], [True, True]))
+    await send.send(SchedulerOutput(1, ["a", "b"], [1, 1], [3, 8], [True, True]))
+    await send.send(FLUSH)
+    await send.aclose()
+    await ex.run(inbox, results)
+    assert [o.step_id async for o in recv] == [0, 1]
+    steps = json.loads(path.read_text())["steps"]
+    assert steps == [[1, 3, True, 1.0], [2, 0, False, 0.5]]
