@@ -11,6 +11,7 @@
 #   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
 #   scripts/gpu_engine_bench.sh ropekv      # RoPE and the KV write in one kernel vs two: batch 1, ShareGPT 200
 #   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 2,048 tokens vs 512 (device idle)
+#   scripts/gpu_engine_bench.sh graphs8192  # ShareGPT 200 and 1000, mixed-step graphs to 8,192 tokens vs 2,048
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -131,6 +132,14 @@ graphs2048)  # ShareGPT 1000 with mixed-step graphs to 2,048 tokens against the 
     for i in ${PAIRS:-1 2}; do
         run tp1000_g512_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_g512_$i.json"
         run tp1000_g2048_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 2048 --out "$OUT/tp1000_g2048_$i.json"
+    done
+    ;;
+graphs8192)  # mixed-step graphs to 8,192 tokens (every step of these runs a graph) against 2,048, ShareGPT 200 and 1000
+    for n in 8192 2048; do
+        run tp200_g$n 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-graph-tokens $n --out "$OUT/tp200_g$n.json"
+    done
+    for n in 8192 2048; do
+        run tp1000_g$n 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens $n --out "$OUT/tp1000_g$n.json"
     done
     ;;
 configs)  # the same workloads at other batch limits

@@ -13,7 +13,8 @@ values are 0.0625 to 0.25 apart, so a gap of one such step (the default, 0.25) i
 
 ``profile``: a `ModelRunner` driven with synthetic steps (no scheduler, no actors): decode steps at several
 batch sizes with and without CUDA graphs, and a prefill step of ``8 x 2048`` tokens; a torch.profiler
-summary (GPU time per kernel class, and the top kernels) of eager decode and prefill steps.
+summary (GPU time per kernel class, and the top kernels) of eager decode and prefill steps; with ``--mixed DxP``,
+steps of D decode rows beside a P-token prompt chunk (as the engine runs them, and eagerly by kernel class).
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def profile(ns: argparse.Namespace) -> dict:
         num_kv_blocks=ns.num_kv_blocks,
         quantization=ns.quantization,
         kv_cache_dtype=ns.kv_cache_dtype,
+        max_graph_tokens=ns.max_graph_tokens,
     )
     t = time.perf_counter()
     runner = ModelRunner(args, source, max_model_len=4096)
@@ -245,7 +247,7 @@ def profile(ns: argparse.Namespace) -> dict:
             pair = decode_step(bs, ctx)
             row = {"batch": bs, "context": ctx, "graph_ms": timed(pair, 20) if graphs is not None else None}
             runner.graphs = None
-            row["eager_ms"] = timed((pair[1], pair[1]), 10)
+            row["eager_ms"] = timed((pair[1], pair[1]) if graphs is not None else pair, 10)  # admitted once
             runner.graphs = graphs
             drop(pair)
             print(json.dumps(row))
@@ -272,6 +274,24 @@ def profile(ns: argparse.Namespace) -> dict:
         print(json.dumps({shape: row}))
         if shape != ns.prefills[-1]:
             drop(pre)
+    # mixed steps: D decode rows (at the first context) beside one prompt chunk of P tokens, timed as the engine
+    # runs them (a mixed-step graph where one fits) and eagerly, with the eager step's kernels by class
+    out["mixed"] = []
+    for shape in ns.mixed:
+        d, n = map(int, shape.split("x"))
+        ctx = ns.contexts[0]
+        rows = [(torch.randint(vocab, (ctx - 1,), generator=g).tolist(), ctx - 1, 1) for _ in range(d)]
+        pair = synthetic([*rows, (torch.randint(vocab, (n,), generator=g).tolist(), 0, n)], f"m{shape}-")
+        row = {"decode_rows": d, "prompt_tokens": n, "context": ctx, "ms": timed(pair, 10)}
+        runner.graphs, mixed_graphs = None, runner.mixed_graphs
+        runner.mixed_graphs = None
+        row["eager_ms"] = timed((pair[1], pair[1]), 5)
+        p = _profile_steps(lambda so=pair[1]: run(so), 3)
+        runner.graphs, runner.mixed_graphs = graphs, mixed_graphs
+        row["eager_by_class_ms"], row["eager_top_kernels"] = p["by_class_ms"], p["top_kernels"]
+        drop(pair)
+        out["mixed"].append(row)
+        print(json.dumps(row))
     pre = pres[ns.prefills[-1]]
     # where the time goes (eager, so kernels are visible one by one)
     runner.graphs = None
@@ -315,6 +335,8 @@ def main() -> int:
     p.add_argument("--quantization", choices=("int8", "int4"), default=None)
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--prefills", nargs="+", default=["8x2048"], help="prefill steps BxN to time (the last is profiled)")
+    p.add_argument("--mixed", nargs="*", default=[], help="mixed steps DxP: D decode rows beside a P-token prompt")
+    p.add_argument("--max-graph-tokens", type=int, default=512, help="mixed-step graphs up to this many tokens")
     p.add_argument("--sync-debug", action="store_true", help="list host-device synchronizations in each prefill step")
     p.add_argument("--out", required=True)
     ns = ap.parse_args()

@@ -423,9 +423,10 @@ def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
     cnt = torch.zeros(-(-n // 32), dtype=torch.int32, device=ns.device)
     norm_w = torch.ones(k, device=ns.device, dtype=torch.bfloat16)
     grid = [
-        GemvConfig(bn, bk, split, 4, stages)
-        for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4, 8) for stages in (3, 4)
-        if not (split > 1 and n >= 16384)  # enough tiles already
+        GemvConfig(bn, bk, split, warps, stages)
+        for bn in (32, 64, 128) for bk in (64, 128, 256) for split in (1, 2, 4, 8) for stages in (3, 4)
+        for warps in (4, 8)
+        if not (split > 1 and n >= 16384) and not (warps == 8 and bn == 32)  # enough tiles already; too small a tile
     ]  # fmt: skip
     rows = (1, 3, 17) if ns.tiny else tuple(ns.rows)
     row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rule": _dense_cfg(rule), "rows": {}}

@@ -33,6 +33,8 @@ from sluice.kv.attention.pdl import pdl_launch
 # Rows of x one launch serves; more rows go to cuBLAS, which was faster at 48 and 64 rows on the H200
 # (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 16, the limit before 32-row tiles, for timing).
 MAX_ROWS = 32
+# The kernel itself takes up to 128 rows (a 128-row tile of x), for timing past `MAX_ROWS`.
+KERNEL_MAX_ROWS = 128
 # Rows are padded to the MMA's smallest N (16), else to a power of two.
 MIN_BLOCK_M = 16
 # The smallest BLOCK_N of any config: sizes the split-K counters.
@@ -154,11 +156,11 @@ def gemv(
     counters: torch.Tensor,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T (+ bias)`` for ``M <= MAX_ROWS``; ``counters``: int32 zeros, at least one per
+    """``x [M, K] @ weight[N, K]^T (+ bias)`` for ``M <= KERNEL_MAX_ROWS``; ``counters``: int32 zeros, at least one per
     ``MIN_BLOCK_N`` output features (the split-K arrival counters)."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert m <= KERNEL_MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     c = config or gemv_config(n, k, num_sms)
     bm = block_m(m)
