@@ -56,7 +56,7 @@ class EngineArgs:
     attention_backend: str = _arg("auto", "auto = triton on a GPU, torch on the CPU", ("auto", "torch", "triton"))
     enforce_eager: bool = _arg(False, "no CUDA graphs")
     max_graph_tokens: int = _arg(
-        512, "GPU: steps with prefill rows of up to this many tokens replay a CUDA graph; 0 = decode steps only"
+        2048, "GPU: steps with prefill rows of up to this many tokens replay a CUDA graph; 0 = decode steps only"
     )
     fused_kernels: str = _arg(
         "auto", "Triton RMSNorm+residual, SiLU-and-mul and RoPE; auto = on for cuda", ("auto", "on", "off")

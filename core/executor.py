@@ -46,7 +46,8 @@ class ExecutorActor:
         # SLUICE_STEP_TRACE=F: every collected step's shape and device time, written to F as JSON when `run` ends
         # (`scripts/step_mix.py --trace F` reads it: where a run's device time goes, by batch size)
         self._trace_path = os.environ.get("SLUICE_STEP_TRACE")
-        self.step_trace: list[tuple[int, int, bool, float]] = []  # (decoding rows, prompt tokens, eager, device s)
+        # (decoding rows, prompt tokens, eager, device s, device idle s before it)
+        self.step_trace: list[tuple[int, int, bool, float, float]] = []
 
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, max_model_len: int) -> ExecutorActor:
@@ -159,13 +160,13 @@ class ExecutorActor:
         if gpu_s is not None:
             p.gpu += gpu_s
             p.gpu_steps += 1
+            idle = 0.0
+            if step.after is not None:  # the event ring still holds it: two steps' events were recorded since
+                idle = max(0.0, step.after.elapsed_time(step.started) / 1e3)
+                p.gpu_idle += idle
+                if step.eager:
+                    p.gpu_idle_eager += idle
             if self._trace_path:
                 decodes = sum(1 for n in step.so.num_scheduled_tokens if n == 1)
-                self.step_trace.append((decodes, step.so.num_tokens - decodes, step.eager, gpu_s))
-            if step.after is not None:  # the event ring still holds it: two steps' events were recorded since
-                idle = step.after.elapsed_time(step.started) / 1e3
-                if idle > 0:
-                    p.gpu_idle += idle
-                    if step.eager:
-                        p.gpu_idle_eager += idle
+                self.step_trace.append((decodes, step.so.num_tokens - decodes, step.eager, gpu_s, idle))
         return out

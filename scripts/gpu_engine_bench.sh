@@ -12,6 +12,8 @@
 #   scripts/gpu_engine_bench.sh ropekv      # RoPE and the KV write in one kernel vs two: batch 1, ShareGPT 200
 #   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 2,048 tokens vs 512 (device idle)
 #   scripts/gpu_engine_bench.sh graphs8192  # ShareGPT 200 and 1000, mixed-step graphs to 8,192 tokens vs 2,048
+#   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
+#                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -141,6 +143,19 @@ graphs8192)  # mixed-step graphs to 8,192 tokens (every step of these runs a gra
     for n in 8192 2048; do
         run tp1000_g$n 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens $n --out "$OUT/tp1000_g$n.json"
     done
+    ;;
+stack)  # this build against the previous defaults in one call (SLUICE_GEMV_ROWS=32: the GEMV to 32 rows;
+    # SLUICE_FUSED_ROPE_KV=0: RoPE and the KV write as two kernels; --max-graph-tokens 512), alternating; tests first
+    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py tests/test_triton_attention.py
+    prev="env SLUICE_GEMV_ROWS=32 SLUICE_FUSED_ROPE_KV=0"
+    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
+    run lat_b1_prev 90 $prev $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --max-graph-tokens 512 --out "$OUT/lat_b1_prev.json"
+    for i in 1 2; do
+        run tp200_$i 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_$i.json"
+        run tp200_prev_$i 120 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-graph-tokens 512 --out "$OUT/tp200_prev_$i.json"
+    done
+    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
+    run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 512 --out "$OUT/tp1000_prev.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -395,7 +395,7 @@ def sweep_dense(ns) -> dict:
     for name, (n, k) in (TINY_SHAPES if ns.tiny else LINEAR_SHAPES).items():
         if ns.shapes and name not in ns.shapes:
             continue
-        out["shapes"][name] = _dense_shape(ns, g, n, k, gemv_config(n, k, num_sms))
+        out["shapes"][name] = _dense_shape(ns, g, n, k, lambda m, n=n, k=k: gemv_config(n, k, num_sms, m))
         _write(ns.out, out)
         torch.cuda.empty_cache()
     if set(out["shapes"]) == set(LINEAR_SHAPES):  # one decode step: 32 layers x 4 projections + the LM head
@@ -414,7 +414,8 @@ def _dense_cfg(c) -> list:
     return [c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages]
 
 
-def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
+def _dense_shape(ns, g, n: int, k: int, rule_for) -> dict:
+    """``rule_for(m)``: the engine's config at ``m`` rows."""
     import torch
     from sluice.core.models.fused import add_rmsnorm
     from sluice.core.models.gemv import GemvConfig, gemv
@@ -429,7 +430,7 @@ def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
         if not (split > 1 and n >= 16384) and not (warps == 8 and bn == 32)  # enough tiles already; too small a tile
     ]  # fmt: skip
     rows = (1, 3, 17) if ns.tiny else tuple(ns.rows)
-    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rule": _dense_cfg(rule), "rows": {}}
+    row = {"n": n, "k": k, "weight_bytes": n * k * 2, "copies": len(ws), "rows": {}}
     ranked: list = []
     for m in rows:
         x = torch.randn(m, k, device=ns.device, generator=g).bfloat16()
@@ -440,6 +441,8 @@ def _dense_shape(ns, g, n: int, k: int, rule) -> dict:
         ref = normed().float() @ ws[0].float().t()
         r = {"bf16_us": 1e3 * graph_ms([lambda w=w: torch.nn.functional.linear(normed(), w) for w in ws])}
         r["norm_us"] = 1e3 * graph_ms([normed for _ in ws])
+        rule = rule_for(m)
+        r["rule"] = _dense_cfg(rule)
         if ns.rule_only:
             configs = [rule]
         else:

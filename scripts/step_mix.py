@@ -12,7 +12,8 @@ buckets), those with prompt tokens apart: how many fit the mixed-step graphs' to
 
     SLUICE_STEP_TRACE=/tmp/trace.json sluice bench throughput ...; python scripts/step_mix.py --trace /tmp/trace.json
 
-reads what a run did instead (its executor's trace): the same groups with their device time.
+reads what a run did instead (its executor's trace): the same groups with their device time, and the device's
+idle time before their steps.
 """
 
 from __future__ import annotations
@@ -51,27 +52,32 @@ def simulate(requests: list[dict], max_num_seqs: int, max_tokens: int) -> list[t
     return steps
 
 
-def report(steps: list[tuple[int, int]], seconds: list[float] | None, max_graph_tokens: int) -> None:
-    """Steps by decoding requests (power-of-two buckets), those with prompt tokens apart; with ``seconds`` (a
-    trace), each group's device time too."""
-    secs = seconds or [0.0] * len(steps)
-    groups: dict[str, list[float]] = collections.defaultdict(list)
-    for (d, prefill), s in zip(steps, secs):
+def report(steps: list[tuple[int, int]], seconds: list[float] | None, idle: list[float] | None,
+           max_graph_tokens: int) -> None:  # fmt: skip
+    """Steps by decoding requests (power-of-two buckets), those with prompt tokens apart; with ``seconds`` and
+    ``idle`` (a trace), each group's device time and the device's idle time before its steps."""
+    secs, idles = seconds or [0.0] * len(steps), idle or [0.0] * len(steps)
+    groups: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for (d, prefill), s, i in zip(steps, secs, idles):
         if not prefill:
-            groups[f"decode <= {1 << max(0, (d - 1).bit_length())}"].append(s)
+            groups[f"decode <= {1 << max(0, (d - 1).bit_length())}"].append((s, i))
         elif d + prefill <= max_graph_tokens:
-            groups["prompt, <= max-graph-tokens"].append(s)
+            groups["prompt, <= max-graph-tokens"].append((s, i))
         elif d + prefill <= 2048:
-            groups["prompt, 513-2048 tokens"].append(s)
+            groups["prompt, 513-2048 tokens"].append((s, i))
         else:
-            groups["prompt, > 2048 tokens"].append(s)
+            groups["prompt, > 2048 tokens"].append((s, i))
     decodes = sorted((g for g in groups if g.startswith("decode")), key=lambda g: int(g.split()[-1]))
-    print(f"{len(steps)} steps" + (f", {sum(secs):.3f} s of device time" if seconds else ""))
+    head = f"{len(steps)} steps"
+    if seconds:
+        head += f", {sum(secs):.3f} s of device time, {sum(idles):.3f} s idle between steps"
+    print(head)
     for g in [*decodes, *(g for g in groups if g.startswith("prompt"))]:
-        times = groups[g]
+        times = [s for s, _ in groups[g]]
         line = f"  {g:<30s} {len(times):6d}"
         if seconds:
             line += f"  {sum(times):8.3f} s  {1e3 * sum(times) / len(times):7.2f} ms/step"
+            line += f"  idle {1e3 * sum(i for _, i in groups[g]):7.1f} ms"
         print(line)
 
 
@@ -86,13 +92,13 @@ def main() -> None:
     ns = ap.parse_args()
     if ns.trace:
         trace = json.load(open(ns.trace))["steps"]
-        report([(d, p) for d, p, _eager, _s in trace], [s for *_, s in trace], ns.max_graph_tokens)
+        report([(t[0], t[1]) for t in trace], [t[3] for t in trace], [t[4] for t in trace], ns.max_graph_tokens)
         return
     if not ns.requests_file:
         ap.error("a requests file or --trace")
     requests = json.load(open(ns.requests_file))["requests"][: ns.num_prompts]
     print(f"{len(requests)} requests")
-    report(simulate(requests, ns.max_num_seqs, ns.max_num_batched_tokens), None, ns.max_graph_tokens)
+    report(simulate(requests, ns.max_num_seqs, ns.max_num_batched_tokens), None, None, ns.max_graph_tokens)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _close_to_scale(a: torch.Tensor, b: torch.Tensor, rel: float) -> None:
+    """``a`` within ``rel`` of ``b``, relative to each element and to ``b``'s largest magnitude: one rounding of an
+    operand ahead of a cancellation (``x cos + rot(x) sin``, a softmax) moves small results by its operands' ulp."""
+    a, b = a.float(), b.float()
+    torch.testing.assert_close(a, b, rtol=rel, atol=rel * b.abs().max().item())
+
+
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype == torch.float32:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -108,10 +115,11 @@ def test_model_with_fused_kernels_gives_the_same_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 64])
 def test_gemv_matches_linear(dtype, rows):
     """The few-row GEMV against F.linear: N not a multiple of the tile, K split unevenly and evenly, a bias,
-    and the split-K counters left at zero for the next launch (as a graph replay needs)."""
+    and the split-K counters left at zero for the next launch (as a graph replay needs); the engine's own
+    config for the rows too (None)."""
     from sluice.core.models import gemv
 
     g = torch.Generator().manual_seed(rows)
@@ -121,7 +129,7 @@ def test_gemv_matches_linear(dtype, rows):
     bias = torch.randn(n, generator=g).to(DEVICE, dtype)
     counters = torch.zeros(-(-n // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
     ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
-    for cfg in (gemv.GemvConfig(32, 64, 1), gemv.GemvConfig(64, 64, 3), gemv.GemvConfig(32, 32, 2)):
+    for cfg in (gemv.GemvConfig(32, 64, 1), gemv.GemvConfig(64, 64, 3), gemv.GemvConfig(32, 32, 2), None):
         for b in (bias, None):
             out = gemv.gemv(x, w, b, counters, cfg)
             expect = ref if b is not None else ref - bias.float()
@@ -148,14 +156,14 @@ def test_linear_layer_takes_the_gemv_only_for_few_rows():
     real = gemv.gemv
     gemv.gemv = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
     try:
-        for m in (1, 16, 32, 33):
+        for m in (1, 16, 33, 64, 65):
             x = torch.randn(m, 64).to(DEVICE, torch.bfloat16)
             torch.testing.assert_close(
                 lin(x).float(), torch.nn.functional.linear(x, lin.weight).float(), rtol=2**-7, atol=2e-2
             )
     finally:
         gemv.gemv = real
-    assert calls == [(1, 64), (16, 64), (32, 64)]  # 33 rows: cuBLAS (F.linear)
+    assert calls == [(1, 64), (16, 64), (33, 64), (64, 64)]  # 65 rows: cuBLAS (F.linear)
     gemv.MIN_WEIGHT_BYTES = 0
     try:
         assert enable_fused_kernels(Linear(8, 8)) == 0  # fp32 weights keep F.linear
@@ -191,15 +199,17 @@ def test_rope_and_kv_write_in_one_kernel_match_the_two(dtype):
     tk.write_kv(k, v, cache_two, slots)
     q1, k1, v1 = views(one)
     fused.rope_and_write_kv_(pos, q1, k1, v1, cos, sin, cache_one, slots)
-    check = torch.testing.assert_close if ON_GPU else lambda a, b: torch.equal(a, b) or pytest.fail("not equal")
-    check(q1, q)
-    check(cache_one, cache_two)
+    if ON_GPU:  # the same arithmetic in another kernel: the compiler may contract it otherwise (one rounding)
+        _close_to_scale(q1, q, 2**-7 if dtype == torch.bfloat16 else 1e-6)
+        _close_to_scale(cache_one, cache_two, 2**-7 if dtype == torch.bfloat16 else 1e-6)
+    else:
+        assert torch.equal(q1, q) and torch.equal(cache_one, cache_two)
     assert torch.equal(k1, views(qkv)[1])  # k itself is not kept rotated: only the cache reads it
     assert torch.equal(cache_one[:, 0, 1], cache[:, 0, 1])  # a slot no token maps to is untouched
 
 
 def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatch):
-    """SLUICE_FUSED_ROPE_KV=1: the attention layer rotates and writes the KV in one kernel; its output and the
+    """By default the attention layer rotates and writes the KV in one kernel; its output and the
     cache equal the layer's with the two kernels (prefill and decode rows, the Triton backend)."""
     from types import SimpleNamespace
 
@@ -220,10 +230,10 @@ def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatc
     backend = TritonAttentionBackend()
 
     def run(fused_write: bool):
-        if fused_write:
-            monkeypatch.setenv("SLUICE_FUSED_ROPE_KV", "1")
-        else:  # the default: off
+        if fused_write:  # the default
             monkeypatch.delenv("SLUICE_FUSED_ROPE_KV", raising=False)
+        else:
+            monkeypatch.setenv("SLUICE_FUSED_ROPE_KV", "0")
         r = RotaryEmbedding(cfg, attn.head_dim, 256).to(DEVICE)
         assert enable_fused_kernels(r) == 1 and (r.fused_write is not None) == fused_write
         c = cache.clone()
@@ -231,8 +241,8 @@ def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatc
 
     (out1, c1), (out0, c0) = run(True), run(False)
     assert not torch.equal(c0, cache)
-    if ON_GPU:  # the same arithmetic in another kernel: the compiler may contract it otherwise
-        _close(out1, out0)
-        _close(c1, c0)
+    if ON_GPU:  # the same arithmetic in another kernel: the compiler may contract it otherwise (one rounding)
+        _close_to_scale(c1, c0, 2**-7)
+        _close_to_scale(out1, out0, 2**-5)
     else:
         assert torch.equal(out1, out0) and torch.equal(c1, c0)

@@ -67,7 +67,7 @@ async def test_step_trace_records_each_steps_shape_and_device_time_and_is_writte
 
     path = tmp_path / "trace.json"
     monkeypatch.setenv("SLUICE_STEP_TRACE", str(path))
-    ex = ExecutorActor(_Runner([(0.0, 1.0, True), (1.0, 1.5, False)]))
+    ex = ExecutorActor(_Runner([(0.0, 1.0, True), (1.25, 1.75, False)]))
     send, inbox = anyio.create_memory_object_stream(8)
     results, recv = anyio.create_memory_object_stream(8)
     # a step with a 3-token prompt chunk beside a decode row, then two decode rows
@@ -78,4 +78,4 @@ async def test_step_trace_records_each_steps_shape_and_device_time_and_is_writte
     await ex.run(inbox, results)
     assert [o.step_id async for o in recv] == [0, 1]
     steps = json.loads(path.read_text())["steps"]
-    assert steps == [[1, 3, True, 1.0], [2, 0, False, 0.5]]
+    assert steps == [[1, 3, True, 1.0, 0.0], [2, 0, False, 0.5, 0.25]]

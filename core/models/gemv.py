@@ -6,7 +6,7 @@ largest projections of Llama-3-8B but ~3.1 TB/s on the small ones (q/k/v, o), wh
 a larger share of their time (docs/benchmarks.md).
 
 `_gemv_kernel` streams the weight in ``[BLOCK_N, BLOCK_K]`` tiles through the tensor cores against a
-``[BLOCK_K, BLOCK_M]`` tile of ``x`` (its rows, zero-padded to 16 or 32), so every weight byte is read once
+``[BLOCK_K, BLOCK_M]`` tile of ``x`` (its rows, zero-padded to 16, 32 or 64), so every weight byte is read once
 for all rows, with the software pipelining Triton gives ``tl.dot`` loops. K may be split ``SPLIT_K`` ways to
 fill the GPU when ``N / BLOCK_N`` is short of the SM count; the program that finishes a tile's last split
 adds the partials (an arrival counter per tile, reset by that program: one launch, no memset, one node of
@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 from sluice.kv.attention.pdl import pdl_launch
 
-# Rows of x one launch serves; more rows go to cuBLAS, which was faster at 48 and 64 rows on the H200
-# (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 16, the limit before 32-row tiles, for timing).
-MAX_ROWS = 32
+# Rows of x one launch serves; more rows go to cuBLAS, which was faster at 96 and 128 rows on the H200
+# (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 32 or 16, the earlier limits, for timing).
+MAX_ROWS = 64
 # The kernel itself takes up to 128 rows (a 128-row tile of x), for timing past `MAX_ROWS`.
 KERNEL_MAX_ROWS = 128
 # Rows are padded to the MMA's smallest N (16), else to a power of two.
@@ -135,18 +135,26 @@ def max_rows() -> int:
     return min(MAX_ROWS, int(os.environ.get("SLUICE_GEMV_ROWS", MAX_ROWS)))
 
 
-def gemv_config(n: int, k: int, num_sms: int) -> GemvConfig:
-    """The config for an ``N x K`` weight, from the H200 sweep at Llama-3-8B shapes (`scripts/gpu_kernel_sweep.py
-    dense`, docs/benchmarks.md): tiles of 64 rows, 4 stages. Where 64-row tiles are short of ~2 per SM (q/k/v, o,
-    down), steps of 256 columns, and K split in ranges of at least 4096 (down: 2); split-K 4 and 8 with
-    128-column steps were up to 1.2x slower there. Wide weights (gate/up, the LM head) take 128-column steps."""
+def gemv_config(n: int, k: int, num_sms: int, m: int = 1) -> GemvConfig:
+    """The config for an ``N x K`` weight and ``m`` rows of x, from the H200 sweeps at Llama-3-8B shapes
+    (`scripts/gpu_kernel_sweep.py dense`, docs/benchmarks.md): tiles of 64 rows, 4 stages. Where 64-row tiles are
+    short of ~2 per SM (q/k/v, o, down), steps of 256 columns, and K split in ranges of at least 4096 (down: 2);
+    split-K 4 and 8 with 128-column steps were up to 1.2x slower there. Wide weights (gate/up, the LM head) take
+    128-column steps. A 64-row tile of x (33-64 rows) takes 128-column steps everywhere (four 256-column stages of
+    both tiles would not fit in shared memory), and wide weights 128-row tiles with 8 warps."""
     tiles = triton.cdiv(n, 64)
-    if tiles >= 2 * num_sms:
-        return GemvConfig(64, 128, 1)
+    wide = tiles >= 2 * num_sms
+    if block_m(m) >= 64:
+        return GemvConfig(128, 128, 1, num_warps=8) if wide else GemvConfig(64, 128, _split_k(k))
+    return GemvConfig(64, 128, 1) if wide else GemvConfig(64, 256, _split_k(k))
+
+
+def _split_k(k: int) -> int:
+    """K split in ranges of at least 4096, at most 8 ways."""
     split = 1
     while split < 8 and k // (split * 2) >= 4096:
         split *= 2
-    return GemvConfig(64, 256, split)
+    return split
 
 
 def gemv(
@@ -162,7 +170,7 @@ def gemv(
     n = weight.shape[0]
     assert m <= KERNEL_MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    c = config or gemv_config(n, k, num_sms)
+    c = config or gemv_config(n, k, num_sms, m)
     bm = block_m(m)
     split = c.split_k
     if split > 1 and counters.numel() < triton.cdiv(n, c.block_n):

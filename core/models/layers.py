@@ -97,7 +97,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self.fused = None
         # the rotation and the KV write in one kernel (`fused.rope_and_write_kv_`), set by `enable_fused_kernels`
-        # with SLUICE_FUSED_ROPE_KV=1 (not yet measured on a GPU: off by default)
+        # (SLUICE_FUSED_ROPE_KV=0: two kernels, for side-by-side timing)
         self.fused_write = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -132,7 +132,7 @@ def enable_fused_kernels(model: nn.Module) -> int:
             half = m.cos.shape[-1] // 2
             if half & (half - 1):
                 continue
-            if os.environ.get("SLUICE_FUSED_ROPE_KV", "0") == "1":
+            if os.environ.get("SLUICE_FUSED_ROPE_KV", "1") != "0":
                 m.fused_write = fused.rope_and_write_kv_
         if isinstance(m, Linear):
             # SLUICE_GEMV=0 keeps cuBLAS for every linear layer (for side-by-side timing)
