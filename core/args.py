@@ -58,6 +58,11 @@ class EngineArgs:
     max_graph_tokens: int = _arg(
         2048, "GPU: steps with prefill rows of up to this many tokens replay a CUDA graph; 0 = decode steps only"
     )
+    gc_freeze: bool = _arg(
+        True,
+        "after start-up, move every live object out of the garbage collector's reach until the engine stops "
+        "(gc.freeze, as vLLM and SGLang do): full collections then skip the model, tokenizer and caches",
+    )
     fused_kernels: str = _arg(
         "auto", "Triton RMSNorm+residual, SiLU-and-mul and RoPE; auto = on for cuda", ("auto", "on", "off")
     )

@@ -37,7 +37,7 @@ import anyio
 import zmq
 from sluice.core import wire, zmq_io
 from sluice.core.args import EngineArgs
-from sluice.core.engine_core import EngineCore
+from sluice.core.engine_core import EngineCore, freeze_heap
 from sluice.core.request import AbortRequest, EndAllRequests, TokenEvent
 from sluice.core.scheduler_actor import SchedulerActor
 
@@ -134,6 +134,8 @@ def run_core_process(spec: CoreProcessSpec) -> None:
             to_front.setsockopt(zmq.LINGER, 5000)  # let the answer out before the socket closes
         close()
         raise SystemExit(1) from None
+    if spec.args.gc_freeze:  # this process ends with the engine: no unfreeze
+        freeze_heap()
     actor = core.scheduler_actor
     ready = wire.core_encoder.encode(wire.CoreReady(core.num_kv_blocks, os.getpid(), actor.stats))
     for _, to_front in socks:

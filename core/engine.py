@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 from sluice.core.admission import AdmissionGate
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
-from sluice.core.engine_core import EngineCore
+from sluice.core.engine_core import EngineCore, freeze_heap, unfreeze_heap
 from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
 from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
@@ -79,6 +79,8 @@ class AsyncEngine:
             self._tg.start_soon(self._client.run, inbox_recv)
         else:
             self._tg.start_soon(self._core.run, inbox_recv)
+        if self.args.gc_freeze:
+            freeze_heap()
         return self
 
     async def __aexit__(self, *exc) -> bool | None:
@@ -89,6 +91,8 @@ class AsyncEngine:
         finally:
             self._tg = None
             self._entered = False
+            if self.args.gc_freeze:
+                unfreeze_heap()
             if self._client is not None:
                 with anyio.CancelScope(shield=True):  # also when the caller was cancelled: no orphan process
                     await anyio.to_thread.run_sync(self._client.close)
@@ -168,7 +172,7 @@ class AsyncEngine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             return apply_chat_template(self.tokenizer, prompt, self.args.split_special_tokens)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if isinstance(prompt, (list, tuple)) and _all_ints(prompt):
             return list(prompt)
         raise InvalidRequestError(
             "prompt: must be a string, a list of token ids, or a list of messages", param="prompt"
@@ -318,6 +322,15 @@ class AsyncEngine:
         if self._client is not None:
             return self._client.dead is None and self._client.stats.healthy
         return self._scheduler_actor.dead is None and self._executor.failure is None
+
+
+def _all_ints(tokens: list | tuple) -> bool:
+    """Every item an int, not a bool. The types first, in C (a prompt may hold a million ids); int subclasses
+    other than bool take the item-by-item check."""
+    types = set(map(type, tokens))
+    if types <= {int}:
+        return True
+    return bool not in types and all(isinstance(t, int) for t in tokens)
 
 
 def _text_chars(prompt: Prompt) -> int:

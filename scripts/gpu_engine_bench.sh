@@ -12,6 +12,7 @@
 #   scripts/gpu_engine_bench.sh ropekv      # RoPE and the KV write in one kernel vs two: batch 1, ShareGPT 200
 #   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 2,048 tokens vs 512 (device idle)
 #   scripts/gpu_engine_bench.sh graphs8192  # ShareGPT 200 and 1000, mixed-step graphs to 8,192 tokens vs 2,048
+#   scripts/gpu_engine_bench.sh gcfreeze  # the heap frozen after start-up (default) vs --no-gc-freeze, ShareGPT 1000/200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -156,6 +157,12 @@ stack)  # this build against the previous defaults in one call (SLUICE_GEMV_ROWS
     done
     run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
     run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 512 --out "$OUT/tp1000_prev.json"
+    ;;
+gcfreeze)  # the engine's heap frozen after start-up (the default) against --no-gc-freeze: ShareGPT 1000, then 200
+    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
+    run tp1000_nofreeze 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --no-gc-freeze --out "$OUT/tp1000_nofreeze.json"
+    run tp200 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
+    run tp200_nofreeze 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --no-gc-freeze --out "$OUT/tp200_nofreeze.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

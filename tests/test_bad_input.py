@@ -77,6 +77,8 @@ BAD_PROMPTS = {
     "at max_model_len": (list(range(100, 100 + MAX_MODEL_LEN)), "prompt"),
     "over max_model_len": (list(range(100, 300)), "prompt"),
     "token id outside the vocabulary": ([5, 10**7], "prompt"),
+    "a bool among the token ids": ([5, True, 7], "prompt"),
+    "a float among the token ids": ([5, 6.0], "prompt"),
 }
 
 

@@ -90,3 +90,18 @@ async def test_entering_a_running_engine_again_is_refused_and_the_first_block_go
 def test_stats_before_start_says_so():
     with pytest.raises(SluiceError, match="has not started"):
         AsyncEngine(tiny_args()).stats()
+
+
+@pytest.mark.parametrize("gc_freeze", [True, False])
+async def test_the_heap_is_frozen_while_the_engine_runs_and_collectable_again_after(gc_freeze):
+    """``gc_freeze`` (the default): the started engine's objects leave the cyclic collector's reach, and come back
+    when it stops, so a stopped engine's reference cycles are freed; off, the collector is left alone."""
+    import gc
+
+    gc.unfreeze()
+    async with AsyncEngine(tiny_args(gc_freeze=gc_freeze)) as engine:
+        frozen = gc.get_freeze_count()
+        out = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))]
+        assert len(out[-1].token_ids) == 2
+    assert (frozen > 10_000) == gc_freeze  # the model's modules, the tokenizer, ...
+    assert gc.get_freeze_count() == 0
