@@ -408,7 +408,9 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+# ``num_seqs`` only bounds a search: not specialized on (Triton compiles a variant per argument that is 1, a
+# multiple of 16, or neither), so a step with a new kind of sequence count compiles nothing while serving.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
