@@ -147,7 +147,11 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
-        self._host_bufs = [torch.empty(0, dtype=torch.long) for _ in range(2)]
+        # pinned room for two steps' sampled tokens, whole from the start: allocating pinned memory while a step
+        # runs may wait for the device (page-locking is a driver call), and the rows grow step by step as a burst
+        # of prompts is admitted
+        pin = self.device.type == "cuda"
+        self._host_bufs = [torch.empty(self.max_num_tokens * pin, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_turn = 0
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
         self._event_turn = 0
