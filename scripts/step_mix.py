@@ -8,7 +8,7 @@ First come, first served: each step decodes every running request whose prompt i
 spends the rest of ``--max-num-batched-tokens`` on prompt chunks (running requests first, then new ones while
 fewer than ``--max-num-seqs`` run); a request leaves after its ``output_len`` tokens. No preemption (the KV pool
 of the runs it models never filled). Prints the step count and the steps by decoding requests (power-of-two
-buckets), those with prompt tokens apart: how many fit the mixed-step graphs' tokens, how many have 513-2,048.
+buckets), those with prompt tokens apart: how many fit the mixed-step graphs' tokens, how many have up to 2,048.
 
     SLUICE_STEP_TRACE=/tmp/trace.json sluice bench throughput ...; python scripts/step_mix.py --trace /tmp/trace.json
 
@@ -64,7 +64,7 @@ def report(steps: list[tuple[int, int]], seconds: list[float] | None, idle: list
         elif d + prefill <= max_graph_tokens:
             groups["prompt, <= max-graph-tokens"].append((s, i))
         elif d + prefill <= 2048:
-            groups["prompt, 513-2048 tokens"].append((s, i))
+            groups[f"prompt, {max_graph_tokens + 1}-2048 tokens"].append((s, i))
         else:
             groups["prompt, > 2048 tokens"].append((s, i))
     decodes = sorted((g for g in groups if g.startswith("decode")), key=lambda g: int(g.split()[-1]))
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--max-graph-tokens", type=int, default=512)
+    ap.add_argument("--max-graph-tokens", type=int, default=2048, help="the engine's (for grouping the steps)")
     ns = ap.parse_args()
     if ns.trace:
         trace = json.load(open(ns.trace))["steps"]
