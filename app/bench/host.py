@@ -12,6 +12,8 @@ random prompt tokens and ``--output-len`` forced output tokens:
 * ``cpu_ms_per_step``: CPU seconds of the whole process (every thread) per engine step: the host work,
   since the stub's sleep costs none;
 * ``wall_ms_per_step``: wall time per step (at least the stub's time; more when host work is not overlapped);
+* ``first_forward_ms``: from submitting the burst to its first forward: the admission of ``--num-seqs`` requests
+  at once, which on a GPU is the device's idle time before a throughput run's first step;
 * where the engine reports it, the step's host time by phase (`AsyncEngine.host_profile`).
 
 Both builds run with one intra-op thread for torch (``--intra-op-threads``, ``OMP_NUM_THREADS``): with the
@@ -50,9 +52,12 @@ import sluice.core.models.llama as llama
 
 cfg = json.loads(sys.argv[1])
 STUB_S, WIDTH = cfg["stub_ms"] / 1000.0, cfg["logits_width"]
+FIRST = []  # when the first forward since the list was cleared began
 
 
 def forward(self, input_ids, positions, ctx, aux_layers=()):
+    if not FIRST:
+        FIRST.append(time.perf_counter())
     time.sleep(STUB_S)  # the GPU's time: the host is free meanwhile
     hidden = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=self.model.embed_tokens.weight.dtype)
     return (hidden, hidden) if aux_layers else hidden
@@ -68,11 +73,15 @@ llama.LlamaForCausalLM.forward = forward
 llama.LlamaForCausalLM.compute_logits = compute_logits
 
 
-async def batch(engine, n, input_len, output_len, tag):
+def prompts(n, input_len):
+    return [[1 + (i * 7919 + j * 104729) % 1000 for j in range(input_len)] for i in range(n)]
+
+
+async def batch(engine, prompts, output_len, tag):
     final_only = not cfg["stream"]
 
     async def one(i):
-        prompt = [1 + (i * 7919 + j * 104729) % 1000 for j in range(input_len)]
+        prompt = prompts[i]
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         got = 0
         async for out in engine.generate(prompt, params, request_id=f"{tag}-{i}", final_only=final_only):
@@ -80,7 +89,7 @@ async def batch(engine, n, input_len, output_len, tag):
         assert got == output_len, (got, output_len)
 
     async with anyio.create_task_group() as tg:
-        for i in range(n):
+        for i in range(len(prompts)):
             tg.start_soon(one, i)
 
 
@@ -93,16 +102,19 @@ async def main():
         enable_prefix_caching=False, **cfg["engine"],
     )
     async with AsyncEngine(args) as engine:
-        await batch(engine, min(n, 8), il, 8, "warmup")
+        await batch(engine, prompts(min(n, 8), il), 8, "warmup")
+        burst = prompts(n, il)  # built before the clock starts, as a requests file's are
         profile = getattr(engine, "host_profile", None)
         before_prof = profile() if profile else None
         steps0 = engine.stats().num_steps
+        FIRST.clear()
         cpu0, t0 = time.process_time(), time.perf_counter()
-        await batch(engine, n, il, ol, "run")
+        await batch(engine, burst, ol, "run")
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         steps = engine.stats().num_steps - steps0
         res = {"steps": steps, "wall_s": wall, "cpu_s": cpu,
-               "cpu_ms_per_step": 1e3 * cpu / steps, "wall_ms_per_step": 1e3 * wall / steps}
+               "cpu_ms_per_step": 1e3 * cpu / steps, "wall_ms_per_step": 1e3 * wall / steps,
+               "first_forward_ms": 1e3 * (FIRST[0] - t0)}
         if profile:
             res["phases_ms_per_step"] = profile().since(before_prof).per_step_ms()
     print("RESULT " + json.dumps(res))
@@ -203,7 +215,8 @@ def main(ns: argparse.Namespace) -> int:
                     runs[name].append(res)
                     print(
                         f"  round {r + 1} {name}: {res['cpu_ms_per_step']:.3f} CPU ms/step, "
-                        f"{res['wall_ms_per_step']:.3f} wall ms/step ({res['steps']} steps)",
+                        f"{res['wall_ms_per_step']:.3f} wall ms/step ({res['steps']} steps), first forward after "
+                        f"{res['first_forward_ms']:.1f} ms",
                         flush=True,
                     )
         finally:
@@ -214,6 +227,7 @@ def main(ns: argparse.Namespace) -> int:
         figures[name] = {
             "cpu_ms_per_step": statistics.median(r["cpu_ms_per_step"] for r in rs),
             "wall_ms_per_step": statistics.median(r["wall_ms_per_step"] for r in rs),
+            "first_forward_ms": statistics.median(r["first_forward_ms"] for r in rs),
             "steps": rs[0]["steps"],
             "runs": rs,
         }
