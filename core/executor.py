@@ -95,12 +95,15 @@ class ExecutorActor:
                         for out in outs:
                             await results.send(out)
         finally:
-            if self._trace_path:
-                with open(self._trace_path, "w") as f:
-                    json.dump({"steps": self.step_trace}, f)
-            if out_of_process:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):  # file and process work off the event loop, also when cancelled
+                if self._trace_path:
+                    await anyio.to_thread.run_sync(self._write_trace)
+                if out_of_process:
                     await anyio.to_thread.run_sync(self.runner.close)
+
+    def _write_trace(self) -> None:
+        with open(self._trace_path, "w") as f:
+            json.dump({"steps": self.step_trace}, f)
 
     async def _launch(self, so: SchedulerOutput, out_of_process: bool) -> ModelOutput:
         """A whole step, for runners that do not overlap steps. A worker thread: torch releases the GIL in its

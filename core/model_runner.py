@@ -150,8 +150,9 @@ class ModelRunner:
         # pinned room for two steps' sampled tokens, whole from the start: allocating pinned memory while a step
         # runs may wait for the device (page-locking is a driver call), and the rows grow step by step as a burst
         # of prompts is admitted
-        pin = self.device.type == "cuda"
-        self._host_bufs = [torch.empty(self.max_num_tokens * pin, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        pin = self.device.type == "cuda"  # the CPU reads its tokens in place
+        rows = self.max_num_tokens if pin else 0
+        self._host_bufs = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_turn = 0
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
         self._event_turn = 0

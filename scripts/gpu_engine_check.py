@@ -283,8 +283,8 @@ def profile(ns: argparse.Namespace) -> dict:
         rows = [(torch.randint(vocab, (ctx - 1,), generator=g).tolist(), ctx - 1, 1) for _ in range(d)]
         pair = synthetic([*rows, (torch.randint(vocab, (n,), generator=g).tolist(), 0, n)], f"m{shape}-")
         row = {"decode_rows": d, "prompt_tokens": n, "context": ctx, "ms": timed(pair, 10)}
-        runner.graphs, mixed_graphs = None, runner.mixed_graphs
-        runner.mixed_graphs = None
+        mixed_graphs = runner.mixed_graphs
+        runner.graphs = runner.mixed_graphs = None
         row["eager_ms"] = timed((pair[1], pair[1]), 5)
         p = _profile_steps(lambda so=pair[1]: run(so), 3)
         runner.graphs, runner.mixed_graphs = graphs, mixed_graphs
