@@ -10,7 +10,7 @@
 #                                               # ShareGPT 200 | ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fuse   # this build vs the previous kernels (GEMV to 16 rows, reduce kernel), same call
 #   scripts/gpu_engine_bench.sh ropekv      # RoPE and the KV write in one kernel vs two: batch 1, ShareGPT 200
-#   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 2,048 tokens vs 512 (device idle)
+#   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 512 tokens vs 2,048 (device idle)
 #   scripts/gpu_engine_bench.sh graphs8192  # ShareGPT 200 and 1000, mixed-step graphs to 8,192 tokens vs 2,048
 #   scripts/gpu_engine_bench.sh gcfreeze  # the heap frozen after start-up (default) vs --no-gc-freeze, ShareGPT 1000/200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
@@ -20,7 +20,7 @@
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
 # --only-save-requests`), and for the previous build's run, old/ (`git archive 47cad4b app core kv spec scripts`)
-# with cache/tokenizers/ (the tokenizer that build reads for dummy models).
+# with cache/tokenizers/ (the tokenizer that build reads for dummy models). DRY=1 prints the commands only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -31,6 +31,7 @@ M="--model dummy:llama3-8b"
 run() {  # name, seconds, command...
     local name=$1 secs=$2
     shift 2
+    if [ -n "${DRY:-}" ]; then echo "$name $secs: $*"; return; fi  # DRY=1: print the commands only
     echo "== $name: $*"
     # each step's shape and device time (core/executor.py), summed by batch size below
     SLUICE_STEP_TRACE=$OUT/$name.trace.json timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
@@ -38,17 +39,34 @@ run() {  # name, seconds, command...
     grep -E "speedup|identical|output_tokens_per_s|requests_per_s|num_steps|host_profile|ms per|median|p99|ratio|Error|error" "$OUT/$name.log" | head -20
     [ -s "$OUT/$name.trace.json" ] && python scripts/step_mix.py --trace "$OUT/$name.trace.json"
 }
-# `timeout` runs programs, not shell functions: the two builds as env command lines
+# `timeout` runs programs, not shell functions: the build as an env command line (BENCH: another build's)
 bench="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.cli bench"
-old_bench="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench"
+# The workloads, each `NAME [PREFIX [FLAGS]]`: PREFIX an env command line setting switches, FLAGS more bench
+# flags; the result goes to $OUT/NAME.json.
+tp200() {  # ShareGPT 200 offline
+    run "$1" 120 ${2:-} ${BENCH:-$bench} throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 ${3:-} --out "$OUT/$1.json"
+}
+tp1000() {  # ShareGPT 1000 offline
+    run "$1" 150 ${2:-} ${BENCH:-$bench} throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 ${3:-} --out "$OUT/$1.json"
+}
+lat_b1() {  # batch 1, 128 in / 256 out
+    run "$1" 90 ${2:-} ${BENCH:-$bench} latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 ${3:-} --out "$OUT/$1.json"
+}
+lat_b8() {  # batch 8, 32 in / 128 out
+    run "$1" 90 ${2:-} ${BENCH:-$bench} latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 ${3:-} --out "$OUT/$1.json"
+}
+kernel_tests() {  # the Triton kernels' tests on the GPU
+    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider "$@"
+}
 
 case ${1:-core} in
 core)
-    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
-    run tp1000_prev 150 $old_bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
-    run tp200 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
-    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
-    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    tp1000 tp1000
+    # the previous build, from .stage/old
+    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench" tp1000 tp1000_prev
+    tp200 tp200
+    lat_b1 lat_b1
+    lat_b8 lat_b8
     run steps 100 $bench steps $M --batch-sizes 64 256 512 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
     ;;
 peer)
@@ -56,34 +74,34 @@ peer)
     ;;
 graphs-a)  # steps with prefill rows as CUDA graphs (default) against eager (--max-graph-tokens 0), same build, same call
     run kernels 120 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_check.py --no-bench --out "$OUT/kernels.json"
-    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
-    run tp1000_g0 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 0 --out "$OUT/tp1000_g0.json"
-    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
-    run lat_b1_g0 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --max-graph-tokens 0 --out "$OUT/lat_b1_g0.json"
+    tp1000 tp1000
+    tp1000 tp1000_g0 "" "--max-graph-tokens 0"
+    lat_b1 lat_b1
+    lat_b1 lat_b1_g0 "" "--max-graph-tokens 0"
     ;;
 graphs-b)
-    run tp200 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
-    run tp200_g0 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-graph-tokens 0 --out "$OUT/tp200_g0.json"
-    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    tp200 tp200
+    tp200 tp200_g0 "" "--max-graph-tokens 0"
+    lat_b8 lat_b8
     ;;
 gemv)  # the few-row bf16 GEMV (core/models/gemv.py): its sweep, then batch 1 with it and with cuBLAS (SLUICE_GEMV=0), alternating
     run dense 300 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_sweep.py dense --time-limit 60 --out "$OUT/dense.json"
     for i in 1 2; do
-        run lat_b1_cublas$i 90 env SLUICE_GEMV=0 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_cublas$i.json"
-        run lat_b1_gemv$i 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_gemv$i.json"
+        lat_b1 lat_b1_cublas$i "env SLUICE_GEMV=0"
+        lat_b1 lat_b1_gemv$i
     done
     ;;
 final)  # this build's figures, with ShareGPT 200 also under cuBLAS (SLUICE_GEMV=0) in the same call
-    run tp200 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
-    run tp200_cublas 90 env SLUICE_GEMV=0 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_cublas.json"
-    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
-    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
-    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    tp200 tp200
+    tp200 tp200_cublas "env SLUICE_GEMV=0"
+    tp1000 tp1000
+    lat_b1 lat_b1
+    lat_b8 lat_b8
     ;;
 tp200ab)  # ShareGPT 200 with the GEMV and with cuBLAS, alternating twice (a first run also compiles Triton variants)
     for i in 1 2; do
-        run tp200_gemv$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_gemv$i.json"
-        run tp200_cublas$i 90 env SLUICE_GEMV=0 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_cublas$i.json"
+        tp200 tp200_gemv$i
+        tp200 tp200_cublas$i "env SLUICE_GEMV=0"
     done
     ;;
 spec)  # EAGLE, default model + shipped head (GGUF joined at $HOME/stage): batch 1 with a third side, speculation
@@ -99,70 +117,70 @@ rows)  # the bf16 GEMV up to 64 rows (default) against its former limit of 16 (S
     run steps 150 $bench steps $M --batch-sizes 16 24 32 48 64 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
     run steps_r16 150 env SLUICE_GEMV_ROWS=16 $bench steps $M --batch-sizes 16 24 32 48 64 --max-num-batched-tokens 8192 --out "$OUT/steps_r16.json"
     for i in 1 2; do
-        run tp200_r64_$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_r64_$i.json"
-        run tp200_r16_$i 90 env SLUICE_GEMV_ROWS=16 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_r16_$i.json"
+        tp200 tp200_r64_$i
+        tp200 tp200_r16_$i "env SLUICE_GEMV_ROWS=16"
     done
     ;;
 rows1000)  # the same pair on ShareGPT 1000
-    run tp1000_r64 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_r64.json"
-    run tp1000_r16 150 env SLUICE_GEMV_ROWS=16 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_r16.json"
+    tp1000 tp1000_r64
+    tp1000 tp1000_r16 "env SLUICE_GEMV_ROWS=16"
     ;;
 fuse)  # this build against the previous one's kernels in the same call (SLUICE_GEMV_ROWS=16: the GEMV to 16 rows;
     # SLUICE_FUSED_REDUCE=0: decode attention's split reduce as a second kernel), alternating; kernel tests first
-    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/test_triton_attention.py tests/test_fused_kernels.py}
+    kernel_tests ${KERNEL_TESTS:-tests/test_triton_attention.py tests/test_fused_kernels.py}
     prev="env SLUICE_GEMV_ROWS=16 SLUICE_FUSED_REDUCE=0"
-    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
-    run lat_b1_prev 90 $prev $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_prev.json"
+    lat_b1 lat_b1
+    lat_b1 lat_b1_prev "$prev"
     for i in 1 2; do
-        run tp200_$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_$i.json"
-        run tp200_prev_$i 90 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_prev_$i.json"
+        tp200 tp200_$i
+        tp200 tp200_prev_$i "$prev"
     done
-    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
-    run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_prev.json"
-    run lat_b8 90 $bench latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 --out "$OUT/lat_b8.json"
+    tp1000 tp1000
+    tp1000 tp1000_prev "$prev"
+    lat_b8 lat_b8
     ;;
-ropekv)  # RoPE and the KV write in one kernel (SLUICE_FUSED_ROPE_KV=1) against two (the default), alternating; tests first
-    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py
+ropekv)  # RoPE and the KV write in one kernel (the default) against two (SLUICE_FUSED_ROPE_KV=0), alternating; tests first
+    kernel_tests tests/test_fused_kernels.py
     for i in 1 2; do
-        run lat_b1_ropekv$i 90 env SLUICE_FUSED_ROPE_KV=1 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_ropekv$i.json"
-        run lat_b1_default$i 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1_default$i.json"
-        run tp200_ropekv$i 90 env SLUICE_FUSED_ROPE_KV=1 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_ropekv$i.json"
-        run tp200_default$i 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_default$i.json"
+        lat_b1 lat_b1_ropekv$i
+        lat_b1 lat_b1_two$i "env SLUICE_FUSED_ROPE_KV=0"
+        tp200 tp200_ropekv$i
+        tp200 tp200_two$i "env SLUICE_FUSED_ROPE_KV=0"
     done
     ;;
-graphs2048)  # ShareGPT 1000 with mixed-step graphs to 2,048 tokens against the default 512, alternating; the host
+graphs2048)  # ShareGPT 1000 with mixed-step graphs to 512 tokens against 2,048 (the default), alternating; the host
     # profile's gpu_idle / gpu_idle_eager say how long the device waited between steps, and before eager ones
     for i in ${PAIRS:-1 2}; do
-        run tp1000_g512_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000_g512_$i.json"
-        run tp1000_g2048_$i 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 2048 --out "$OUT/tp1000_g2048_$i.json"
+        tp1000 tp1000_g512_$i "" "--max-graph-tokens 512"
+        tp1000 tp1000_g2048_$i "" "--max-graph-tokens 2048"
     done
     ;;
 graphs8192)  # mixed-step graphs to 8,192 tokens (every step of these runs a graph) against 2,048, ShareGPT 200 and 1000
     for n in 8192 2048; do
-        run tp200_g$n 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-graph-tokens $n --out "$OUT/tp200_g$n.json"
+        tp200 tp200_g$n "" "--max-graph-tokens $n"
     done
     for n in 8192 2048; do
-        run tp1000_g$n 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens $n --out "$OUT/tp1000_g$n.json"
+        tp1000 tp1000_g$n "" "--max-graph-tokens $n"
     done
     ;;
 stack)  # this build against the previous defaults in one call (SLUICE_GEMV_ROWS=32: the GEMV to 32 rows;
     # SLUICE_FUSED_ROPE_KV=0: RoPE and the KV write as two kernels; --max-graph-tokens 512), alternating; tests first
-    run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py tests/test_triton_attention.py
+    kernel_tests tests/test_fused_kernels.py tests/test_triton_attention.py
     prev="env SLUICE_GEMV_ROWS=32 SLUICE_FUSED_ROPE_KV=0"
-    run lat_b1 90 $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --out "$OUT/lat_b1.json"
-    run lat_b1_prev 90 $prev $bench latency $M --batch-size 1 --input-len 128 --output-len 256 --max-num-seqs 8 --num-iters 3 --num-iters-warmup 1 --max-graph-tokens 512 --out "$OUT/lat_b1_prev.json"
+    lat_b1 lat_b1
+    lat_b1 lat_b1_prev "$prev" "--max-graph-tokens 512"
     for i in 1 2; do
-        run tp200_$i 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200_$i.json"
-        run tp200_prev_$i 120 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --max-graph-tokens 512 --out "$OUT/tp200_prev_$i.json"
+        tp200 tp200_$i
+        tp200 tp200_prev_$i "$prev" "--max-graph-tokens 512"
     done
-    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
-    run tp1000_prev 150 $prev $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --max-graph-tokens 512 --out "$OUT/tp1000_prev.json"
+    tp1000 tp1000
+    tp1000 tp1000_prev "$prev" "--max-graph-tokens 512"
     ;;
 gcfreeze)  # the engine's heap frozen after start-up (the default) against --no-gc-freeze: ShareGPT 1000, then 200
-    run tp1000 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/tp1000.json"
-    run tp1000_nofreeze 150 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --no-gc-freeze --out "$OUT/tp1000_nofreeze.json"
-    run tp200 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --out "$OUT/tp200.json"
-    run tp200_nofreeze 120 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 8192 --no-gc-freeze --out "$OUT/tp200_nofreeze.json"
+    tp1000 tp1000
+    tp1000 tp1000_nofreeze "" "--no-gc-freeze"
+    tp200 tp200
+    tp200 tp200_nofreeze "" "--no-gc-freeze"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
