@@ -46,7 +46,8 @@ class ExecutorActor:
         # SLUICE_STEP_TRACE=F: every collected step's shape and device time, written to F as JSON when `run` ends
         # (`scripts/step_mix.py --trace F` reads it: where a run's device time goes, by batch size)
         self._trace_path = os.environ.get("SLUICE_STEP_TRACE")
-        # (decoding rows, prompt tokens, eager, device s, device idle s before it)
+        # (rows computing one token, the other rows' tokens (prompt chunks, verified drafts), eager, device s,
+        # device idle s before it)
         self.step_trace: list[tuple[int, int, bool, float, float]] = []
 
     @classmethod

@@ -52,8 +52,9 @@ def simulate(requests: list[dict], max_num_seqs: int, max_tokens: int) -> list[t
     return steps
 
 
-def report(steps: list[tuple[int, int]], seconds: list[float] | None, idle: list[float] | None,
-           max_graph_tokens: int) -> None:  # fmt: skip
+def report(
+    steps: list[tuple[int, int]], seconds: list[float] | None, idle: list[float] | None, max_graph_tokens: int
+) -> None:
     """Steps by decoding requests (power-of-two buckets), those with prompt tokens apart; with ``seconds`` and
     ``idle`` (a trace), each group's device time and the device's idle time before its steps."""
     secs, idles = seconds or [0.0] * len(steps), idle or [0.0] * len(steps)
