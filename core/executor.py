@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 import anyio
+import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.args import EngineArgs
 from sluice.core.culprit import is_fatal
@@ -47,8 +48,11 @@ class ExecutorActor:
         # (`scripts/step_mix.py --trace F` reads it: where a run's device time goes, by batch size)
         self._trace_path = os.environ.get("SLUICE_STEP_TRACE")
         # (rows computing one token, the other rows' tokens (prompt chunks, verified drafts), eager, device s,
-        # device idle s before it)
-        self.step_trace: list[tuple[int, int, bool, float, float]] = []
+        # device idle s before it, host s from the first traced launch to its launch, host s its launch took,
+        # bytes the device's caching allocator holds after it): an idle device before a step whose launch began
+        # in time points at the launch (a synchronizing call, memory allocated from the driver)
+        self.step_trace: list[tuple[int, int, bool, float, float, float, float, int]] = []
+        self._trace_t0: float | None = None
 
     @classmethod
     def start(cls, args: EngineArgs, source: ModelSource, max_model_len: int) -> ExecutorActor:
@@ -146,6 +150,7 @@ class ExecutorActor:
     def _timed_launch(self, so: SchedulerOutput) -> LaunchedStep:
         t0 = time.perf_counter()
         step = self.runner.launch(so)
+        step.launched_at, step.launch_s = t0, time.perf_counter() - t0
         # the device's end of the step launched before this one, if it had device work of its own (`gpu_idle`)
         step.after, self._last_ready = self._last_ready, step.ready
         p = self.profile
@@ -172,5 +177,19 @@ class ExecutorActor:
                     p.gpu_idle_eager += idle
             if self._trace_path:
                 decodes = sum(1 for n in step.so.num_scheduled_tokens if n == 1)
-                self.step_trace.append((decodes, step.so.num_tokens - decodes, step.eager, gpu_s, idle))
+                if self._trace_t0 is None:
+                    self._trace_t0 = step.launched_at
+                held = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+                self.step_trace.append(
+                    (
+                        decodes,
+                        step.so.num_tokens - decodes,
+                        step.eager,
+                        gpu_s,
+                        idle,
+                        step.launched_at - self._trace_t0,
+                        step.launch_s,
+                        held,
+                    )
+                )
         return out

@@ -73,6 +73,8 @@ class LaunchedStep:
     started: torch.cuda.Event | None = None
     eager: bool = False  # its forward ran op by op (no graph replayed): the host's launches may idle the device
     after: torch.cuda.Event | None = None  # the end event of the step launched before it (set by the executor)
+    launched_at: float = 0.0  # host clock when its launch began, and how long the launch took (the executor's)
+    launch_s: float = 0.0
 
     def gpu_seconds(self) -> float | None:
         """The device's time on this step (once collected)."""
@@ -211,6 +213,7 @@ class ModelRunner:
                     torch.cuda.empty_cache()
             else:
                 logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
+        self.warm_up_eager()
 
     # -- memory --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -235,49 +238,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         weights = torch.cuda.memory_allocated(dev)
-        # no step holds more than max_num_seqs sequences of max_model_len tokens (with one sequence and a
-        # token budget above max_model_len, the profile's own batch must not exceed the step buffers either)
-        n_tok = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
-        n_seq = max(1, -(-n_tok // self.max_model_len))
-        lens = [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
-        n_blocks = sum(-(-n // self.block_size) for n in lens)
         tmp_cache = allocate_kv_cache(
-            self.num_layers, n_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, dev
-        )
+            self.num_layers, self._largest_step_blocks(), self.block_size, self.model.num_kv_heads,
+            self.model.head_dim, self.kv_dtype, dev,
+        )  # fmt: skip
         tmp_bytes = sum(t.numel() * t.element_size() for t in tmp_cache)
-        g = torch.Generator(device="cpu").manual_seed(0)
-        so, next_block = SchedulerOutput(0), 0
-        for i, n in enumerate(lens):
-            nb = -(-n // self.block_size)
-            ids = torch.randint(0, self.vocab_size, (n,), generator=g).tolist()
-            rid = f"profile-{i}"
-            so.new_requests.append(NewRequest(rid, ids, n, list(range(next_block, next_block + nb)), _PROFILE_PARAMS))
-            so.req_ids.append(rid)
-            so.num_scheduled_tokens.append(n)
-            so.num_computed_tokens.append(0)
-            so.samples.append(True)
-            next_block += nb
-        batch = InputBatch(n_seq, self.max_blocks_per_seq, self.block_size)  # the one builder, on its own slots
-        batch.apply(so)
-        b = self.buffers
-        rows = batch.build(so, b)
-        b.upload(rows.num_tokens, n_seq, b.max_blocks, 0)
-        meta = self._metadata(rows, b)
-        hidden = self.model(b.input_ids[:n_tok], b.positions[:n_tok], ForwardContext(meta, tmp_cache, self.backend))
-        del hidden
-        n_rows = min(self.max_num_seqs, n_tok)
-        logits = self.model.compute_logits(
-            torch.randn(n_rows, self.model.config.hidden_size, device=dev, dtype=self.dtype)
-        )
-        sampling = SamplingBatch(
-            temperature=torch.ones(n_rows, device=dev),
-            top_k=torch.full((n_rows,), 50, dtype=torch.long, device=dev),
-            top_p=torch.full((n_rows,), 0.9, device=dev),
-            min_p=torch.full((n_rows,), 0.05, device=dev),
-            generators=[None] * n_rows,
-        )
-        sample(logits, sampling).token_ids.tolist()
-        del logits
+        n_tok, n_rows = self._run_largest_step(tmp_cache)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         del tmp_cache
@@ -308,6 +274,76 @@ class ModelRunner:
                 f"{activations / GiB:.2f} GiB)"
             )
         return blocks
+
+    def _largest_step_lens(self) -> list[int]:
+        """Prompt lengths of the largest step the scheduler can send: all of ``max_num_batched_tokens`` as prefill,
+        in as few sequences as ``max_model_len`` allows (no step holds more than ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens, and the step buffers bound the profile's own batch too)."""
+        n_tok = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
+        n_seq = max(1, -(-n_tok // self.max_model_len))
+        return [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
+
+    def _largest_step_blocks(self) -> int:
+        return sum(-(-n // self.block_size) for n in self._largest_step_lens())
+
+    @torch.inference_mode()
+    def _run_largest_step(self, kv_caches: list[torch.Tensor]) -> tuple[int, int]:
+        """One eager forward of the largest step (`_largest_step_lens`, random tokens, its KV written to the first
+        blocks of ``kv_caches``), then sampling at ``max_num_seqs`` rows with top-k, top-p and min-p: the most
+        memory a step takes outside the graphs. Its own persistent batch; returns ``(tokens, sampled rows)``."""
+        dev = self.device
+        lens = self._largest_step_lens()
+        g = torch.Generator(device="cpu").manual_seed(0)
+        so, next_block = SchedulerOutput(0), 0
+        for i, n in enumerate(lens):
+            nb = -(-n // self.block_size)
+            ids = torch.randint(0, self.vocab_size, (n,), generator=g).tolist()
+            rid = f"profile-{i}"
+            so.new_requests.append(NewRequest(rid, ids, n, list(range(next_block, next_block + nb)), _PROFILE_PARAMS))
+            so.req_ids.append(rid)
+            so.num_scheduled_tokens.append(n)
+            so.num_computed_tokens.append(0)
+            so.samples.append(True)
+            next_block += nb
+        n_tok, n_seq = sum(lens), len(lens)
+        batch = InputBatch(n_seq, self.max_blocks_per_seq, self.block_size)  # the one builder, on its own slots
+        batch.apply(so)
+        b = self.buffers
+        b.wait_uploaded()
+        rows = batch.build(so, b)
+        b.upload(rows.num_tokens, n_seq, b.max_blocks, 0)
+        meta = self._metadata(rows, b)
+        hidden = self.model(b.input_ids[:n_tok], b.positions[:n_tok], ForwardContext(meta, kv_caches, self.backend))
+        del hidden
+        n_rows = min(self.max_num_seqs, n_tok)
+        logits = self.model.compute_logits(
+            torch.randn(n_rows, self.model.config.hidden_size, device=dev, dtype=self.dtype)
+        )
+        sampling = SamplingBatch(
+            temperature=torch.ones(n_rows, device=dev),
+            top_k=torch.full((n_rows,), 50, dtype=torch.long, device=dev),
+            top_p=torch.full((n_rows,), 0.9, device=dev),
+            min_p=torch.full((n_rows,), 0.05, device=dev),
+            generators=[None] * n_rows,
+        )
+        sample(logits, sampling).token_ids.tolist()
+        logits.argmax(-1).tolist()  # what an all-greedy step does instead
+        return n_tok, n_rows
+
+    def warm_up_eager(self) -> None:
+        """Run the largest eager step once after start-up (CUDA), as vLLM's warm-up does: Triton compiles the
+        eager path's kernel variants, and the caching allocator takes from the driver the memory such a step
+        needs and keeps it. Otherwise the first burst of prompts pays for both inside its first steps, while the
+        device waits (allocating device memory may wait for the device, too). Its KV goes to the first blocks of
+        the pool, free at start-up. ``SLUICE_EAGER_WARMUP=0`` skips it; ``=1`` runs it on the CPU too (tests)."""
+        flag = os.environ.get("SLUICE_EAGER_WARMUP")
+        if flag == "0" or (flag != "1" and self.device.type != "cuda"):
+            return
+        if self._largest_step_blocks() > self.num_kv_blocks:  # a pool smaller than one largest step: nothing to warm
+            return
+        self._run_largest_step(self.kv_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- one step ----------------------------------------------------------------------------------
     def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:

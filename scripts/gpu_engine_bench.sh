@@ -13,6 +13,8 @@
 #   scripts/gpu_engine_bench.sh graphs2048  # ShareGPT 1000, mixed-step graphs to 512 tokens vs 2,048 (device idle)
 #   scripts/gpu_engine_bench.sh graphs8192  # ShareGPT 200 and 1000, mixed-step graphs to 8,192 tokens vs 2,048
 #   scripts/gpu_engine_bench.sh gcfreeze  # the heap frozen after start-up (default) vs --no-gc-freeze, ShareGPT 1000/200
+#   scripts/gpu_engine_bench.sh warmup  # the largest eager step run once at start-up (default) vs not
+#                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -181,6 +183,15 @@ gcfreeze)  # the engine's heap frozen after start-up (the default) against --no-
     tp1000 tp1000_nofreeze "" "--no-gc-freeze"
     tp200 tp200
     tp200 tp200_nofreeze "" "--no-gc-freeze"
+    ;;
+warmup)  # the engine's eager warm-up (ModelRunner.warm_up_eager, the default) against none: ShareGPT 1000 first
+    # on a fresh machine (Triton compiles what the warm-up does not cover inside the timed run), then ShareGPT 200
+    tp1000 tp1000
+    tp1000 tp1000_nowarm "env SLUICE_EAGER_WARMUP=0"
+    for i in ${PAIRS:-1 2}; do
+        tp200 tp200_$i
+        tp200 tp200_nowarm_$i "env SLUICE_EAGER_WARMUP=0"
+    done
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

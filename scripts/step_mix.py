@@ -13,7 +13,7 @@ buckets), those with prompt tokens apart: how many fit the mixed-step graphs' to
     SLUICE_STEP_TRACE=/tmp/trace.json sluice bench throughput ...; python scripts/step_mix.py --trace /tmp/trace.json
 
 reads what a run did instead (its executor's trace): the same groups with their device time, and the device's
-idle time before their steps.
+idle time before their steps; ``--list N`` prints its first N steps, each with its host times.
 """
 
 from __future__ import annotations
@@ -82,6 +82,18 @@ def report(
         print(line)
 
 
+def list_steps(trace: list[list]) -> None:
+    """A trace's steps one per line; traces with host times (from the first launch, the launch's own time) and the
+    caching allocator's bytes also show those: a device idle before a step whose launch began in time, with a long
+    launch, was waiting on that launch."""
+    print("  step  decodes  other tokens  eager  device ms  idle ms  launch at s  launch ms  allocator GiB")
+    for i, t in enumerate(trace):
+        line = f"  {i:4d}  {t[0]:7d}  {t[1]:12d}  {'yes' if t[2] else 'no':>5s}  {1e3 * t[3]:9.2f}  {1e3 * t[4]:7.2f}"
+        if len(t) > 7:
+            line += f"  {t[5]:11.4f}  {1e3 * t[6]:9.2f}  {t[7] / 2**30:13.2f}"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("requests_file", nargs="?")
@@ -90,10 +102,13 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-graph-tokens", type=int, default=2048, help="the engine's (for grouping the steps)")
+    ap.add_argument("--list", type=int, default=0, metavar="N", help="with --trace: also print its first N steps")
     ns = ap.parse_args()
     if ns.trace:
         trace = json.load(open(ns.trace))["steps"]
         report([(t[0], t[1]) for t in trace], [t[3] for t in trace], [t[4] for t in trace], ns.max_graph_tokens)
+        if ns.list:
+            list_steps(trace[: ns.list])
         return
     if not ns.requests_file:
         ap.error("a requests file or --trace")

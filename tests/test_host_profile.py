@@ -78,4 +78,7 @@ async def test_step_trace_records_each_steps_shape_and_device_time_and_is_writte
     await ex.run(inbox, results)
     assert [o.step_id async for o in recv] == [0, 1]
     steps = json.loads(path.read_text())["steps"]
-    assert steps == [[1, 3, True, 1.0, 0.0], [2, 0, False, 0.5, 0.25]]
+    assert [s[:5] for s in steps] == [[1, 3, True, 1.0, 0.0], [2, 0, False, 0.5, 0.25]]
+    # the host's side: when each launch began (from the first) and how long it took; the allocator's bytes (none)
+    assert steps[0][5] == 0.0 and steps[1][5] >= steps[0][6] >= 0.0 and steps[1][6] >= 0.0
+    assert [s[7] for s in steps] == [0, 0]

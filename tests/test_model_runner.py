@@ -214,3 +214,24 @@ def test_requests_submitted_together_share_their_first_step():
 
     # one prefill step for all eight (it samples each one's first token), then three decode steps
     assert anyio.run(go) == 4
+
+
+def test_the_eager_warm_up_fills_the_first_blocks_and_leaves_outputs_as_they_were(monkeypatch):
+    # `ModelRunner.warm_up_eager` runs the largest step once at start-up (on CUDA; forced here) with its own batch,
+    # writing KV into the first blocks of the real pool: what serves requests afterwards must not notice
+    kw = dict(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_num_batched_tokens=256, max_model_len=512)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 61)), [7] * 3]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("SLUICE_EAGER_WARMUP", "0")
+    with LLM(**kw) as llm:
+        assert not any(bool(c.any()) for c in llm.engine._executor.runner.kv_caches)
+        cold = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("SLUICE_EAGER_WARMUP", "1")
+    with LLM(**kw) as llm:
+        runner = llm.engine._executor.runner
+        blocks = runner._largest_step_blocks()
+        assert blocks == 256 // runner.block_size
+        assert all(bool(c[:, :blocks].flatten(2).any(2).all()) for c in runner.kv_caches)  # K and V of each block
+        assert not any(bool(c[:, blocks:].any()) for c in runner.kv_caches)
+        warm = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert warm == cold
