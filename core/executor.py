@@ -49,9 +49,10 @@ class ExecutorActor:
         self._trace_path = os.environ.get("SLUICE_STEP_TRACE")
         # (rows computing one token, the other rows' tokens (prompt chunks, verified drafts), eager, device s,
         # device idle s before it, host s from the first traced launch to its launch, host s its launch took,
-        # bytes the device's caching allocator holds after it): an idle device before a step whose launch began
-        # in time points at the launch (a synchronizing call, memory allocated from the driver)
-        self.step_trace: list[tuple[int, int, bool, float, float, float, float, int]] = []
+        # bytes the device's caching allocator holds after it, host s of the launch until its inputs were
+        # uploaded and until its forward and sampling were enqueued): an idle device before a step whose launch
+        # began in time points at the launch (a synchronizing call, memory allocated from the driver)
+        self.step_trace: list[tuple[int, int, bool, float, float, float, float, int, float, float]] = []
         self._trace_t0: float | None = None
 
     @classmethod
@@ -190,6 +191,8 @@ class ExecutorActor:
                         step.launched_at - self._trace_t0,
                         step.launch_s,
                         held,
+                        max(0.0, step.prepared_at - step.launched_at),
+                        max(0.0, step.enqueued_at - step.launched_at),
                     )
                 )
         return out

@@ -75,6 +75,7 @@ class LaunchedStep:
     after: torch.cuda.Event | None = None  # the end event of the step launched before it (set by the executor)
     launched_at: float = 0.0  # host clock when its launch began, and how long the launch took (the executor's)
     launch_s: float = 0.0
+    enqueued_at: float = 0.0  # host clock when its forward, logits and sampling were enqueued (the trace's)
 
     def gpu_seconds(self) -> float | None:
         """The device's time on this step (once collected)."""
@@ -214,6 +215,9 @@ class ModelRunner:
             else:
                 logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
         self.warm_up_eager()
+        if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
+            # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
+            torch.cuda.set_sync_debug_mode("warn")
 
     # -- memory --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -486,6 +490,7 @@ class ModelRunner:
         else:
             step.sampler_out = sample(logits, sampling)
             tokens = step.sampler_out.token_ids
+        step.enqueued_at = time.perf_counter()
         if self.tp is not None:
             self.tp.broadcast(tokens)
         self.batch.sampled(slots, so.step_id, np.arange(num_rows))

@@ -193,6 +193,11 @@ warmup)  # the engine's eager warm-up (ModelRunner.warm_up_eager, the default) a
         tp200 tp200_nowarm_$i "env SLUICE_EAGER_WARMUP=0"
     done
     ;;
+launchwait)  # ShareGPT 200 with where each launch's host time goes (the step trace), then with every synchronizing
+    # call warned about (SLUICE_SYNC_DEBUG=1: torch's sync debug mode, each with where it was called)
+    tp200 tp200
+    tp200 tp200_syncdebug "env SLUICE_SYNC_DEBUG=1"
+    ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
     run tp200_t16k 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 16384 --out "$OUT/tp200_t16k.json"

@@ -83,14 +83,20 @@ def report(
 
 
 def list_steps(trace: list[list]) -> None:
-    """A trace's steps one per line; traces with host times (from the first launch, the launch's own time) and the
-    caching allocator's bytes also show those: a device idle before a step whose launch began in time, with a long
+    """A trace's steps one per line; traces with host times (from the first launch, the launch's own time, and
+    within it until the inputs were uploaded and until the forward and sampling were enqueued) and the caching
+    allocator's bytes also show those: a device idle before a step whose launch began in time, with a long
     launch, was waiting on that launch."""
-    print("  step  decodes  other tokens  eager  device ms  idle ms  launch at s  launch ms  allocator GiB")
+    print(
+        "  step  decodes  other tokens  eager  device ms  idle ms  launch at s  launch ms  allocator GiB"
+        "  uploaded ms  enqueued ms"
+    )
     for i, t in enumerate(trace):
         line = f"  {i:4d}  {t[0]:7d}  {t[1]:12d}  {'yes' if t[2] else 'no':>5s}  {1e3 * t[3]:9.2f}  {1e3 * t[4]:7.2f}"
         if len(t) > 7:
             line += f"  {t[5]:11.4f}  {1e3 * t[6]:9.2f}  {t[7] / 2**30:13.2f}"
+        if len(t) > 9:
+            line += f"  {1e3 * t[8]:11.2f}  {1e3 * t[9]:11.2f}"
         print(line)
 
 
