@@ -457,12 +457,14 @@ class ModelRunner:
                 b.logit_rows_np[:num_rows] = sample_rows
             b.upload(graph_bs, graph_bs, b.max_blocks, 0 if whole else num_rows, gather)
         else:
+            head_rows = self._head_rows(num_rows)
             if num_rows:
                 b.logit_rows_np[:num_rows] = rows.query_start_loc[1:][sample_rows] - 1
+                b.logit_rows_np[num_rows:head_rows] = 0  # padding: any row of this step
             if graph_t is not None:
-                b.upload(graph_t, graph_seqs, b.max_blocks, num_rows, gather)
+                b.upload(graph_t, graph_seqs, b.max_blocks, head_rows, gather)
             else:
-                b.upload(rows.num_tokens, n, b.max_blocks, num_rows, gather)
+                b.upload(rows.num_tokens, n, b.max_blocks, head_rows, gather)
         if gather:  # decodes whose input token the step in flight sampled: copied from its samples on the device
             b.input_ids[b.gather_dst[:gather]] = self._last_sampled[b.gather_src[:gather]]
         prepared_at = time.perf_counter()
@@ -480,7 +482,7 @@ class ModelRunner:
                 hidden = self._forward(b.input_ids[:t], b.positions[:t], self._metadata(rows, b))
             if num_rows == 0:
                 return LaunchedStep(so, ModelOutput(so.step_id))
-            logits = self.model.compute_logits(hidden[b.logit_rows[:num_rows]])
+            logits = self.model.compute_logits(hidden[b.logit_rows[:head_rows]])[:num_rows]
         eager = graph_bs is None and graph_t is None
         step = LaunchedStep(so, req_ids=req_ids, slots=slots, prepared_at=prepared_at, started=started, eager=eager)
         if not rank0:
@@ -497,6 +499,16 @@ class ModelRunner:
         self._enqueue_read_back(step, tokens)
         self._last_sampled = tokens
         return step
+
+    def _head_rows(self, num_rows: int) -> int:
+        """Rows the LM head computes for a step outside the decode graphs: ``num_rows`` padded to a decode graph's
+        batch size. The head's matmul then has a row count the graphs' capture ran, so cuBLAS picks a kernel that
+        is loaded already: CUDA loads kernels on first use, and loading one waits for the device to finish what
+        is queued, which stalled the launch of a step behind the one in flight (docs/benchmarks.md).
+        ``SLUICE_PAD_HEAD_ROWS=0`` computes the rows as they are."""
+        if self.graphs is None or not num_rows or os.environ.get("SLUICE_PAD_HEAD_ROWS") == "0":
+            return num_rows
+        return self.graphs.padded_size(num_rows) or num_rows
 
     def _device_event(self) -> torch.cuda.Event | None:
         """A timing event recorded now, from a ring (creating one per step costs host time): a step's two are

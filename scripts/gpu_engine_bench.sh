@@ -15,6 +15,8 @@
 #   scripts/gpu_engine_bench.sh gcfreeze  # the heap frozen after start-up (default) vs --no-gc-freeze, ShareGPT 1000/200
 #   scripts/gpu_engine_bench.sh warmup  # the largest eager step run once at start-up (default) vs not
 #                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
+#   scripts/gpu_engine_bench.sh launchwait  # ShareGPT 200 traced, then with torch's sync debug mode
+#   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -197,6 +199,14 @@ launchwait)  # ShareGPT 200 with where each launch's host time goes (the step tr
     # call warned about (SLUICE_SYNC_DEBUG=1: torch's sync debug mode, each with where it was called)
     tp200 tp200
     tp200 tp200_syncdebug "env SLUICE_SYNC_DEBUG=1"
+    ;;
+headrows)  # the LM head's rows outside the graphs padded to a decode graph's size (default) against as they are
+    # (SLUICE_PAD_HEAD_ROWS=0), and unpadded with every kernel loaded at start-up (CUDA_MODULE_LOADING=EAGER)
+    tp200 tp200
+    tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
+    tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
+    tp1000 tp1000
+    tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
