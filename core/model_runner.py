@@ -503,9 +503,9 @@ class ModelRunner:
     def _head_rows(self, num_rows: int) -> int:
         """Rows the LM head computes for a step outside the decode graphs: ``num_rows`` padded to a decode graph's
         batch size. The head's matmul then has a row count the graphs' capture ran, so cuBLAS picks a kernel that
-        is loaded already: CUDA loads kernels on first use, and loading one waits for the device to finish what
-        is queued, which stalled the launch of a step behind the one in flight (docs/benchmarks.md).
-        ``SLUICE_PAD_HEAD_ROWS=0`` computes the rows as they are."""
+        is loaded already. CUDA loads a kernel at its first launch, and loading one may wait for the device to
+        finish what is queued: the likely cause of the launches in a burst's first steps that lasted as long as
+        their step's device work (docs/benchmarks.md). ``SLUICE_PAD_HEAD_ROWS=0`` computes the rows as they are."""
         if self.graphs is None or not num_rows or os.environ.get("SLUICE_PAD_HEAD_ROWS") == "0":
             return num_rows
         return self.graphs.padded_size(num_rows) or num_rows
