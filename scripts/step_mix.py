@@ -100,6 +100,21 @@ def list_steps(trace: list[list]) -> None:
         print(line)
 
 
+def long_launches(trace: list[list]) -> None:
+    """For traces with host times: the launches that lasted about as long as their step's device work or longer
+    (the host enqueued the step only as fast as the device ran it: it waited for the device, e.g. to load a kernel
+    on its first use), and the device's idle time before the step after each."""
+    if not trace or len(trace[0]) <= 6:
+        return
+    long = [i for i, t in enumerate(trace) if t[6] >= 0.9 * t[3] and t[6] > 0.02]
+    idle = sum(trace[i + 1][4] for i in long if i + 1 < len(trace))
+    shown = ", ".join(f"{i} ({1e3 * trace[i][6]:.0f} ms)" for i in long[:12]) + (" ..." if len(long) > 12 else "")
+    print(
+        f"  launches as long as their step's device time: {len(long)}{': steps ' + shown if long else ''}; "
+        f"idle before the steps after them {1e3 * idle:.1f} ms"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("requests_file", nargs="?")
@@ -113,6 +128,7 @@ def main() -> None:
     if ns.trace:
         trace = json.load(open(ns.trace))["steps"]
         report([(t[0], t[1]) for t in trace], [t[3] for t in trace], [t[4] for t in trace], ns.max_graph_tokens)
+        long_launches(trace)
         if ns.list:
             list_steps(trace[: ns.list])
         return
