@@ -144,6 +144,88 @@ def test_gemv_matches_linear(dtype, rows):
             assert not counters.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_gemv_with_the_rmsnorm_folded_in_matches_norm_then_gemv(dtype, rows):
+    """`gemv_rmsnorm` against the norm's kernel then the GEMV: with and without a residual (the first layer's
+    norm has none), K a multiple of the step and not, a bias; the new residual stream is x + residual rounded to
+    the dtype, as the norm's kernel leaves it, and the inputs are left as they were."""
+    from sluice.core.models import gemv
+
+    g = torch.Generator().manual_seed(rows)
+    n = 100
+    for k, cfg in ((320, gemv.GemvConfig(32, 64, 1)), (300, gemv.GemvConfig(64, 128, 1)), (256, None)):
+        w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+        nw = (1 + 0.5 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+        x = (3 * torch.randn(rows, k, generator=g)).to(DEVICE, dtype)
+        res = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+        counters = torch.zeros(-(-n // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
+        x0, res0 = x.clone(), res.clone()
+        for r, b in ((res, bias), (None, None)):
+            h, expect_res = fused.add_rmsnorm(x, r, nw, 1e-5)
+            expect = gemv.gemv(h, w, b, counters, cfg)
+            out, new_res = gemv.gemv_rmsnorm(x, r, nw, 1e-5, w, b, counters, cfg)
+            assert out.shape == (rows, n) and out.dtype == dtype
+            if r is None:
+                assert new_res is x
+            else:
+                assert torch.equal(new_res, expect_res)  # the same sum, rounded the same way
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, expect, rtol=1e-4, atol=1e-4)
+            else:  # x rounded once between the norm's factors instead of twice
+                _close_to_scale(out, expect, 2**-7)
+            assert torch.equal(x, x0) and torch.equal(res, res0) and not counters.any()
+
+
+def test_decoder_layers_fold_their_norms_into_the_gemv_for_few_rows(monkeypatch):
+    """A bf16 model whose projections take the GEMV, the fold switched on: for a few rows each layer's two norms go
+    into the projections after them (two `gemv_rmsnorm` launches per layer) and the logits are those of the
+    separate kernels, to rounding; past `fold_norm_rows` rows, and with the fold off, the norms run their own
+    kernel."""
+    from sluice.core.models import gemv
+    from sluice.core.models.layers import ForwardContext
+    from sluice.core.models.loader import load_model, resolve_model
+    from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
+
+    monkeypatch.setattr(gemv, "MIN_WEIGHT_BYTES", 0)
+    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS)  # the switch on (SLUICE_GEMV_FOLD_NORM=1)
+    model = load_model(resolve_model("dummy:tiny"), torch.bfloat16, DEVICE, max_position=64)
+    enable_fused_kernels(model)
+    calls = []
+    real = gemv.gemv_rmsnorm
+    monkeypatch.setattr(gemv, "gemv_rmsnorm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+
+    def logits(t: int) -> torch.Tensor:
+        ids = torch.arange(3, 3 + t, device=DEVICE) * 7 % 1000
+        kv = allocate_kv_cache(2, 4, 16, model.num_kv_heads, model.head_dim, torch.bfloat16, DEVICE)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(t, device=DEVICE),
+            query_start_loc=torch.tensor([0, t], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([t], dtype=torch.int32, device=DEVICE),
+            block_tables=torch.tensor([[0, 1, 2, 3]], dtype=torch.int32, device=DEVICE),
+            max_query_len=t,
+            max_seq_len=t,
+            query_start_loc_host=[0, t],
+            seq_lens_host=[t],
+        )
+        with torch.inference_mode():
+            ctx = ForwardContext(meta, kv, get_attention_backend("torch"))
+            hidden = model(ids, torch.arange(t, device=DEVICE), ctx)
+            return model.compute_logits(hidden).float()
+
+    folded = logits(6)
+    assert calls == [6] * (2 * len(model.model.layers))
+    calls.clear()
+    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: 0)
+    separate = logits(6)
+    assert calls == []
+    _close_to_scale(folded, separate, 2**-5)
+    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS)
+    logits(gemv.FOLD_NORM_ROWS + 1)
+    assert calls == []  # past the fold's rows: the norm's own kernel
+
+
 def test_linear_layer_takes_the_gemv_only_for_few_rows():
     from sluice.core.models import gemv
     from sluice.core.models.layers import Linear

@@ -52,12 +52,18 @@ def _gemv_kernel(
     out_ptr,
     ws_ptr,
     cnt_ptr,
+    res_ptr,
+    nw_ptr,
+    res_out_ptr,
+    eps,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
+    stride_rom,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -66,6 +72,8 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     DOT_F32: tl.constexpr,
     PDL: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,6 +90,8 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if NORM:
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:  # every step whole: no per-element K mask (it would split the vector loads)
@@ -89,11 +99,24 @@ def _gemv_kernel(
         else:
             kmask = k < hi
         w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        xmask = kmask[:, None] & mmask[None, :]
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=xmask, other=0.0)
+        if NORM:  # x (+ residual) through the RMSNorm's weight now; its 1 / rms, a factor per row, at the end
+            if HAS_RES:
+                r = tl.load(res_ptr + offs_m[None, :] * stride_rm + k[:, None], mask=xmask, other=0.0)
+                xt = (xt.to(tl.float32) + r.to(tl.float32)).to(xt.dtype)  # the residual stream keeps its dtype
+                if pid_n == 0:  # one column of programs writes the new residual stream
+                    tl.store(res_out_ptr + offs_m[None, :] * stride_rom + k[:, None], xt, mask=xmask)
+            h = xt.to(tl.float32)
+            sumsq += tl.sum(h * h, axis=0)
+            nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
+            xt = (h * nw[:, None]).to(xt.dtype)
         if DOT_F32:  # fp32 activations stay fp32; the CPU interpreter's bf16 dot is wrong (see triton_kernels)
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
+    if NORM:  # the norm's scale, one per row of x (whole rows: SPLIT_K is 1)
+        acc = acc * tl.rsqrt(sumsq / K + eps)[None, :]
     omask = rmask[:, None] & mmask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -127,6 +150,18 @@ class GemvConfig:
 def block_m(m: int) -> int:
     """The row tile for ``m`` rows of ``x``: 16 or 32."""
     return max(MIN_BLOCK_M, triton.next_power_of_2(m))
+
+
+# Rows up to which a decoder layer folds its RMSNorm into the next projection's GEMV (`gemv_rmsnorm`): every
+# program then also reads the rows' residual, which outweighs the norm's own launch at larger batches.
+FOLD_NORM_ROWS = 16
+
+
+@functools.cache  # asked at every decoder layer; fixed for a process
+def fold_norm_rows() -> int:
+    """Rows up to which `gemv_rmsnorm` serves: none unless ``SLUICE_GEMV_FOLD_NORM=1`` (off until the H200 has
+    timed it against the norm's own kernel: `scripts/gpu_engine_bench.sh foldnorm`)."""
+    return FOLD_NORM_ROWS if os.environ.get("SLUICE_GEMV_FOLD_NORM") == "1" else 0
 
 
 @functools.cache  # asked at every few-row linear call; fixed for a process
@@ -180,15 +215,56 @@ def gemv(
         split = 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, bm, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _launch(x, weight, bias, out, ws, counters, c, split, None)
+    return out
+
+
+def _launch(x, weight, bias, out, ws, counters, c: GemvConfig, split: int, norm) -> None:
+    """`_gemv_kernel` over ``x``; ``norm``: ``(residual or None, norm weight, eps, residual out)`` to fold an
+    RMSNorm in (`gemv_rmsnorm`)."""
+    m, k = x.shape
+    n = weight.shape[0]
     even_k = k % (c.block_k * split) == 0
     dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
+    res, nw, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
+    has_res = res is not None
+    res = res if has_res else x
     _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
-        x, weight, bias if bias is not None else weight, out, ws, counters,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
+        x, weight, bias if bias is not None else weight, out, ws, counters, res, nw, res_out, eps,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=block_m(m), SPLIT_K=split, HAS_BIAS=bias is not None,
+        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, num_warps=c.num_warps,
+        num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
-    return out
+
+
+def gemv_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x + residual) @ weight^T (+ bias), x + residual)`` in one launch, for few rows (without
+    ``residual``: ``(rmsnorm(x) @ weight^T, x)``): the norm's weight scales x's tiles as they are loaded, the
+    rows' sums of squares accumulate beside the product, and each row's 1/rms multiplies its results at the end
+    (a factor per row of x commutes with the product). Each program reads whole rows (no K split); the
+    programs of the first column of tiles write the new residual stream. This saves a decode step the norm's
+    own launch and its wait before each of two projections per layer. x is rounded once between the norm's
+    factors instead of twice: results agree with `fused.add_rmsnorm` then `gemv` to the output's rounding."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= KERNEL_MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1)
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    c = config or gemv_config(n, k, num_sms, m)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    _launch(x, weight, bias, out, out, counters, c, 1, (residual, norm_weight, eps, res_out))
+    return out, res_out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:

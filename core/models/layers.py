@@ -57,6 +57,31 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
+def norm_then_linear(
+    norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(h), residual)`` for ``h, residual = norm(x, residual)`` (``norm(x)`` and ``x`` without a residual):
+    a decoder layer's norm and the projection after it. For a few rows, when both run fused kernels, one GEMV
+    with the norm folded in (`gemv.gemv_rmsnorm`); otherwise the two layers."""
+    from sluice.core.models import gemv
+
+    rows = x.numel() // x.shape[-1]
+    if (
+        getattr(linear, "fused", None) is gemv.linear
+        and norm.fused is not None
+        and 0 < rows <= min(gemv.fold_norm_rows(), gemv.max_rows())
+        and x.dtype == linear.weight.dtype
+    ):
+        x2 = x.reshape(rows, x.shape[-1]).contiguous()
+        r2 = residual.reshape(rows, x.shape[-1]).contiguous() if residual is not None else None
+        out, res = gemv.gemv_rmsnorm(x2, r2, norm.weight, norm.eps, linear.weight, linear.bias, linear.counters)
+        return out.view(*x.shape[:-1], out.shape[-1]), res.view(x.shape)
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm(x, residual)
+    return linear(h), residual
+
+
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.layers import ForwardContext, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
+from sluice.core.models.layers import ForwardContext, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, norm_then_linear
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 from torch import nn
 
@@ -57,9 +57,12 @@ class LlamaAttention(nn.Module):
         self.kv_scale: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
-        qkv = self.qkv_proj(x)
+        return self.forward_qkv(self.qkv_proj(x), positions, rotary, ctx)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
+        """The layer from its qkv projection on (which the decoder layer may compute with the norm before it)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
+        t = qkv.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -89,7 +92,11 @@ class LlamaMLP(nn.Module):
         self.shard_sizes = (m, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.forward_gate_up(self.gate_up_proj(x))
+
+    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP from its gate/up projection on."""
+        out = self.down_proj(self.act(gate_up))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -102,14 +109,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, positions, rotary, ctx):
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        # each norm with the projection after it: one kernel for few rows (`norm_then_linear`)
+        qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        h = self.self_attn.forward_qkv(qkv, positions, rotary, ctx)
+        gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
+        return self.mlp.forward_gate_up(gate_up), residual
 
 
 class LlamaModel(nn.Module):
