@@ -17,7 +17,7 @@
 #                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
 #   scripts/gpu_engine_bench.sh launchwait  # ShareGPT 200 traced, then with torch's sync debug mode
 #   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
-#   scripts/gpu_engine_bench.sh foldnorm  # RMSNorms folded into the GEMV after them vs their own kernels (default)
+#   scripts/gpu_engine_bench.sh fold   # RMSNorms and SiLU folded into the GEMV after them vs their own kernels
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -210,10 +210,11 @@ headrows)  # the LM head's rows outside the graphs padded to a decode graph's si
     # last: loading every kernel of every library at start-up may take long
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
     ;;
-foldnorm)  # each decoder layer's RMSNorms folded into the GEMV after them at <= 16 rows (SLUICE_GEMV_FOLD_NORM=1)
-    # against their own kernels (the default), alternating; the kernels' tests on the GPU first
+fold)  # each decoder layer's RMSNorms and SiLU-and-mul folded into the GEMV after them at <= 16 rows
+    # (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating; the kernels' GPU tests
+    # first, the norms alone at batch 1 last
     kernel_tests tests/test_fused_kernels.py
-    fold="env SLUICE_GEMV_FOLD_NORM=1"
+    fold="env SLUICE_GEMV_FOLD=norm,silu"
     run steps_fold 150 $fold $bench steps $M --batch-sizes 1 4 8 16 --max-num-batched-tokens 8192 --out "$OUT/steps_fold.json"
     run steps 150 $bench steps $M --batch-sizes 1 4 8 16 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
     for i in 1 2; do
@@ -224,6 +225,7 @@ foldnorm)  # each decoder layer's RMSNorms folded into the GEMV after them at <=
         tp200 tp200_fold_$i "$fold"
         tp200 tp200_$i
     done
+    lat_b1 lat_b1_foldnorm "env SLUICE_GEMV_FOLD=norm"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -178,23 +178,47 @@ def test_gemv_with_the_rmsnorm_folded_in_matches_norm_then_gemv(dtype, rows):
             assert torch.equal(x, x0) and torch.equal(res, res0) and not counters.any()
 
 
-def test_decoder_layers_fold_their_norms_into_the_gemv_for_few_rows(monkeypatch):
-    """A bf16 model whose projections take the GEMV, the fold switched on: for a few rows each layer's two norms go
-    into the projections after them (two `gemv_rmsnorm` launches per layer) and the logits are those of the
-    separate kernels, to rounding; past `fold_norm_rows` rows, and with the fold off, the norms run their own
-    kernel."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_gemv_with_silu_and_mul_folded_in_is_silu_and_mul_then_gemv_bit_for_bit(dtype, rows):
+    """`gemv_silu` computes x's tiles from both halves of gate/up as `silu_and_mul` does: the same result as that
+    kernel then the GEMV, to the bit, with K split or not and a bias."""
+    from sluice.core.models import gemv
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 100, 320
+    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+    gate_up = (2 * torch.randn(rows, 2 * k, generator=g)).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    counters = torch.zeros(-(-n // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
+    for cfg in (gemv.GemvConfig(32, 64, 1), gemv.GemvConfig(64, 64, 2), None):
+        for b in (bias, None):
+            expect = gemv.gemv(fused.silu_and_mul(gate_up), w, b, counters, cfg)
+            out = gemv.gemv_silu(gate_up, w, b, counters, cfg)
+            assert torch.equal(out, expect) and not counters.any()
+
+
+def test_decoder_layers_fold_their_norms_and_silu_into_the_gemv_for_few_rows(monkeypatch):
+    """A bf16 model whose projections take the GEMV, the folds switched on: for a few rows each layer's two norms go
+    into the projections after them (two `gemv_rmsnorm` launches per layer) and its SiLU-and-mul into the down
+    projection (`gemv_silu`), and the logits are those of the separate kernels, to rounding; past the folds' rows,
+    and with the folds off, the norms and the SiLU run their own kernels."""
     from sluice.core.models import gemv
     from sluice.core.models.layers import ForwardContext
     from sluice.core.models.loader import load_model, resolve_model
     from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
 
     monkeypatch.setattr(gemv, "MIN_WEIGHT_BYTES", 0)
-    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS)  # the switch on (SLUICE_GEMV_FOLD_NORM=1)
+    monkeypatch.setattr(
+        gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS
+    )  # the switch on (SLUICE_GEMV_FOLD=norm,silu)
+    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: gemv.FOLD_NORM_ROWS)
     model = load_model(resolve_model("dummy:tiny"), torch.bfloat16, DEVICE, max_position=64)
     enable_fused_kernels(model)
     calls = []
-    real = gemv.gemv_rmsnorm
+    real, real_silu = gemv.gemv_rmsnorm, gemv.gemv_silu
     monkeypatch.setattr(gemv, "gemv_rmsnorm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(gemv, "gemv_silu", lambda *a, **kw: calls.append(-a[0].shape[0]) or real_silu(*a, **kw))
 
     def logits(t: int) -> torch.Tensor:
         ids = torch.arange(3, 3 + t, device=DEVICE) * 7 % 1000
@@ -215,15 +239,17 @@ def test_decoder_layers_fold_their_norms_into_the_gemv_for_few_rows(monkeypatch)
             return model.compute_logits(hidden).float()
 
     folded = logits(6)
-    assert calls == [6] * (2 * len(model.model.layers))
+    assert calls == [6, 6, -6] * len(model.model.layers)  # two norms and the SiLU per layer, in their order
     calls.clear()
     monkeypatch.setattr(gemv, "fold_norm_rows", lambda: 0)
+    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: 0)
     separate = logits(6)
     assert calls == []
     _close_to_scale(folded, separate, 2**-5)
     monkeypatch.setattr(gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS)
+    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: gemv.FOLD_NORM_ROWS)
     logits(gemv.FOLD_NORM_ROWS + 1)
-    assert calls == []  # past the fold's rows: the norm's own kernel
+    assert calls == []  # past the fold's rows: the norm's and the SiLU's own kernels
 
 
 def test_linear_layer_takes_the_gemv_only_for_few_rows():

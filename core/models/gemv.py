@@ -14,6 +14,10 @@ a CUDA graph). It is launched with programmatic dependent launch (`kv/attention/
 become resident while the kernel before them (a fused norm, SiLU-and-mul, attention) finishes, and read
 ``x`` once that kernel's writes are visible.
 
+The kernel that runs just before a projection at these sizes (an RMSNorm, the SiLU-and-mul) is a latency-bound
+launch of its own on the step's critical path; `gemv_rmsnorm` and `gemv_silu` fold it into the GEMV's loads of x
+(``SLUICE_GEMV_FOLD``, off until timed on the H200).
+
 Accumulation is fp32 like cuBLAS's; the sums run in another order, so outputs agree with ``F.linear`` to
 the rounding of the output dtype, not bit for bit.
 """
@@ -74,6 +78,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
+    SILU: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -101,6 +106,11 @@ def _gemv_kernel(
         w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         xmask = kmask[:, None] & mmask[None, :]
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=xmask, other=0.0)
+        if SILU:  # x is [gate | up]: silu(gate) * up, rounded as `fused.silu_and_mul` rounds it
+            up = tl.load(x_ptr + offs_m[None, :] * stride_xm + K + k[:, None], mask=xmask, other=0.0)
+            g = xt.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
+            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
         if NORM:  # x (+ residual) through the RMSNorm's weight now; its 1 / rms, a factor per row, at the end
             if HAS_RES:
                 r = tl.load(res_ptr + offs_m[None, :] * stride_rm + k[:, None], mask=xmask, other=0.0)
@@ -152,16 +162,28 @@ def block_m(m: int) -> int:
     return max(MIN_BLOCK_M, triton.next_power_of_2(m))
 
 
-# Rows up to which a decoder layer folds its RMSNorm into the next projection's GEMV (`gemv_rmsnorm`): every
-# program then also reads the rows' residual, which outweighs the norm's own launch at larger batches.
+# Rows up to which a decoder layer folds its RMSNorm into the next projection's GEMV (`gemv_rmsnorm`), and the MLP
+# its SiLU-and-mul into the down projection's (`gemv_silu`): every program then also reads the rows' residual (or
+# both halves of gate/up), which outweighs the folded kernel's own launch at larger batches.
 FOLD_NORM_ROWS = 16
 
 
 @functools.cache  # asked at every decoder layer; fixed for a process
 def fold_norm_rows() -> int:
-    """Rows up to which `gemv_rmsnorm` serves: none unless ``SLUICE_GEMV_FOLD_NORM=1`` (off until the H200 has
-    timed it against the norm's own kernel: `scripts/gpu_engine_bench.sh foldnorm`)."""
-    return FOLD_NORM_ROWS if os.environ.get("SLUICE_GEMV_FOLD_NORM") == "1" else 0
+    """Rows up to which `gemv_rmsnorm` serves: none unless ``SLUICE_GEMV_FOLD`` names ``norm`` (off until the H200
+    has timed it against the norm's own kernel: `scripts/gpu_engine_bench.sh fold`)."""
+    return FOLD_NORM_ROWS if "norm" in _folds() else 0
+
+
+@functools.cache
+def fold_silu_rows() -> int:
+    """Rows up to which `gemv_silu` serves: none unless ``SLUICE_GEMV_FOLD`` names ``silu`` (as `fold_norm_rows`)."""
+    return FOLD_NORM_ROWS if "silu" in _folds() else 0
+
+
+def _folds() -> set[str]:
+    """``SLUICE_GEMV_FOLD``: comma-separated kernels folded into the GEMV after them (``norm``, ``silu``)."""
+    return {f.strip() for f in os.environ.get("SLUICE_GEMV_FOLD", "").split(",") if f.strip()}
 
 
 @functools.cache  # asked at every few-row linear call; fixed for a process
@@ -215,15 +237,39 @@ def gemv(
         split = 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, bm, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _launch(x, weight, bias, out, ws, counters, c, split, None)
+    _launch(x, weight, bias, out, ws, counters, c, split)
     return out
 
 
-def _launch(x, weight, bias, out, ws, counters, c: GemvConfig, split: int, norm) -> None:
+def gemv_silu(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    counters: torch.Tensor,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight^T (+ bias)`` for ``gate_up = [gate | up]`` ``[M, 2K]`` and few rows, in one launch:
+    each program computes its tiles of x from the two halves as it loads them, rounded as `fused.silu_and_mul`
+    rounds them, so the result is `gemv` of that kernel's output, bit for bit, without its launch."""
+    m, k2 = gate_up.shape
+    n, k = weight.shape
+    assert m <= KERNEL_MAX_ROWS and k2 == 2 * k and gate_up.stride(1) == 1 and weight.stride(1) == 1
+    num_sms = torch.cuda.get_device_properties(gate_up.device).multi_processor_count if gate_up.is_cuda else 132
+    c = config or gemv_config(n, k, num_sms, m)
+    split = c.split_k
+    if split > 1 and counters.numel() < triton.cdiv(n, c.block_n):
+        split = 1
+    out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
+    ws = torch.empty((split, block_m(m), n), dtype=torch.float32, device=gate_up.device) if split > 1 else out
+    _launch(gate_up, weight, bias, out, ws, counters, c, split, silu=True)
+    return out
+
+
+def _launch(x, weight, bias, out, ws, counters, c: GemvConfig, split: int, norm=None, silu: bool = False) -> None:
     """`_gemv_kernel` over ``x``; ``norm``: ``(residual or None, norm weight, eps, residual out)`` to fold an
-    RMSNorm in (`gemv_rmsnorm`)."""
-    m, k = x.shape
-    n = weight.shape[0]
+    RMSNorm in (`gemv_rmsnorm`); ``silu``: ``x`` is ``[gate | up]`` (`gemv_silu`)."""
+    m = x.shape[0]
+    n, k = weight.shape
     even_k = k % (c.block_k * split) == 0
     dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
     res, nw, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
@@ -233,7 +279,7 @@ def _launch(x, weight, bias, out, ws, counters, c: GemvConfig, split: int, norm)
         x, weight, bias if bias is not None else weight, out, ws, counters, res, nw, res_out, eps,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=block_m(m), SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, num_warps=c.num_warps,
+        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, SILU=silu, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
 

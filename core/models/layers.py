@@ -82,6 +82,24 @@ def norm_then_linear(
     return linear(h), residual
 
 
+def act_then_linear(act: SiluAndMul, linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """``linear(act(gate_up))``: the MLP's SiLU-and-mul and down projection; for a few rows, when both run fused
+    kernels, one GEMV that computes its input from both halves as it loads them (`gemv.gemv_silu`)."""
+    from sluice.core.models import gemv
+
+    rows = gate_up.numel() // gate_up.shape[-1]
+    if (
+        getattr(linear, "fused", None) is gemv.linear
+        and act.fused is not None
+        and 0 < rows <= min(gemv.fold_silu_rows(), gemv.max_rows())
+        and gate_up.dtype == linear.weight.dtype
+    ):
+        g2 = gate_up.reshape(rows, gate_up.shape[-1]).contiguous()
+        out = gemv.gemv_silu(g2, linear.weight, linear.bias, linear.counters)
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+    return linear(act(gate_up))
+
+
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -10,7 +10,15 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.layers import ForwardContext, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, norm_then_linear
+from sluice.core.models.layers import (
+    ForwardContext,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    act_then_linear,
+    norm_then_linear,
+)
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 from torch import nn
 
@@ -96,7 +104,7 @@ class LlamaMLP(nn.Module):
 
     def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The MLP from its gate/up projection on."""
-        out = self.down_proj(self.act(gate_up))
+        out = act_then_linear(self.act, self.down_proj, gate_up)  # one kernel for few rows
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
