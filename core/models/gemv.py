@@ -95,8 +95,8 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if NORM:
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # squares summed per element in the loop, across K once at the end (no reduction per step)
+        squares = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + offs_k
         if EVEN_K:  # every step whole: no per-element K mask (it would split the vector loads)
@@ -118,7 +118,7 @@ def _gemv_kernel(
                 if pid_n == 0:  # one column of programs writes the new residual stream
                     tl.store(res_out_ptr + offs_m[None, :] * stride_rom + k[:, None], xt, mask=xmask)
             h = xt.to(tl.float32)
-            sumsq += tl.sum(h * h, axis=0)
+            squares += h * h
             nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
             xt = (h * nw[:, None]).to(xt.dtype)
         if DOT_F32:  # fp32 activations stay fp32; the CPU interpreter's bf16 dot is wrong (see triton_kernels)
@@ -126,7 +126,7 @@ def _gemv_kernel(
         else:
             acc = tl.dot(w, xt, acc)
     if NORM:  # the norm's scale, one per row of x (whole rows: SPLIT_K is 1)
-        acc = acc * tl.rsqrt(sumsq / K + eps)[None, :]
+        acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)[None, :]
     omask = rmask[:, None] & mmask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
