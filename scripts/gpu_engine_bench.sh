@@ -17,7 +17,8 @@
 #                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
 #   scripts/gpu_engine_bench.sh launchwait  # ShareGPT 200 traced, then with torch's sync debug mode
 #   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
-#   scripts/gpu_engine_bench.sh fold   # RMSNorms and SiLU folded into the GEMV after them vs their own kernels
+#   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU folded into the GEMV after them vs their own
+#                                             # kernels: steps and batch 1 | ShareGPT 200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -211,8 +212,8 @@ headrows)  # the LM head's rows outside the graphs padded to a decode graph's si
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
     ;;
 fold)  # each decoder layer's RMSNorms and SiLU-and-mul folded into the GEMV after them at <= 16 rows
-    # (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating; the kernels' GPU tests
-    # first, the norms alone at batch 1 last
+    # (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating: the kernels' GPU tests
+    # first, device time per step at 1-16 rows, batch 1, the norms alone at batch 1 last (ShareGPT 200: fold200)
     kernel_tests tests/test_fused_kernels.py
     fold="env SLUICE_GEMV_FOLD=norm,silu"
     run steps_fold 150 $fold $bench steps $M --batch-sizes 1 4 8 16 --max-num-batched-tokens 8192 --out "$OUT/steps_fold.json"
@@ -221,11 +222,13 @@ fold)  # each decoder layer's RMSNorms and SiLU-and-mul folded into the GEMV aft
         lat_b1 lat_b1_fold_$i "$fold"
         lat_b1 lat_b1_$i
     done
-    for i in 1 2; do
-        tp200 tp200_fold_$i "$fold"
+    lat_b1 lat_b1_foldnorm "env SLUICE_GEMV_FOLD=norm"
+    ;;
+fold200)  # the same pair on ShareGPT 200 (a call of its own: `fold` fills most of one)
+    for i in ${PAIRS:-1 2}; do
+        tp200 tp200_fold_$i "env SLUICE_GEMV_FOLD=norm,silu"
         tp200 tp200_$i
     done
-    lat_b1 lat_b1_foldnorm "env SLUICE_GEMV_FOLD=norm"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
