@@ -158,6 +158,7 @@ class ModelRunner:
         self._host_bufs = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_turn = 0
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
+        self._pad_head_rows = os.environ.get("SLUICE_PAD_HEAD_ROWS") != "0"  # `_head_rows`
         self._event_turn = 0
         if self.device.type == "cuda":
             interval = float(os.environ.get("SLUICE_GPU_SWITCH_INTERVAL_S", GPU_SWITCH_INTERVAL_S))
@@ -506,7 +507,7 @@ class ModelRunner:
         is loaded already. CUDA loads a kernel at its first launch, and loading one may wait for the device to
         finish what is queued: the likely cause of the launches in a burst's first steps that lasted as long as
         their step's device work (docs/benchmarks.md). ``SLUICE_PAD_HEAD_ROWS=0`` computes the rows as they are."""
-        if self.graphs is None or not num_rows or os.environ.get("SLUICE_PAD_HEAD_ROWS") == "0":
+        if self.graphs is None or not num_rows or not self._pad_head_rows:
             return num_rows
         return self.graphs.padded_size(num_rows) or num_rows
 

@@ -226,19 +226,8 @@ def gemv(
 ) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T (+ bias)`` for ``M <= KERNEL_MAX_ROWS``; ``counters``: int32 zeros, at least one per
     ``MIN_BLOCK_N`` output features (the split-K arrival counters)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= KERNEL_MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    c = config or gemv_config(n, k, num_sms, m)
-    bm = block_m(m)
-    split = c.split_k
-    if split > 1 and counters.numel() < triton.cdiv(n, c.block_n):
-        split = 1
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    ws = torch.empty((split, bm, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _launch(x, weight, bias, out, ws, counters, c, split)
-    return out
+    assert weight.shape[1] == x.shape[1]
+    return _run(x, weight, bias, counters, config)
 
 
 def gemv_silu(
@@ -251,37 +240,8 @@ def gemv_silu(
     """``(silu(gate) * up) @ weight^T (+ bias)`` for ``gate_up = [gate | up]`` ``[M, 2K]`` and few rows, in one launch:
     each program computes its tiles of x from the two halves as it loads them, rounded as `fused.silu_and_mul`
     rounds them, so the result is `gemv` of that kernel's output, bit for bit, without its launch."""
-    m, k2 = gate_up.shape
-    n, k = weight.shape
-    assert m <= KERNEL_MAX_ROWS and k2 == 2 * k and gate_up.stride(1) == 1 and weight.stride(1) == 1
-    num_sms = torch.cuda.get_device_properties(gate_up.device).multi_processor_count if gate_up.is_cuda else 132
-    c = config or gemv_config(n, k, num_sms, m)
-    split = c.split_k
-    if split > 1 and counters.numel() < triton.cdiv(n, c.block_n):
-        split = 1
-    out = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
-    ws = torch.empty((split, block_m(m), n), dtype=torch.float32, device=gate_up.device) if split > 1 else out
-    _launch(gate_up, weight, bias, out, ws, counters, c, split, silu=True)
-    return out
-
-
-def _launch(x, weight, bias, out, ws, counters, c: GemvConfig, split: int, norm=None, silu: bool = False) -> None:
-    """`_gemv_kernel` over ``x``; ``norm``: ``(residual or None, norm weight, eps, residual out)`` to fold an
-    RMSNorm in (`gemv_rmsnorm`); ``silu``: ``x`` is ``[gate | up]`` (`gemv_silu`)."""
-    m = x.shape[0]
-    n, k = weight.shape
-    even_k = k % (c.block_k * split) == 0
-    dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
-    res, nw, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
-    has_res = res is not None
-    res = res if has_res else x
-    _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
-        x, weight, bias if bias is not None else weight, out, ws, counters, res, nw, res_out, eps,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=block_m(m), SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, SILU=silu, num_warps=c.num_warps,
-        num_stages=c.num_stages, **pdl_launch(x.device),
-    )  # fmt: skip
+    assert gate_up.shape[1] == 2 * weight.shape[1]
+    return _run(gate_up, weight, bias, counters, config, silu=True)
 
 
 def gemv_rmsnorm(
@@ -301,16 +261,39 @@ def gemv_rmsnorm(
     programs of the first column of tiles write the new residual stream. This saves a decode step the norm's
     own launch and its wait before each of two projections per layer. x is rounded once between the norm's
     factors instead of twice: results agree with `fused.add_rmsnorm` then `gemv` to the output's rounding."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= KERNEL_MAX_ROWS and weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1
+    assert weight.shape[1] == x.shape[1]
     assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1)
+    res_out = torch.empty_like(x) if residual is not None else x
+    return _run(x, weight, bias, counters, config, norm=(residual, norm_weight, eps, res_out)), res_out
+
+
+def _run(x, weight, bias, counters, config: GemvConfig | None, norm=None, silu: bool = False) -> torch.Tensor:
+    """`_gemv_kernel` over ``x`` ``[M, *]`` and ``weight`` ``[N, K]``: the config for the shape (or ``config``), K
+    split unless there are too few counters or a norm is folded in (``norm``: ``(residual or None, norm weight,
+    eps, residual out)``, `gemv_rmsnorm`); ``silu``: ``x`` is ``[gate | up]`` (`gemv_silu`). Returns ``[M, N]``."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert m <= KERNEL_MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     c = config or gemv_config(n, k, num_sms, m)
+    split = c.split_k
+    if norm is not None or (split > 1 and counters.numel() < triton.cdiv(n, c.block_n)):
+        split = 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else x
-    _launch(x, weight, bias, out, out, counters, c, 1, (residual, norm_weight, eps, res_out))
-    return out, res_out
+    ws = torch.empty((split, block_m(m), n), dtype=torch.float32, device=x.device) if split > 1 else out
+    even_k = k % (c.block_k * split) == 0
+    dot_f32 = x.dtype == torch.float32 or x.device.type == "cpu"
+    res, nw, eps, res_out = norm if norm is not None else (None, weight, 0.0, out)
+    has_res = res is not None
+    res = res if has_res else x
+    _gemv_kernel[(triton.cdiv(n, c.block_n), split)](
+        x, weight, bias if bias is not None else weight, out, ws, counters, res, nw, res_out, eps,
+        m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=block_m(m), SPLIT_K=split, HAS_BIAS=bias is not None,
+        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, SILU=silu, num_warps=c.num_warps,
+        num_stages=c.num_stages, **pdl_launch(x.device),
+    )  # fmt: skip
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:

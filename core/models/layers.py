@@ -65,13 +65,8 @@ def norm_then_linear(
     with the norm folded in (`gemv.gemv_rmsnorm`); otherwise the two layers."""
     from sluice.core.models import gemv
 
-    rows = x.numel() // x.shape[-1]
-    if (
-        getattr(linear, "fused", None) is gemv.linear
-        and norm.fused is not None
-        and 0 < rows <= min(gemv.fold_norm_rows(), gemv.max_rows())
-        and x.dtype == linear.weight.dtype
-    ):
+    rows = _fold_rows(norm, linear, x, gemv.fold_norm_rows())
+    if rows:
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         r2 = residual.reshape(rows, x.shape[-1]).contiguous() if residual is not None else None
         out, res = gemv.gemv_rmsnorm(x2, r2, norm.weight, norm.eps, linear.weight, linear.bias, linear.counters)
@@ -87,17 +82,25 @@ def act_then_linear(act: SiluAndMul, linear: nn.Module, gate_up: torch.Tensor) -
     kernels, one GEMV that computes its input from both halves as it loads them (`gemv.gemv_silu`)."""
     from sluice.core.models import gemv
 
-    rows = gate_up.numel() // gate_up.shape[-1]
-    if (
-        getattr(linear, "fused", None) is gemv.linear
-        and act.fused is not None
-        and 0 < rows <= min(gemv.fold_silu_rows(), gemv.max_rows())
-        and gate_up.dtype == linear.weight.dtype
-    ):
-        g2 = gate_up.reshape(rows, gate_up.shape[-1]).contiguous()
-        out = gemv.gemv_silu(g2, linear.weight, linear.bias, linear.counters)
+    rows = _fold_rows(act, linear, gate_up, gemv.fold_silu_rows())
+    if rows:
+        out = gemv.gemv_silu(
+            gate_up.reshape(rows, gate_up.shape[-1]).contiguous(), linear.weight, linear.bias, linear.counters
+        )
         return out.view(*gate_up.shape[:-1], out.shape[-1])
     return linear(act(gate_up))
+
+
+def _fold_rows(before: nn.Module, linear: nn.Module, x: torch.Tensor, limit: int) -> int:
+    """The rows of ``x`` when the kernel of ``before`` (a norm, the SiLU-and-mul) can be folded into ``linear``'s
+    GEMV: both run fused kernels, the GEMV serves this many rows, and no more than ``limit``; else 0."""
+    from sluice.core.models import gemv
+
+    rows = x.numel() // x.shape[-1]
+    foldable = getattr(linear, "fused", None) is gemv.linear and before.fused is not None
+    if foldable and 0 < rows <= min(limit, gemv.max_rows()) and x.dtype == linear.weight.dtype:
+        return rows
+    return 0
 
 
 class SiluAndMul(nn.Module):
