@@ -33,13 +33,13 @@ class AdmissionGate:
     @contextlib.asynccontextmanager
     async def hold(self, units: int) -> AsyncIterator[None]:
         units = min(units, self.capacity)  # a request wider than the gate runs alone
-        await self._acquire(units)
+        await self.acquire(units)
         try:
             yield
         finally:
-            self._release(units)
+            self.release(units)
 
-    async def _acquire(self, units: int) -> None:
+    async def acquire(self, units: int) -> None:
         if not self._waiters and self.free >= units:
             self.free -= units
             return
@@ -49,13 +49,13 @@ class AdmissionGate:
             await entry[1].wait()
         except BaseException:  # cancelled while waiting, or just after being granted
             if entry[1].is_set():
-                self._release(units)
+                self.release(units)
             else:
                 self._waiters.remove(entry)
                 self._grant()  # it may have been the head that blocked smaller ones
             raise
 
-    def _release(self, units: int) -> None:
+    def release(self, units: int) -> None:
         self.free += units
         self._grant()
 

@@ -63,6 +63,11 @@ class EngineArgs:
         "after start-up, move every live object out of the garbage collector's reach until the engine stops "
         "(gc.freeze, as vLLM and SGLang do): full collections then skip the model, tokenizer and caches",
     )
+    gil_switch_interval_ms: float = _arg(
+        0.5,
+        "the interpreter's GIL switch interval while the engine runs (Python's default is 5 ms): how long the "
+        "executor's launch thread may wait for the GIL while the event loop's thread is busy; 0 = leave it",
+    )
     fused_kernels: str = _arg(
         "auto", "Triton RMSNorm+residual, SiLU-and-mul and RoPE; auto = on for cuda", ("auto", "on", "off")
     )
@@ -136,6 +141,8 @@ class EngineArgs:
             raise bad("kv_cache_dtype", f"must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "int8", "int4"):
             raise bad("quantization", f"must be None, int8 or int4, got {self.quantization!r}")
+        if not 0 <= self.gil_switch_interval_ms <= 100:
+            raise bad("gil_switch_interval_ms", f"must be in [0, 100], got {self.gil_switch_interval_ms}")
         if self.fused_kernels not in ("auto", "on", "off"):
             raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
         if not 1 <= self.num_speculative_tokens <= 16:

@@ -37,7 +37,7 @@ import anyio
 import zmq
 from sluice.core import wire, zmq_io
 from sluice.core.args import EngineArgs
-from sluice.core.engine_core import EngineCore, freeze_heap
+from sluice.core.engine_core import EngineCore, freeze_heap, shorten_switch_interval
 from sluice.core.request import AbortRequest, EndAllRequests, TokenEvent
 from sluice.core.scheduler_actor import SchedulerActor
 
@@ -136,6 +136,7 @@ def run_core_process(spec: CoreProcessSpec) -> None:
         raise SystemExit(1) from None
     if spec.args.gc_freeze:  # this process ends with the engine: no unfreeze
         freeze_heap()
+    shorten_switch_interval(spec.args.gil_switch_interval_ms)  # likewise, never restored
     actor = core.scheduler_actor
     ready = wire.core_encoder.encode(wire.CoreReady(core.num_kv_blocks, os.getpid(), actor.stats))
     for _, to_front in socks:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import sys
 import time
 import uuid
@@ -22,7 +23,13 @@ from typing import Any
 import anyio
 from sluice.core.admission import AdmissionGate
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
-from sluice.core.engine_core import EngineCore, freeze_heap, unfreeze_heap
+from sluice.core.engine_core import (
+    EngineCore,
+    freeze_heap,
+    restore_switch_interval,
+    shorten_switch_interval,
+    unfreeze_heap,
+)
 from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
 from sluice.core.host_profile import HostProfile
 from sluice.core.inspector import StepRecorder
@@ -40,6 +47,8 @@ Prompt = str | list[int] | list[dict]
 # Prompts with more text than this are tokenized in a worker thread (a tokenizer releases the GIL; 1 MB of text
 # takes it ~0.5 s), so the event loop keeps serving; shorter ones cost less than the thread hop.
 OFF_LOOP_CHARS = 16_384
+# Requests validated and sent but not yet answered by the scheduler, at most: `run_request`'s ``admitting``.
+ADMITTING_AT_ONCE = 64
 
 
 class AsyncEngine:
@@ -72,7 +81,13 @@ class AsyncEngine:
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
         # Library callers wait here for room (back-pressure) instead of being refused; see core/admission.py.
         self._gate = AdmissionGate(self.args.max_num_seqs + self.args.max_waiting_requests)
+        # A burst's callers reach the scheduler this many at a time (`run_request`'s ``admitting``);
+        # SLUICE_ADMITTING=0 sends them all at once (for comparison).
+        at_once = int(os.environ.get("SLUICE_ADMITTING", ADMITTING_AT_ONCE))
+        self._admitting = AdmissionGate(at_once) if at_once > 0 else None
         self._request_ended = anyio.Event()
+        # the executor's launch thread beside the event loop's (in the core's process when it has its own)
+        self._switch_held = not self._split and shorten_switch_interval(self.args.gil_switch_interval_ms)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         if self._client is not None:
@@ -93,6 +108,8 @@ class AsyncEngine:
             self._entered = False
             if self.args.gc_freeze:
                 unfreeze_heap()
+            if self._switch_held:
+                restore_switch_interval()
             if self._client is not None:
                 with anyio.CancelScope(shield=True):  # also when the caller was cancelled: no orphan process
                     await anyio.to_thread.run_sync(self._client.close)
@@ -221,6 +238,7 @@ class AsyncEngine:
                 self._inbox_send,
                 final_only,
                 arrival_time=arrival,
+                admitting=self._admitting,
             )
 
         try:

@@ -8,6 +8,7 @@ The same core runs inside the caller's process (``engine_core_process=False``) o
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass
 
 import anyio
@@ -35,6 +36,34 @@ def freeze_heap() -> None:
 
 def unfreeze_heap() -> None:
     gc.unfreeze()
+
+
+_switch = {"holders": 0, "saved": 0.005}  # engines running with a shortened interval; the interval before them
+
+
+def shorten_switch_interval(ms: float) -> bool:
+    """Shorten the interpreter's GIL switch interval to ``ms`` while the engine runs (0: leave it); True if
+    shortened, to be undone by `restore_switch_interval` when it stops (engines running at once share it: the
+    first sets it, the last restores it).
+
+    The executor launches each step from a worker thread, beside the event loop's thread. Every torch op and
+    kernel launch lets go of the GIL for a moment; when the loop's thread is busy (admitting a burst of
+    requests, streaming outputs), it takes the GIL then, and the launching thread waits for the switch interval
+    (5 ms by default) to get it back: a step of a few hundred ops is launched at a few ops per interval, the
+    device idle. A short interval bounds each of those waits."""
+    if ms <= 0:
+        return False
+    if _switch["holders"] == 0:
+        _switch["saved"] = sys.getswitchinterval()
+        sys.setswitchinterval(ms / 1000)
+    _switch["holders"] += 1
+    return True
+
+
+def restore_switch_interval() -> None:
+    _switch["holders"] -= 1
+    if _switch["holders"] == 0:
+        sys.setswitchinterval(_switch["saved"])
 
 
 @dataclass(slots=True)

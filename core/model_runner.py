@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -44,11 +43,6 @@ GiB = 1024**3
 # Room left beside the KV pool for the graphs' memory pool (activations of the largest captured step, the
 # decode graphs' logits), which is allocated after the pool is sized.
 GRAPH_POOL_RESERVE = GiB
-# The executor's worker thread and the event loop share the GIL; under load the loop detokenizes for
-# milliseconds at a time, and a thread waiting for the GIL gets it only after the switch interval
-# (5 ms by default), leaving the GPU idle. A shorter interval bounds that wait. SLUICE_GPU_SWITCH_INTERVAL_S
-# overrides it (for measuring the trade-off; the loop's own work gets switched away from more often).
-GPU_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(slots=True)
@@ -160,9 +154,6 @@ class ModelRunner:
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
         self._pad_head_rows = os.environ.get("SLUICE_PAD_HEAD_ROWS") != "0"  # `_head_rows`
         self._event_turn = 0
-        if self.device.type == "cuda":
-            interval = float(os.environ.get("SLUICE_GPU_SWITCH_INTERVAL_S", GPU_SWITCH_INTERVAL_S))
-            sys.setswitchinterval(min(sys.getswitchinterval(), interval))
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
         if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import ObjectSendStream
+from sluice.core.admission import AdmissionGate
 from sluice.core.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, SluiceError
 from sluice.core.outputs import RequestMetrics, RequestOutput, TokenLogprob, Usage
 from sluice.core.request import AbortRequest, AddRequest, Request, TokenEvent
@@ -117,27 +118,38 @@ async def run_request(
     inbox: ObjectSendStream,
     final_only: bool = False,
     arrival_time: float | None = None,
+    admitting: AdmissionGate | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """Run one caller request: yield its outputs as tokens arrive, or with ``final_only`` one final output per
-    sequence (stop strings still need the text token by token, so such requests stream internally)."""
-    requests = make_requests(request_id, prompt_ids, params, eos, limits)
-    seqs = {
-        r.request_id: SequenceState(
-            r.request_id, i, IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-        )
-        for i, r in enumerate(requests)
-    }
-    # Each sequence emits at most max_tokens + 2 events, so this buffer never fills: the scheduler
-    # never waits on a slow caller.
-    send, recv = anyio.create_memory_object_stream[TokenEvent](
-        len(requests) * (requests[0].max_tokens + 4) if requests[0].max_tokens < 1 << 20 else math.inf
-    )
-    stop_hold = max((len(s) for s in params.stop), default=1) - 1
-    num_cached = 0
-    num_output_tokens = 0  # of every sequence, for the usage
-    unfinished = set(seqs)
-    metrics = RequestMetrics(arrival_time if arrival_time is not None else time.time())
+    sequence (stop strings still need the text token by token, so such requests stream internally).
+
+    ``admitting`` paces a burst: the request holds one of its units from before its validation until the
+    scheduler has answered its admission. The event loop runs ready tasks first come first served, and the
+    scheduler is woken by the first request sent to it, so without a limit a burst of a thousand callers would
+    all be validated and sent before the scheduler could take the first, the device idle all that time. With
+    one, the callers past the limit wait (cheaply) and the scheduler's turn comes after the first few: the
+    first step runs while the rest of the burst is admitted."""
+    if admitting is not None:
+        await admitting.acquire(1)
+    unfinished: set[str] = set()
     try:
+        requests = make_requests(request_id, prompt_ids, params, eos, limits)
+        seqs = {
+            r.request_id: SequenceState(
+                r.request_id, i, IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+            )
+            for i, r in enumerate(requests)
+        }
+        # Each sequence emits at most max_tokens + 2 events, so this buffer never fills: the scheduler
+        # never waits on a slow caller.
+        send, recv = anyio.create_memory_object_stream[TokenEvent](
+            len(requests) * (requests[0].max_tokens + 4) if requests[0].max_tokens < 1 << 20 else math.inf
+        )
+        stop_hold = max((len(s) for s in params.stop), default=1) - 1
+        num_cached = 0
+        num_output_tokens = 0  # of every sequence, for the usage
+        unfinished = set(seqs)
+        metrics = RequestMetrics(arrival_time if arrival_time is not None else time.time())
         # From here on the scheduler may hold the requests, even if we are cancelled before it answers
         # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
         try:
@@ -147,6 +159,9 @@ async def run_request(
             raise EngineStoppedError("the engine stopped before the request was admitted") from None
         async with recv:
             first = await recv.receive()
+            if admitting is not None:  # answered: the next caller of a burst may go
+                admitting.release(1)
+                admitting = None
             if first.error is not None:
                 unfinished.clear()  # refused: nothing was added
                 raise first.error
@@ -230,6 +245,8 @@ async def run_request(
                         metrics=metrics,
                     )
     finally:
+        if admitting is not None:  # never answered: refused by validation, cancelled, or the engine stopped
+            admitting.release(1)
         if unfinished:
             for rid in unfinished:
                 await _send_abort(inbox, rid)

@@ -156,8 +156,19 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def graph_replays(engine) -> tuple[int, int]:
-    """CUDA-graph replays so far of the engine's (one-process) model runner: decode steps, mixed steps."""
-    runner = engine._executor.runner  # a tensor-parallel runner captures none
+def graph_replays(engine) -> tuple[int, int] | None:
+    """CUDA-graph replays so far of the engine's (one-process) model runner: decode steps, mixed steps. None
+    when the engine core runs in a process of its own (``engine_core_process``): its counters live there."""
+    executor = getattr(engine, "_executor", None)
+    if executor is None:
+        return None
+    runner = executor.runner  # a tensor-parallel runner captures none
     graphs = (getattr(runner, "graphs", None), getattr(runner, "mixed_graphs", None))
     return tuple(g.num_replays if g is not None else 0 for g in graphs)
+
+
+def graph_step_facts(before: tuple[int, int] | None, after: tuple[int, int] | None) -> dict:
+    """``graph_steps`` and ``mixed_graph_steps`` between two `graph_replays`; none where the core is elsewhere."""
+    if before is None or after is None:
+        return {}
+    return {"graph_steps": after[0] - before[0], "mixed_graph_steps": after[1] - before[1]}

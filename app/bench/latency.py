@@ -19,6 +19,7 @@ from sluice.app.bench.common import (
     drive_engine,
     engine_args_for,
     graph_replays,
+    graph_step_facts,
     percentiles,
     print_figures,
     release_device_memory,
@@ -75,8 +76,7 @@ def engine_latency(args, ns: argparse.Namespace, vocab: int) -> tuple[list[Engin
                 runs.append(await drive_engine(engine, _batch(ns, vocab, i), tag=f"iter{i}"))
             facts = {
                 "num_steps": engine.stats().num_steps - steps,
-                "graph_steps": graph_replays(engine)[0] - replays[0],
-                "mixed_graph_steps": graph_replays(engine)[1] - replays[1],
+                **graph_step_facts(replays, graph_replays(engine)),
             }
         return runs, facts
 

@@ -23,6 +23,7 @@ from sluice.app.bench.common import (
     drive_engine,
     engine_args_for,
     graph_replays,
+    graph_step_facts,
     load_bench_requests,
     print_figures,
     release_device_memory,
@@ -89,8 +90,7 @@ def engine_throughput(
                 "kv_blocks": after.kv_blocks_total,
                 "kv_tokens": after.kv_blocks_total * args.block_size,
                 "num_steps": after.num_steps - before.num_steps,
-                "graph_steps": graph_replays(engine)[0] - replays[0],
-                "mixed_graph_steps": graph_replays(engine)[1] - replays[1],
+                **graph_step_facts(replays, graph_replays(engine)),
                 "num_preemptions": after.num_preemptions - before.num_preemptions,
             }
             # CPU seconds of the whole process (every thread): the work done, less blurred than the wall
