@@ -17,6 +17,7 @@
 #                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
 #   scripts/gpu_engine_bench.sh launchwait  # ShareGPT 200 traced, then with torch's sync debug mode
 #   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
+#   scripts/gpu_engine_bench.sh idle   # burst admission 64 at a time and the head's padding, each vs its switch
 #   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU folded into the GEMV after them vs their own
 #                                             # kernels: steps and batch 1 | ShareGPT 200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
@@ -209,6 +210,17 @@ headrows)  # the LM head's rows outside the graphs padded to a decode graph's si
     tp1000 tp1000
     tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     # last: loading every kernel of every library at start-up may take long
+    tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
+    ;;
+idle)  # the device's idle time, two mechanisms against their switches in one call, each read in the traces: a
+    # burst's callers reaching the scheduler 64 at a time (default; SLUICE_ADMITTING=0 all at once: idle before
+    # the first step) and the LM head's rows padded (SLUICE_PAD_HEAD_ROWS=0: launches that wait for the device)
+    tp1000 tp1000
+    tp1000 tp1000_noadmit "env SLUICE_ADMITTING=0"
+    tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
+    tp200 tp200
+    tp200 tp200_noadmit "env SLUICE_ADMITTING=0"
+    tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
     ;;
 fold)  # each decoder layer's RMSNorms and SiLU-and-mul folded into the GEMV after them at <= 16 rows

@@ -115,6 +115,17 @@ def long_launches(trace: list[list]) -> None:
     )
 
 
+def burst_start(trace: list[list]) -> None:
+    """The device's idle time before the run's first step: the first step with prompt tokens after a decode-only
+    step (a benchmark's warm-up requests run first), with the idle of the next few steps: the burst's admission."""
+    first = next((i for i in range(1, len(trace)) if trace[i][1] and not trace[i - 1][1]), None)
+    if first is None:
+        return
+    after = sum(t[4] for t in trace[first + 1 : first + 8])
+    idle = 1e3 * trace[first][4]
+    print(f"  the run's first step: {first}, idle before it {idle:.1f} ms, before its next 7 {1e3 * after:.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("requests_file", nargs="?")
@@ -129,6 +140,7 @@ def main() -> None:
         trace = json.load(open(ns.trace))["steps"]
         report([(t[0], t[1]) for t in trace], [t[3] for t in trace], [t[4] for t in trace], ns.max_graph_tokens)
         long_launches(trace)
+        burst_start(trace)
         if ns.list:
             list_steps(trace[: ns.list])
         return
