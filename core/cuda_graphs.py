@@ -156,6 +156,7 @@ class DecodeGraphs:
         self.name = name
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
+        self.routes: dict[int, int] = {}  # a size to the larger one that runs it faster (`route_to_fastest`)
 
     def metadata(self, bs: int) -> AttentionMetadata:
         """The captured step's metadata: views of the buffers for ``bs`` sequences of ``query_len`` tokens."""
@@ -228,10 +229,46 @@ class DecodeGraphs:
         return pool
 
     def padded_size(self, n: int) -> int | None:
+        """The graph a step of ``n`` (sequences; tokens for mixed steps) replays: the smallest size that holds it,
+        or the larger one it is routed to; None if none holds it."""
         for bs in self.batch_sizes:
             if bs >= n:
-                return bs
+                return self.routes.get(bs, bs)
         return None
+
+    def route_to_fastest(self, repeats: int = 3) -> dict[int, float]:
+        """Time each captured graph on idle inputs and route each size to the fastest graph at least as large
+        (`fastest_routes`); returns the times (seconds per replay).
+
+        A size is not always faster than the next one up: cuBLAS picks its kernel by the matrix shape, and at
+        some row counts its pick is slower than at a larger one (on the H200 the 448-row decode step took
+        longer than the 480-row one). Padding a step to the larger size then costs nothing and saves that. Idle
+        inputs (no KV writes, empty contexts) leave out attention, which grows with the real rows only."""
+        self._idle_inputs()
+        t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = {}
+        for bs in self.batch_sizes:
+            graph, _ = self.graphs[bs]
+            graph.replay()  # the first replay after capture uploads the graph
+            start.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            times[bs] = start.elapsed_time(end) / 1e3 / repeats
+        self.routes = fastest_routes(times)
+        logger.info("timed %d %s graphs in %.1fs", len(times), self.name, time.perf_counter() - t0)
+        for bs, to in self.routes.items():
+            logger.info(
+                "%s graph of size %d routed to size %d (%.2f vs %.2f ms)",
+                self.name,
+                bs,
+                to,
+                1e3 * times[bs],
+                1e3 * times[to],
+            )
+        return times
 
     def replay(self, bs: int) -> torch.Tensor:
         """Replay the graph of batch size ``bs`` (inputs already in the buffers); its output (decode: the
@@ -240,6 +277,18 @@ class DecodeGraphs:
         graph.replay()
         self.num_replays += 1
         return out
+
+
+def fastest_routes(times: dict[int, float], margin: float = 0.03) -> dict[int, int]:
+    """For each size, the larger size whose time is the least of all sizes at least as large, where it is faster
+    than the size's own by more than ``margin`` (timing noise must not move a step to a larger graph)."""
+    sizes = sorted(times)
+    routes = {}
+    for i, bs in enumerate(sizes):
+        best = min(sizes[i:], key=lambda s: (times[s], s))
+        if best != bs and times[best] < times[bs] * (1 - margin):
+            routes[bs] = best
+    return routes
 
 
 def mixed_graph_sizes(max_tokens: int) -> list[int]:

@@ -194,6 +194,10 @@ class ModelRunner:
                         if mixed is not None:
                             mixed.capture(pool)
                     self.graphs, self.mixed_graphs = graphs, mixed
+                    if os.environ.get("SLUICE_GRAPH_ROUTES") != "0":  # 0: each step in its smallest graph
+                        for g in (graphs, mixed):
+                            if g is not None:
+                                g.route_to_fastest()
                     if self.drafter is not None:
                         self.drafter.capture_graphs()
                 except Exception:  # slower, still correct: serve every step eagerly

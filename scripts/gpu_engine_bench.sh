@@ -17,7 +17,8 @@
 #                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
 #   scripts/gpu_engine_bench.sh launchwait  # ShareGPT 200 traced, then with torch's sync debug mode
 #   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
-#   scripts/gpu_engine_bench.sh idle   # burst admission 64 at a time and the head's padding, each vs its switch
+#   scripts/gpu_engine_bench.sh idle   # burst admission 64 at a time, the head's padding and the graph routes,
+#                                      # each vs its switch: ShareGPT 1000 and 200 (~8 min)
 #   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU folded into the GEMV after them vs their own
 #                                             # kernels: steps and batch 1 | ShareGPT 200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
@@ -218,6 +219,8 @@ idle)  # the device's idle time, two mechanisms against their switches in one ca
     tp1000 tp1000
     tp1000 tp1000_noadmit "env SLUICE_ADMITTING=0"
     tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
+    # and each step in its smallest graph (SLUICE_GRAPH_ROUTES=0) instead of the fastest one at least as large
+    tp1000 tp1000_noroutes "env SLUICE_GRAPH_ROUTES=0"
     tp200 tp200
     tp200 tp200_noadmit "env SLUICE_ADMITTING=0"
     tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"

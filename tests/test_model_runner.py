@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from sluice.core import LLM, SamplingParams
-from sluice.core.cuda_graphs import StepBuffers, graph_batch_sizes, mixed_graph_sizes
+from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, fastest_routes, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.input_batch import InputBatch
 from sluice.core.step import NewRequest, SchedulerOutput
 
@@ -174,9 +174,11 @@ def test_mixed_graph_sizes_cover_every_step():
     assert mixed_graph_sizes(100) == [16, 32, 48, 64, 80, 96, 100]
 
 
-def test_steps_with_prefill_rows_through_the_mixed_graph_path_match_eager():
+@pytest.mark.parametrize("routed", [False, True])
+def test_steps_with_prefill_rows_through_the_mixed_graph_path_match_eager(routed):
     """Prompts of many lengths, prefilled in chunks beside running decodes, some over cached prefixes: every
-    step through the mixed-step (and decode) graph stand-ins gives the eager engine's tokens."""
+    step through the mixed-step (and decode) graph stand-ins gives the eager engine's tokens; also with small
+    sizes routed to larger graphs (`DecodeGraphs.route_to_fastest`), whose extra rows are padding."""
     kw = dict(
         model="dummy:tiny", device="cpu", attention_backend="triton", num_kv_blocks=96, max_model_len=512,
         max_num_batched_tokens=100, max_num_seqs=8,
@@ -192,11 +194,57 @@ def test_steps_with_prefill_rows_through_the_mixed_graph_path_match_eager():
         runner.mixed_graphs = EagerMixedReplay(runner._forward, runner.buffers, [16, 32, 64, 100], runner.max_model_len)
         for g in (runner.graphs, runner.mixed_graphs):
             g.capture()
+        if routed:
+            runner.graphs.routes, runner.mixed_graphs.routes = {1: 4, 2: 4}, {16: 64, 32: 64}
         graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert graphed == eager
     replayed = runner.mixed_graphs.replayed
-    assert set(replayed) <= {16, 32, 64, 100} and len(set(replayed)) >= 2, replayed
+    if routed:
+        assert set(replayed) <= {64, 100} and set(runner.graphs.replayed) <= {4, 8}, replayed
+        assert 64 in replayed and 4 in runner.graphs.replayed
+    else:
+        assert set(replayed) <= {16, 32, 64, 100} and len(set(replayed)) >= 2, replayed
     assert runner.graphs.replayed  # the decode-only steps still take the decode graphs
+
+
+def test_route_to_fastest_times_each_graph_and_routes_steps_by_it(monkeypatch):
+    # the device's clock stood in for by the host's, the graphs by ones that take a set time per replay
+    import time as _time
+
+    class Clock:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.at = 0.0
+
+        def record(self) -> None:
+            self.at = _time.perf_counter()
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end: Clock) -> float:
+            return 1e3 * (end.at - self.at)
+
+    class Graph:
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def replay(self) -> None:
+            _time.sleep(self.seconds)
+
+    monkeypatch.setattr(torch.cuda, "Event", Clock)
+    graphs = DecodeGraphs(None, StepBuffers(16, 4, 4, torch.device("cpu")), [1, 2, 4], 64)
+    graphs.graphs = {1: (Graph(0.012), None), 2: (Graph(0.004), None), 4: (Graph(0.008), None)}
+    times = graphs.route_to_fastest()
+    assert times[1] > times[4] > times[2]
+    assert graphs.routes == {1: 2} and [graphs.padded_size(n) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, None]
+
+
+def test_fastest_routes_send_a_size_only_to_a_larger_and_clearly_faster_graph():
+    times = {1: 4.4, 2: 4.4, 4: 4.5, 448: 20.8, 480: 18.1, 512: 18.2, 544: 19.0}
+    assert fastest_routes(times) == {448: 480}
+    assert fastest_routes({1: 1.0, 2: 0.99}) == {}  # within the timing margin
+    assert fastest_routes({8: 3.0, 16: 2.0, 24: 1.0}) == {8: 24, 16: 24}
+    assert fastest_routes({8: 1.0, 16: 0.5, 24: 0.5}) == {8: 16}  # of equal times, the smaller graph
 
 
 def test_requests_submitted_together_share_their_first_step():
