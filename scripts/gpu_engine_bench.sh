@@ -19,7 +19,7 @@
 #   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
 #   scripts/gpu_engine_bench.sh idle   # burst admission 64 at a time, the head's padding and the graph routes,
 #                                      # each vs its switch: ShareGPT 1000 and 200 (~8 min)
-#   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU folded into the GEMV after them vs their own
+#   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU-and-mul folded into GEMVs vs their own
 #                                             # kernels: steps and batch 1 | ShareGPT 200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
@@ -226,7 +226,8 @@ idle)  # the device's idle time, two mechanisms against their switches in one ca
     tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
     ;;
-fold)  # each decoder layer's RMSNorms and SiLU-and-mul folded into the GEMV after them at <= 16 rows
+fold)  # each decoder layer's RMSNorms folded into the GEMV after them, its SiLU-and-mul into the gate/up GEMV's
+    # epilogue, at <= 16 rows
     # (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating: the kernels' GPU tests
     # first, device time per step at 1-16 rows, batch 1, the norms alone at batch 1 last (ShareGPT 200: fold200)
     kernel_tests tests/test_fused_kernels.py

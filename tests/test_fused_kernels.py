@@ -180,45 +180,68 @@ def test_gemv_with_the_rmsnorm_folded_in_matches_norm_then_gemv(dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 16])
-def test_gemv_with_silu_and_mul_folded_in_is_silu_and_mul_then_gemv_bit_for_bit(dtype, rows):
-    """`gemv_silu` computes x's tiles from both halves of gate/up as `silu_and_mul` does: the same result as that
-    kernel then the GEMV, to the bit, with K split or not and a bias."""
+def test_gate_up_gemv_with_silu_and_mul_in_its_epilogue_is_gemv_then_silu_and_mul_bit_for_bit(dtype, rows):
+    """`gemv_silu` applies SiLU-and-mul to each program's gate and up tiles as `silu_and_mul` does to the GEMV's
+    output: the same result to the bit with the same tiles, with a bias, K a multiple of the step and not; the
+    engine's own config (half-height tiles) to the rounding; with the norm folded in too (`gemv_rmsnorm(...,
+    silu=True)`), the same as the norm's fold then `silu_and_mul`."""
     from sluice.core.models import gemv
 
     g = torch.Generator().manual_seed(rows)
-    n, k = 100, 320
-    w = torch.randn(n, k, generator=g).to(DEVICE, dtype)
-    gate_up = (2 * torch.randn(rows, 2 * k, generator=g)).to(DEVICE, dtype)
-    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
-    counters = torch.zeros(-(-n // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
-    for cfg in (gemv.GemvConfig(32, 64, 1), gemv.GemvConfig(64, 64, 2), None):
+    inter = 96  # I: the weight is [gate; up], 2I rows
+    for k, cfg in ((320, gemv.GemvConfig(32, 64, 1)), (300, gemv.GemvConfig(64, 128, 1))):
+        w = torch.randn(2 * inter, k, generator=g).to(DEVICE, dtype)
+        x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        nw = (1 + 0.5 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+        res = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        bias = torch.randn(2 * inter, generator=g).to(DEVICE, dtype)
+        counters = torch.zeros(-(-2 * inter // gemv.MIN_BLOCK_N), dtype=torch.int32, device=DEVICE)
         for b in (bias, None):
-            expect = gemv.gemv(fused.silu_and_mul(gate_up), w, b, counters, cfg)
-            out = gemv.gemv_silu(gate_up, w, b, counters, cfg)
-            assert torch.equal(out, expect) and not counters.any()
+            expect = fused.silu_and_mul(gemv.gemv(x, w, b, counters, cfg))
+            out = gemv.gemv_silu(x, w, b, counters, cfg)
+            assert out.shape == (rows, inter) and torch.equal(out, expect)
+            h, expect_res = gemv.gemv_rmsnorm(x, res, nw, 1e-5, w, b, counters, cfg)
+            out, new_res = gemv.gemv_rmsnorm(x, res, nw, 1e-5, w, b, counters, cfg, silu=True)
+            assert torch.equal(out, fused.silu_and_mul(h)) and torch.equal(new_res, expect_res)
+        if dtype == torch.bfloat16:  # the engine's rule: tiles half as high, sums in another grouping
+            _close_to_scale(
+                gemv.gemv_silu(x, w, bias, counters), fused.silu_and_mul(gemv.gemv(x, w, bias, counters)), 2**-7
+            )
+        assert not counters.any()
 
 
-def test_decoder_layers_fold_their_norms_and_silu_into_the_gemv_for_few_rows(monkeypatch):
+@pytest.mark.parametrize("folds", ["norm,silu", "norm", "silu"])
+def test_decoder_layers_fold_their_norms_and_silu_into_the_gemv_for_few_rows(monkeypatch, folds):
     """A bf16 model whose projections take the GEMV, the folds switched on: for a few rows each layer's two norms go
-    into the projections after them (two `gemv_rmsnorm` launches per layer) and its SiLU-and-mul into the down
-    projection (`gemv_silu`), and the logits are those of the separate kernels, to rounding; past the folds' rows,
-    and with the folds off, the norms and the SiLU run their own kernels."""
+    into the projections after them (two `gemv_rmsnorm` launches per layer) and its SiLU-and-mul into the gate/up
+    projection's epilogue (with the norm's fold: the second of those launches; without: `gemv_silu`), and the
+    logits are those of the separate kernels, to rounding; past the folds' rows, and with the folds off, the
+    norms and the SiLU run their own kernels."""
     from sluice.core.models import gemv
     from sluice.core.models.layers import ForwardContext
     from sluice.core.models.loader import load_model, resolve_model
     from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
 
+    norm_rows = gemv.FOLD_NORM_ROWS if "norm" in folds else 0
+    silu_rows = gemv.FOLD_NORM_ROWS if "silu" in folds else 0
     monkeypatch.setattr(gemv, "MIN_WEIGHT_BYTES", 0)
-    monkeypatch.setattr(
-        gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS
-    )  # the switch on (SLUICE_GEMV_FOLD=norm,silu)
-    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: gemv.FOLD_NORM_ROWS)
+    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: norm_rows)  # the switch (SLUICE_GEMV_FOLD=...)
+    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: silu_rows)
     model = load_model(resolve_model("dummy:tiny"), torch.bfloat16, DEVICE, max_position=64)
     enable_fused_kernels(model)
     calls = []
     real, real_silu = gemv.gemv_rmsnorm, gemv.gemv_silu
-    monkeypatch.setattr(gemv, "gemv_rmsnorm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    monkeypatch.setattr(gemv, "gemv_silu", lambda *a, **kw: calls.append(-a[0].shape[0]) or real_silu(*a, **kw))
+
+    def rmsnorm(*a, **kw):
+        calls.append(("norm", a[0].shape[0], kw.get("silu", False)))
+        return real(*a, **kw)
+
+    def silu(*a, **kw):
+        calls.append(("silu", a[0].shape[0]))
+        return real_silu(*a, **kw)
+
+    monkeypatch.setattr(gemv, "gemv_rmsnorm", rmsnorm)
+    monkeypatch.setattr(gemv, "gemv_silu", silu)
 
     def logits(t: int) -> torch.Tensor:
         ids = torch.arange(3, 3 + t, device=DEVICE) * 7 % 1000
@@ -239,17 +262,22 @@ def test_decoder_layers_fold_their_norms_and_silu_into_the_gemv_for_few_rows(mon
             return model.compute_logits(hidden).float()
 
     folded = logits(6)
-    assert calls == [6, 6, -6] * len(model.model.layers)  # two norms and the SiLU per layer, in their order
+    per_layer = {
+        "norm,silu": [("norm", 6, False), ("norm", 6, True)],
+        "norm": [("norm", 6, False), ("norm", 6, False)],
+        "silu": [("silu", 6)],
+    }[folds]
+    assert calls == per_layer * len(model.model.layers)  # in their order
     calls.clear()
     monkeypatch.setattr(gemv, "fold_norm_rows", lambda: 0)
     monkeypatch.setattr(gemv, "fold_silu_rows", lambda: 0)
     separate = logits(6)
     assert calls == []
     _close_to_scale(folded, separate, 2**-5)
-    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: gemv.FOLD_NORM_ROWS)
-    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: gemv.FOLD_NORM_ROWS)
+    monkeypatch.setattr(gemv, "fold_norm_rows", lambda: norm_rows)
+    monkeypatch.setattr(gemv, "fold_silu_rows", lambda: silu_rows)
     logits(gemv.FOLD_NORM_ROWS + 1)
-    assert calls == []  # past the fold's rows: the norm's and the SiLU's own kernels
+    assert calls == []  # past the folds' rows: the norm's and the SiLU's own kernels
 
 
 def test_linear_layer_takes_the_gemv_only_for_few_rows():

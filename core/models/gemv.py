@@ -14,9 +14,10 @@ a CUDA graph). It is launched with programmatic dependent launch (`kv/attention/
 become resident while the kernel before them (a fused norm, SiLU-and-mul, attention) finishes, and read
 ``x`` once that kernel's writes are visible.
 
-The kernel that runs just before a projection at these sizes (an RMSNorm, the SiLU-and-mul) is a latency-bound
-launch of its own on the step's critical path; `gemv_rmsnorm` and `gemv_silu` fold it into the GEMV's loads of x
-(``SLUICE_GEMV_FOLD``, off until timed on the H200).
+The kernels beside a projection at these sizes (the RMSNorm before it, the SiLU-and-mul after the gate/up one) are
+latency-bound launches of their own on the step's critical path; `gemv_rmsnorm` folds the norm into the GEMV's
+loads of x, `gemv_silu` the SiLU-and-mul into the gate/up GEMV's epilogue (``SLUICE_GEMV_FOLD``, off until timed
+on the H200).
 
 Accumulation is fp32 like cuBLAS's; the sums run in another order, so outputs agree with ``F.linear`` to
 the rounding of the output dtype, not bit for bit.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,7 @@ def _gemv_kernel(
     PDL: tl.constexpr,
     NORM: tl.constexpr,
     HAS_RES: tl.constexpr,
-    SILU: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -95,6 +96,9 @@ def _gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     mmask = offs_m < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if GATED:  # the weight is [gate; up], N rows each: this program's gate rows and the same rows of up
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up_rows64 = rows64 + N
     if NORM:  # squares summed per element in the loop, across K once at the end (no reduction per step)
         squares = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
     for k0 in range(lo, hi, BLOCK_K):
@@ -103,14 +107,12 @@ def _gemv_kernel(
             kmask = offs_k >= 0
         else:
             kmask = k < hi
-        w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wmask = rmask[:, None] & kmask[None, :]
+        w = tl.load(w_ptr + rows64[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0)
+        if GATED:
+            w_up = tl.load(w_ptr + up_rows64[:, None] * stride_wn + k[None, :], mask=wmask, other=0.0)
         xmask = kmask[:, None] & mmask[None, :]
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + k[:, None], mask=xmask, other=0.0)
-        if SILU:  # x is [gate | up]: silu(gate) * up, rounded as `fused.silu_and_mul` rounds it
-            up = tl.load(x_ptr + offs_m[None, :] * stride_xm + K + k[:, None], mask=xmask, other=0.0)
-            g = xt.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(xt.dtype)
-            xt = (act.to(tl.float32) * up.to(tl.float32)).to(xt.dtype)
         if NORM:  # x (+ residual) through the RMSNorm's weight now; its 1 / rms, a factor per row, at the end
             if HAS_RES:
                 r = tl.load(res_ptr + offs_m[None, :] * stride_rm + k[:, None], mask=xmask, other=0.0)
@@ -123,14 +125,27 @@ def _gemv_kernel(
             xt = (h * nw[:, None]).to(xt.dtype)
         if DOT_F32:  # fp32 activations stay fp32; the CPU interpreter's bf16 dot is wrong (see triton_kernels)
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            if GATED:
+                acc_up = tl.dot(w_up.to(tl.float32), xt.to(tl.float32), acc_up, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
+            if GATED:
+                acc_up = tl.dot(w_up, xt, acc_up)
     if NORM:  # the norm's scale, one per row of x (whole rows: SPLIT_K is 1)
-        acc = acc * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)[None, :]
+        scale = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)[None, :]
+        acc = acc * scale
+        if GATED:
+            acc_up = acc_up * scale
     omask = rmask[:, None] & mmask[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+            if GATED:
+                acc_up += tl.load(b_ptr + up_rows64, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        if GATED:  # silu(gate) * up from the two rounded outputs, as `fused.silu_and_mul` computes it from them
+            g = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
+            acc = act.to(tl.float32) * acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + offs_m[None, :] * stride_om + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         tile = ws_ptr + offs_m[None, :] * N + rows[:, None]  # workspace [SPLIT_K, BLOCK_M, N] fp32
@@ -163,8 +178,8 @@ def block_m(m: int) -> int:
 
 
 # Rows up to which a decoder layer folds its RMSNorm into the next projection's GEMV (`gemv_rmsnorm`), and the MLP
-# its SiLU-and-mul into the down projection's (`gemv_silu`): every program then also reads the rows' residual (or
-# both halves of gate/up), which outweighs the folded kernel's own launch at larger batches.
+# its SiLU-and-mul into the gate/up projection's (`gemv_silu`): every program then also reads the rows' residual
+# and the norm's weight, which outweighs the folded kernel's own launch at larger batches.
 FOLD_NORM_ROWS = 16
 
 
@@ -182,7 +197,8 @@ def fold_silu_rows() -> int:
 
 
 def _folds() -> set[str]:
-    """``SLUICE_GEMV_FOLD``: comma-separated kernels folded into the GEMV after them (``norm``, ``silu``)."""
+    """``SLUICE_GEMV_FOLD``: comma-separated kernels folded into a GEMV (``norm``: into the one after it, ``silu``:
+    into the gate/up one before it)."""
     return {f.strip() for f in os.environ.get("SLUICE_GEMV_FOLD", "").split(",") if f.strip()}
 
 
@@ -231,17 +247,19 @@ def gemv(
 
 
 def gemv_silu(
-    gate_up: torch.Tensor,
+    x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
-    """``(silu(gate) * up) @ weight^T (+ bias)`` for ``gate_up = [gate | up]`` ``[M, 2K]`` and few rows, in one launch:
-    each program computes its tiles of x from the two halves as it loads them, rounded as `fused.silu_and_mul`
-    rounds them, so the result is `gemv` of that kernel's output, bit for bit, without its launch."""
-    assert gate_up.shape[1] == 2 * weight.shape[1]
-    return _run(gate_up, weight, bias, counters, config, silu=True)
+    """``silu(gate) * up`` for ``[gate | up] = x @ weight^T (+ bias)``, ``weight`` ``[gate; up]`` (``[2I, K]``), few
+    rows, in one launch: each program computes a tile of gate rows and the same tile of up rows, and applies
+    SiLU-and-mul to the two (rounded to the output's dtype first) in its epilogue, so the result is
+    `fused.silu_and_mul` of `gemv`'s output to the bit (with the same tiles), without that kernel's launch or
+    the ``[M, 2I]`` round trip. Returns ``[M, I]``."""
+    assert weight.shape[1] == x.shape[1] and weight.shape[0] % 2 == 0
+    return _run(x, weight, bias, counters, config, gated=True)
 
 
 def gemv_rmsnorm(
@@ -253,6 +271,7 @@ def gemv_rmsnorm(
     bias: torch.Tensor | None,
     counters: torch.Tensor,
     config: GemvConfig | None = None,
+    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rmsnorm(x + residual) @ weight^T (+ bias), x + residual)`` in one launch, for few rows (without
     ``residual``: ``(rmsnorm(x) @ weight^T, x)``): the norm's weight scales x's tiles as they are loaded, the
@@ -260,24 +279,31 @@ def gemv_rmsnorm(
     (a factor per row of x commutes with the product). Each program reads whole rows (no K split); the
     programs of the first column of tiles write the new residual stream. This saves a decode step the norm's
     own launch and its wait before each of two projections per layer. x is rounded once between the norm's
-    factors instead of twice: results agree with `fused.add_rmsnorm` then `gemv` to the output's rounding."""
+    factors instead of twice: results agree with `fused.add_rmsnorm` then `gemv` to the output's rounding. With
+    ``silu``, the projection is a gate/up one and the first result SiLU-and-mul of it (`gemv_silu`)."""
     assert weight.shape[1] == x.shape[1]
     assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1)
     res_out = torch.empty_like(x) if residual is not None else x
-    return _run(x, weight, bias, counters, config, norm=(residual, norm_weight, eps, res_out)), res_out
+    norm = (residual, norm_weight, eps, res_out)
+    return _run(x, weight, bias, counters, config, norm=norm, gated=silu), res_out
 
 
-def _run(x, weight, bias, counters, config: GemvConfig | None, norm=None, silu: bool = False) -> torch.Tensor:
-    """`_gemv_kernel` over ``x`` ``[M, *]`` and ``weight`` ``[N, K]``: the config for the shape (or ``config``), K
-    split unless there are too few counters or a norm is folded in (``norm``: ``(residual or None, norm weight,
-    eps, residual out)``, `gemv_rmsnorm`); ``silu``: ``x`` is ``[gate | up]`` (`gemv_silu`). Returns ``[M, N]``."""
+def _run(x, weight, bias, counters, config: GemvConfig | None, norm=None, gated: bool = False) -> torch.Tensor:
+    """`_gemv_kernel` over ``x`` ``[M, K]`` and ``weight`` ``[N, K]``: the config for the shape (or ``config``), K
+    split unless there are too few counters, a norm is folded in (``norm``: ``(residual or None, norm weight,
+    eps, residual out)``, `gemv_rmsnorm`) or the output is gated (``gated``: ``weight`` is ``[gate; up]``, the
+    output SiLU-and-mul of the two halves, `gemv_silu`). Returns ``[M, N]`` (``[M, N / 2]`` gated)."""
     m = x.shape[0]
     n, k = weight.shape
     assert m <= KERNEL_MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
     c = config or gemv_config(n, k, num_sms, m)
+    if gated:  # each program reads a tile of gate rows and one of up rows: half the tile each, as many programs
+        n //= 2
+        if config is None:
+            c = replace(c, block_n=max(MIN_BLOCK_N, c.block_n // 2))
     split = c.split_k
-    if norm is not None or (split > 1 and counters.numel() < triton.cdiv(n, c.block_n)):
+    if norm is not None or gated or (split > 1 and counters.numel() < triton.cdiv(n, c.block_n)):
         split = 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = torch.empty((split, block_m(m), n), dtype=torch.float32, device=x.device) if split > 1 else out
@@ -290,7 +316,7 @@ def _run(x, weight, bias, counters, config: GemvConfig | None, norm=None, silu: 
         x, weight, bias if bias is not None else weight, out, ws, counters, res, nw, res_out, eps,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), res_out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=block_m(m), SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, SILU=silu, num_warps=c.num_warps,
+        EVEN_K=even_k, DOT_F32=dot_f32, NORM=norm is not None, HAS_RES=has_res, GATED=gated, num_warps=c.num_warps,
         num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out

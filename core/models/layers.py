@@ -58,42 +58,52 @@ class RMSNorm(nn.Module):
 
 
 def norm_then_linear(
-    norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    norm: RMSNorm,
+    linear: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    act: SiluAndMul | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(h), residual)`` for ``h, residual = norm(x, residual)`` (``norm(x)`` and ``x`` without a residual):
-    a decoder layer's norm and the projection after it. For a few rows, when both run fused kernels, one GEMV
-    with the norm folded in (`gemv.gemv_rmsnorm`); otherwise the two layers."""
+    a decoder layer's norm and the projection after it; with ``act``, ``(act(linear(h)), residual)`` (the MLP's
+    gate/up projection and its SiLU-and-mul). For a few rows, when they run fused kernels, the norm is folded into
+    the GEMV (`gemv.gemv_rmsnorm`) and the SiLU-and-mul into its epilogue (`gemv.gemv_silu`); otherwise each runs
+    on its own."""
     from sluice.core.models import gemv
 
     rows = _fold_rows(norm, linear, x, gemv.fold_norm_rows())
     if rows:
+        gated = act is not None and bool(_fold_rows(act, linear, x, gemv.fold_silu_rows()))
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         r2 = residual.reshape(rows, x.shape[-1]).contiguous() if residual is not None else None
-        out, res = gemv.gemv_rmsnorm(x2, r2, norm.weight, norm.eps, linear.weight, linear.bias, linear.counters)
-        return out.view(*x.shape[:-1], out.shape[-1]), res.view(x.shape)
+        out, res = gemv.gemv_rmsnorm(
+            x2, r2, norm.weight, norm.eps, linear.weight, linear.bias, linear.counters, silu=gated
+        )
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return (act(out) if act is not None and not gated else out), res.view(x.shape)
     if residual is None:
-        return linear(norm(x)), x
-    h, residual = norm(x, residual)
-    return linear(h), residual
+        h, residual = norm(x), x
+    else:
+        h, residual = norm(x, residual)
+    return (linear(h) if act is None else linear_then_act(linear, act, h)), residual
 
 
-def act_then_linear(act: SiluAndMul, linear: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-    """``linear(act(gate_up))``: the MLP's SiLU-and-mul and down projection; for a few rows, when both run fused
-    kernels, one GEMV that computes its input from both halves as it loads them (`gemv.gemv_silu`)."""
+def linear_then_act(linear: nn.Module, act: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+    """``act(linear(x))``: the MLP's gate/up projection and SiLU-and-mul; for a few rows, when both run fused
+    kernels, one GEMV that applies the SiLU-and-mul to its gate and up tiles in its epilogue (`gemv.gemv_silu`)."""
     from sluice.core.models import gemv
 
-    rows = _fold_rows(act, linear, gate_up, gemv.fold_silu_rows())
+    rows = _fold_rows(act, linear, x, gemv.fold_silu_rows())
     if rows:
-        out = gemv.gemv_silu(
-            gate_up.reshape(rows, gate_up.shape[-1]).contiguous(), linear.weight, linear.bias, linear.counters
-        )
-        return out.view(*gate_up.shape[:-1], out.shape[-1])
-    return linear(act(gate_up))
+        out = gemv.gemv_silu(x.reshape(rows, x.shape[-1]).contiguous(), linear.weight, linear.bias, linear.counters)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return act(linear(x))
 
 
 def _fold_rows(before: nn.Module, linear: nn.Module, x: torch.Tensor, limit: int) -> int:
-    """The rows of ``x`` when the kernel of ``before`` (a norm, the SiLU-and-mul) can be folded into ``linear``'s
-    GEMV: both run fused kernels, the GEMV serves this many rows, and no more than ``limit``; else 0."""
+    """The rows of ``x`` (``linear``'s input) when the kernel of ``before`` (the norm before it, the SiLU-and-mul
+    after it) can be folded into ``linear``'s GEMV: both run fused kernels, the GEMV serves this many rows, and no
+    more than ``limit``; else 0."""
     from sluice.core.models import gemv
 
     rows = x.numel() // x.shape[-1]

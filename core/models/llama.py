@@ -16,7 +16,7 @@ from sluice.core.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    act_then_linear,
+    linear_then_act,
     norm_then_linear,
 )
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
@@ -100,11 +100,11 @@ class LlamaMLP(nn.Module):
         self.shard_sizes = (m, m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_gate_up(self.gate_up_proj(x))
+        return self.forward_act(linear_then_act(self.gate_up_proj, self.act, x))  # one kernel for few rows
 
-    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The MLP from its gate/up projection on."""
-        out = act_then_linear(self.act, self.down_proj, gate_up)  # one kernel for few rows
+    def forward_act(self, a: torch.Tensor) -> torch.Tensor:
+        """The MLP from its SiLU-and-mul's output on (the decoder layer computes that with the norm before it)."""
+        out = self.down_proj(a)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -120,8 +120,8 @@ class LlamaDecoderLayer(nn.Module):
         # each norm with the projection after it: one kernel for few rows (`norm_then_linear`)
         qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         h = self.self_attn.forward_qkv(qkv, positions, rotary, ctx)
-        gate_up, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual)
-        return self.mlp.forward_gate_up(gate_up), residual
+        a, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, self.mlp.act)
+        return self.mlp.forward_act(a), residual
 
 
 class LlamaModel(nn.Module):
