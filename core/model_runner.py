@@ -195,9 +195,7 @@ class ModelRunner:
                             mixed.capture(pool)
                     self.graphs, self.mixed_graphs = graphs, mixed
                     if os.environ.get("SLUICE_GRAPH_ROUTES") != "0":  # 0: each step in its smallest graph
-                        for g in (graphs, mixed):
-                            if g is not None:
-                                g.route_to_fastest()
+                        self._route_graphs()
                     if self.drafter is not None:
                         self.drafter.capture_graphs()
                 except Exception:  # slower, still correct: serve every step eagerly
@@ -214,6 +212,20 @@ class ModelRunner:
         if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
             # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
             torch.cuda.set_sync_debug_mode("warn")
+
+    def _route_graphs(self) -> None:
+        """Each graph size to the fastest graph at least as large (`DecodeGraphs.route_to_fastest`). Only a
+        speed-up: if timing fails, every step keeps its smallest graph."""
+        try:
+            with torch.inference_mode():
+                for g in (self.graphs, self.mixed_graphs):
+                    if g is not None:
+                        g.route_to_fastest()
+        except Exception:
+            logger.exception("timing the CUDA graphs failed; each step replays its smallest graph")
+            for g in (self.graphs, self.mixed_graphs):
+                if g is not None:
+                    g.routes = {}
 
     # -- memory --------------------------------------------------------------------------------------
     def _bytes_per_block(self) -> int:

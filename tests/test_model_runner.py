@@ -239,6 +239,22 @@ def test_route_to_fastest_times_each_graph_and_routes_steps_by_it(monkeypatch):
     assert graphs.routes == {1: 2} and [graphs.padded_size(n) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, None]
 
 
+def test_graphs_keep_their_smallest_size_when_timing_them_fails():
+    from types import SimpleNamespace
+
+    from sluice.core.model_runner import ModelRunner
+
+    class Failing:
+        routes = {1: 2}
+
+        def route_to_fastest(self):
+            raise RuntimeError("no timing events here")
+
+    runner = SimpleNamespace(graphs=Failing(), mixed_graphs=None)
+    ModelRunner._route_graphs(runner)  # logged, not raised: routing is only a speed-up
+    assert runner.graphs.routes == {}
+
+
 def test_fastest_routes_send_a_size_only_to_a_larger_and_clearly_faster_graph():
     times = {1: 4.4, 2: 4.4, 4: 4.5, 448: 20.8, 480: 18.1, 512: 18.2, 544: 19.0}
     assert fastest_routes(times) == {448: 480}
