@@ -28,7 +28,8 @@
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
 # --only-save-requests`), and for the previous build's run, old/ (`git archive 47cad4b app core kv spec scripts`)
-# with cache/tokenizers/ (the tokenizer that build reads for dummy models). DRY=1 prints the commands only.
+# with cache/tokenizers/ (the tokenizer that build reads for dummy models). DRY=1 prints the commands only;
+# PACK=1 leaves one archive under $OUT at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -250,4 +251,15 @@ configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
     run tp200_t16k 90 $bench throughput $M --requests-file "$REQ" --num-prompts 200 --max-num-seqs 256 --max-num-batched-tokens 16384 --out "$OUT/tp200_t16k.json"
     ;;
+*)
+    echo "unknown mode: $1 (the modes are listed at the top of $0)" >&2
+    exit 2
+    ;;
 esac
+# PACK=1: everything under $OUT in one archive (the device returns at most 8 files)
+if [ -n "${PACK:-}" ] && [ -z "${DRY:-}" ]; then
+    pack=$(mktemp -d)/all_${1:-core}.tgz
+    tar czf "$pack" -C "$OUT" --exclude='*.tgz' . && find "$OUT" -type f ! -name '*.tgz' -delete && mv "$pack" "$OUT/"
+    ls -la "$OUT"
+fi
+
