@@ -1,6 +1,7 @@
 """Compile the few-row GEMV's kernel variants for the H200 (sm_90) on a machine without a GPU: Triton's bundled
 ptxas does the work, so a kernel change can be checked against the GPU machine's Triton before device time is
-spent on it. Prints, per variant, its shared memory, global loads, MMA instructions and exponentials in the PTX.
+spent on it. Prints, per variant, its registers and spills (ptxas -v), shared memory, global loads, MMA
+instructions and exponentials in the PTX.
 
     python scripts/sm90_compile_check.py
     PYTHONPATH=/tmp/t36:$(scripts/namespace_path.sh) python scripts/sm90_compile_check.py   # another Triton
@@ -10,6 +11,8 @@ spent on it. Prints, per variant, its shared memory, global loads, MMA instructi
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
 
@@ -29,17 +32,36 @@ POINTERS = {
     "nw_ptr": "*bf16",
     "res_out_ptr": "*bf16",
 }
-# (BLOCK_N, BLOCK_K, BLOCK_M, NORM, GATED): the engine's configs at 1-16 rows, plain and folded
+# (BLOCK_N, BLOCK_K, BLOCK_M, NORM, GATED, num_warps): the engine's configs at 1-16 rows, plain and folded
 VARIANTS = [
-    (64, 256, 16, False, False),  # q/k/v, o, down
-    (64, 128, 16, False, False),  # gate/up, LM head
-    (64, 256, 16, True, False),  # q/k/v with the norm folded in
-    (32, 128, 16, False, True),  # gate/up with SiLU-and-mul in its epilogue (half-height tiles)
-    (32, 128, 16, True, True),  # ... and the norm folded in
+    (64, 256, 16, False, False, 4),  # q/k/v, o, down
+    (64, 128, 16, False, False, 4),  # gate/up, LM head
+    (64, 256, 16, True, False, 8),  # q/k/v with the norm folded in
+    (64, 256, 16, True, False, 4),  # ... with 4 warps (spills)
+    (64, 128, 16, True, False, 8),  # gate/up with the norm folded in
+    (32, 128, 16, False, True, 4),  # gate/up with SiLU-and-mul in its epilogue (half-height tiles)
+    (32, 128, 16, True, True, 8),  # ... and the norm folded in
 ]
 
 
-def compile_variant(block_n: int, block_k: int, block_m: int, norm: bool, gated: bool) -> dict:
+def ptxas_usage(ptx: str) -> str:
+    """Registers and spills of the kernel, from ptxas -v (the ptxas Triton ships)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run(
+            [ptxas, "--gpu-name", "sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True
+        )
+    lines = [
+        line.split("info    : ")[-1] for line in (out.stderr + out.stdout).splitlines() if "info    : Used" in line
+    ]
+    spills = [line.split("info    : ")[-1] for line in (out.stderr + out.stdout).splitlines() if "spill stores" in line]
+    return "; ".join(lines + spills)
+
+
+def compile_variant(block_n: int, block_k: int, block_m: int, norm: bool, gated: bool, warps: int) -> dict:
     fn = gemv._gemv_kernel
     const = dict(
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, SPLIT_K=1, HAS_BIAS=False, EVEN_K=True, DOT_F32=False,
@@ -49,10 +71,11 @@ def compile_variant(block_n: int, block_k: int, block_m: int, norm: bool, gated:
     for name in fn.arg_names:
         sig[name] = POINTERS.get(name) or ("fp32" if name == "eps" else "constexpr" if name in const else "i32")
     src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    options = dict(num_warps=4, num_stages=4, launch_pdl=True)
+    options = dict(num_warps=warps, num_stages=4, launch_pdl=True)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     return {
+        "ptxas": ptxas_usage(ptx),
         "smem": kernel.metadata.shared,
         "ld.global": ptx.count("ld.global"),
         "wgmma": ptx.count("wgmma.mma_async"),
