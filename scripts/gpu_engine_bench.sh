@@ -19,6 +19,7 @@
 #   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
 #   scripts/gpu_engine_bench.sh idle   # burst admission 64 at a time, the head's padding and the graph routes,
 #                                      # each vs its switch: ShareGPT 1000 and 200 (~8 min)
+#   scripts/gpu_engine_bench.sh attn   # decode attention's key tile 64 vs 128: steps at 1-512 running, ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU-and-mul folded into GEMVs vs their own
 #                                             # kernels: steps and batch 1 | ShareGPT 200
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
@@ -226,6 +227,17 @@ idle)  # the device's idle time, two mechanisms against their switches in one ca
     tp200 tp200_noadmit "env SLUICE_ADMITTING=0"
     tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
+    ;;
+attn)  # the decode attention kernel's key tile: 64 (SLUICE_DECODE_BLOCK_N=64: no register spills for sm_90 with
+    # the fused reduce) against the default 128 (spills; `python scripts/sm90_compile_check.py decode`), alternating:
+    # device time per step at 1-512 running (16 and 32 running: 4 and 2 splits, the variants that spill most)
+    # (512 in / 256 out: contexts as in ShareGPT's tail), then ShareGPT 1000, whose large batches attention weighs on
+    for i in 1 2; do
+        run steps_dec64_$i 150 env SLUICE_DECODE_BLOCK_N=64 $bench steps $M --batch-sizes 1 16 32 64 256 512 --input-len 512 --max-num-batched-tokens 8192 --out "$OUT/steps_dec64_$i.json"
+        run steps_dec128_$i 150 $bench steps $M --batch-sizes 1 16 32 64 256 512 --input-len 512 --max-num-batched-tokens 8192 --out "$OUT/steps_dec128_$i.json"
+    done
+    tp1000 tp1000_dec64 "env SLUICE_DECODE_BLOCK_N=64"
+    tp1000 tp1000_dec128
     ;;
 fold)  # each decoder layer's RMSNorms folded into the GEMV after them, its SiLU-and-mul into the gate/up GEMV's
     # epilogue, at <= 16 rows

@@ -330,11 +330,13 @@ def _attn_case(ns, be, scale, seq_lens: list[int], q_lens: list[int] | None, sha
     outb = torch.empty_like(q)
     num_seqs = len(seq_lens)
     heuristic = be.decode_splits(max(seq_lens), num_seqs, kv_heads, q.device)
+    # a CUDA graph plans its splits for the longest context served (max_model_len; 8,192 by default)
+    graphed = be.decode_splits(8192, num_seqs, kv_heads, q.device)
     if decode:
         configs = [dict(block_n=bn, num_warps=w, num_stages=st, splits=sp)
                    for bn, w in ((32, 4), (64, 4), (128, 4), (128, 8))
-                   for st in (2, 3) for sp in sorted({1, heuristic})]  # fmt: skip
-        default = dict(block_n=64, num_warps=4, num_stages=2, splits=heuristic)
+                   for st in (2, 3) for sp in sorted({1, heuristic, graphed})]  # fmt: skip
+        default = dict(block_n=128, num_warps=4, num_stages=3, splits=graphed)  # the engine's, in a graph
 
         counters = torch.zeros(num_seqs * kv_heads, dtype=torch.int32, device=q.device)  # the engine's fused reduce
 

@@ -41,6 +41,9 @@ class TritonAttentionBackend(AttentionBackend):
             fused_reduce = os.environ.get("SLUICE_FUSED_REDUCE", "1") != "0"
         self.fused_reduce = fused_reduce
         self._counters: torch.Tensor | None = None
+        # keys per tile of the decode kernel (`paged_decode`'s default, 128, unless SLUICE_DECODE_BLOCK_N says: with
+        # the fused reduce its 128-key variant spills registers for sm_90, the 64-key one does not; for timing both)
+        self.decode_block_n = int(os.environ.get("SLUICE_DECODE_BLOCK_N", 128))
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms
@@ -102,7 +105,8 @@ class TritonAttentionBackend(AttentionBackend):
             splits = self.decode_splits(meta.max_seq_len, num_seqs, kv_cache.shape[3], query.device)
             tk.paged_decode(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, splits, kv_scale=kv_scale, counters=self.split_counters(query.device),
+                num_seqs, splits, block_n=self.decode_block_n, kv_scale=kv_scale,
+                counters=self.split_counters(query.device),
             )  # fmt: skip
         else:
             tk.paged_prefill(
