@@ -16,7 +16,6 @@
 #   scripts/gpu_engine_bench.sh warmup  # the largest eager step run once at start-up (default) vs not
 #                                       # (SLUICE_EAGER_WARMUP=0): ShareGPT 1000 first on its machine, then 200
 #   scripts/gpu_engine_bench.sh launchwait  # ShareGPT 200 traced, then with torch's sync debug mode
-#   scripts/gpu_engine_bench.sh headrows  # the LM head's rows padded to a graph size (default) vs not: 200 and 1000
 #   scripts/gpu_engine_bench.sh idle   # burst admission 64 at a time, the head's padding and the graph routes,
 #                                      # each vs its switch: ShareGPT 1000 and 200 (~8 min)
 #   scripts/gpu_engine_bench.sh attn   # decode attention's key tile 64 vs 128: steps at 1-512 running, ShareGPT 1000
@@ -206,43 +205,36 @@ launchwait)  # ShareGPT 200 with where each launch's host time goes (the step tr
     tp200 tp200
     tp200 tp200_syncdebug "env SLUICE_SYNC_DEBUG=1"
     ;;
-headrows)  # the LM head's rows outside the graphs padded to a decode graph's size (default) against as they are
-    # (SLUICE_PAD_HEAD_ROWS=0), and unpadded with every kernel loaded at start-up (CUDA_MODULE_LOADING=EAGER)
-    tp200 tp200
-    tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
-    tp1000 tp1000
-    tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
-    # last: loading every kernel of every library at start-up may take long
-    tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
-    ;;
-idle)  # the device's idle time, two mechanisms against their switches in one call, each read in the traces: a
-    # burst's callers reaching the scheduler 64 at a time (default; SLUICE_ADMITTING=0 all at once: idle before
-    # the first step) and the LM head's rows padded (SLUICE_PAD_HEAD_ROWS=0: launches that wait for the device)
+idle)  # three mechanisms against their switches in one call, each read in the traces: a burst's callers reaching
+    # the scheduler 64 at a time (default; SLUICE_ADMITTING=0 all at once: idle before the first step), the LM
+    # head's rows padded (SLUICE_PAD_HEAD_ROWS=0: launches that wait for the device; last, unpadded with every
+    # kernel loaded at start-up, CUDA_MODULE_LOADING=EAGER: whether lazy loading is why) and the graph routes
     tp1000 tp1000
     tp1000 tp1000_noadmit "env SLUICE_ADMITTING=0"
     tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
-    # and each step in its smallest graph (SLUICE_GRAPH_ROUTES=0) instead of the fastest one at least as large
     tp1000 tp1000_noroutes "env SLUICE_GRAPH_ROUTES=0"
     tp200 tp200
     tp200 tp200_noadmit "env SLUICE_ADMITTING=0"
     tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
     ;;
-attn)  # the decode attention kernel's key tile: 64 (SLUICE_DECODE_BLOCK_N=64: no register spills for sm_90 with
-    # the fused reduce) against the default 128 (spills; `python scripts/sm90_compile_check.py decode`), alternating:
-    # device time per step at 1-512 running (16 and 32 running: 4 and 2 splits, the variants that spill most)
-    # (512 in / 256 out: contexts as in ShareGPT's tail), then ShareGPT 1000, whose large batches attention weighs on
+attn)  # the decode attention kernel's key tile, 64 (no register spills for sm_90 with the fused reduce) against 128
+    # (the default; spills: `python scripts/sm90_compile_check.py decode`), alternating: device time per step at
+    # 1-512 running over 512-token contexts (16 and 32 running: 4 and 2 splits, the variants that spill most),
+    # then ShareGPT 1000, whose large batches attention weighs on
     for i in 1 2; do
-        run steps_dec64_$i 150 env SLUICE_DECODE_BLOCK_N=64 $bench steps $M --batch-sizes 1 16 32 64 256 512 --input-len 512 --max-num-batched-tokens 8192 --out "$OUT/steps_dec64_$i.json"
-        run steps_dec128_$i 150 $bench steps $M --batch-sizes 1 16 32 64 256 512 --input-len 512 --max-num-batched-tokens 8192 --out "$OUT/steps_dec128_$i.json"
+        for tile in 64 128; do
+            run steps_dec${tile}_$i 150 env SLUICE_DECODE_BLOCK_N=$tile $bench steps $M --batch-sizes 1 16 32 64 256 512 --input-len 512 --max-num-batched-tokens 8192 --out "$OUT/steps_dec${tile}_$i.json"
+        done
     done
-    tp1000 tp1000_dec64 "env SLUICE_DECODE_BLOCK_N=64"
-    tp1000 tp1000_dec128
+    for tile in 64 128; do
+        tp1000 tp1000_dec$tile "env SLUICE_DECODE_BLOCK_N=$tile"
+    done
     ;;
-fold)  # each decoder layer's RMSNorms folded into the GEMV after them, its SiLU-and-mul into the gate/up GEMV's
-    # epilogue, at <= 16 rows
-    # (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating: the kernels' GPU tests
-    # first, device time per step at 1-16 rows, batch 1, the norms alone at batch 1 last (ShareGPT 200: fold200)
+fold)  # each decoder layer's RMSNorms folded into the GEMV after them and its SiLU-and-mul into the gate/up GEMV's
+    # epilogue at <= 16 rows (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating: the
+    # kernels' GPU tests first, device time per step at 1-16 rows, batch 1, the norms alone at batch 1 last
+    # (ShareGPT 200: fold200)
     kernel_tests tests/test_fused_kernels.py
     fold="env SLUICE_GEMV_FOLD=norm,silu"
     run steps_fold 150 $fold $bench steps $M --batch-sizes 1 4 8 16 --max-num-batched-tokens 8192 --out "$OUT/steps_fold.json"
