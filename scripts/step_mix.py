@@ -115,6 +115,24 @@ def long_launches(trace: list[list]) -> None:
     )
 
 
+def step_floor(trace: list[list]) -> None:
+    """The run's steps at the device time of a one-row decode step (the median of its own): what the step count
+    alone costs, the weights read once per step and every kernel's launch, whatever the step's rows. The rest of
+    the device time is what its rows add (prompt tokens, more decodes, their attention). A run whose step count is
+    set by its longest request (offline ShareGPT: one request decodes to the end alone) gains from a faster
+    one-row step in proportion to this share."""
+    ones = sorted(t[3] for t in trace if t[0] == 1 and not t[1])
+    if not ones:
+        return
+    floor = ones[len(ones) // 2]
+    total = sum(t[3] for t in trace)
+    at_floor = len(trace) * floor
+    print(
+        f"  at the one-row step's {1e3 * floor:.2f} ms (median of {len(ones)}), its {len(trace)} steps take "
+        f"{at_floor:.3f} s ({100 * at_floor / total:.0f}% of the device time); their rows add {total - at_floor:.3f} s"
+    )
+
+
 def burst_start(trace: list[list]) -> None:
     """The device's idle time before the run's first step: the first step with prompt tokens after a decode-only
     step (a benchmark's warm-up requests run first), with the idle of the next few steps: the burst's admission."""
@@ -140,6 +158,7 @@ def main() -> None:
         trace = json.load(open(ns.trace))["steps"]
         report([(t[0], t[1]) for t in trace], [t[3] for t in trace], [t[4] for t in trace], ns.max_graph_tokens)
         long_launches(trace)
+        step_floor(trace)
         burst_start(trace)
         if ns.list:
             list_steps(trace[: ns.list])
