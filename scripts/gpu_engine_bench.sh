@@ -218,10 +218,10 @@ idle)  # three mechanisms against their switches in one call, each read in the t
     tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
     tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
     ;;
-attn)  # the decode attention kernel's key tile, 64 (no register spills for sm_90 with the fused reduce) against 128
-    # (the default; spills: `python scripts/sm90_compile_check.py decode`), alternating: device time per step at
-    # 1-512 running over 512-token contexts (16 and 32 running: 4 and 2 splits, the variants that spill most),
-    # then ShareGPT 1000, whose large batches attention weighs on
+attn)  # the decode attention kernel's key tile, 64 against 128 (the default; the attention sweep timed them at 64
+    # and 128 sequences only, before the fused reduce), alternating: device time per step at 1-512 running over
+    # 512-token contexts (16 and 32 running: 4 and 2 splits), then ShareGPT 1000, whose large batches attention
+    # weighs on
     for i in 1 2; do
         for tile in 64 128; do
             run steps_dec${tile}_$i 150 env SLUICE_DECODE_BLOCK_N=$tile $bench steps $M --batch-sizes 1 16 32 64 256 512 --input-len 512 --max-num-batched-tokens 8192 --out "$OUT/steps_dec${tile}_$i.json"

@@ -23,22 +23,45 @@ from sluice.kv.attention import triton_kernels as tk  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-# Pointer arguments by name (bf16 model, bf16 cache); other arguments are i32, or fp32 where named here.
-POINTERS = {
-    "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-    "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "q_ptr": "*bf16", "cache_ptr": "*bf16",
-    "kv_scale_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "part_acc_ptr": "*fp32",
-    "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-}  # fmt: skip
-FLOATS = {"eps", "scale_log2"}
+# Llama-3-8B's shapes in a bf16 engine (bf16 cache of 16-token blocks, 8 KV heads of 128, contexts to 8,192):
+# the value of every argument that is not a constexpr, as the engine's launches pass them. The runtime
+# specializes on these (`specialize`): an integer equal to 1 becomes a constant, one divisible by 16 and a
+# 16-byte-aligned pointer carry that divisibility, which is what lets the compiler vectorize loads; compiled
+# without it, a kernel's loads are scalar and its registers are not those of the engine's build.
+HIDDEN, QKV, GATE_UP, NUM_BLOCKS, MAX_BLOCKS = 4096, 6144, 28672, 55216, 512
+PTR = "ptr"  # a 16-byte-aligned bf16 tensor (every tensor these launches pass is, at these shapes)
+PTR_F32, PTR_I32 = "ptr_f32", "ptr_i32"
 
 
-def _gemv(block_n: int, block_k: int, norm: bool, gated: bool, warps: int, what: str) -> tuple:
-    const = dict(
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=16, SPLIT_K=1, HAS_BIAS=False, EVEN_K=True, DOT_F32=False,
-        PDL=True, NORM=norm, HAS_RES=norm, GATED=gated,
+def _gemv_args(rows: int, n: int, norm: bool) -> dict:
+    return dict(
+        x_ptr=PTR, w_ptr=PTR, b_ptr=PTR, out_ptr=PTR, ws_ptr=PTR_F32, cnt_ptr=PTR_I32, res_ptr=PTR, nw_ptr=PTR,
+        res_out_ptr=PTR, eps=1e-5, M=rows, N=n, K=HIDDEN, stride_xm=HIDDEN, stride_wn=HIDDEN, stride_om=n,
+        stride_rm=HIDDEN, stride_rom=HIDDEN if norm else n,  # without a norm: x's and out's (`gemv._run`)
     )  # fmt: skip
-    return what, gemv._gemv_kernel, const, dict(num_warps=warps, num_stages=4, launch_pdl=True)
+
+
+_ATTN_ARGS = dict(
+    q_ptr=PTR, cache_ptr=PTR, kv_scale_ptr=PTR_F32, bt_ptr=PTR_I32, seq_lens_ptr=PTR_I32, qsl_ptr=PTR_I32,
+    out_ptr=PTR, scale_log2=0.1275, stride_qt=QKV, stride_qh=128, stride_ot=HIDDEN, stride_oh=128,
+    stride_c_kv=NUM_BLOCKS * 16 * 1024, stride_c_blk=16 * 1024, stride_c_tok=1024, stride_c_head=128,
+    stride_bt=MAX_BLOCKS, head_dim=128,
+)  # fmt: skip
+
+
+def _gemv(rows: int, n: int, what: str, norm: bool = False, gated: bool = False) -> tuple:
+    """The GEMV as the engine launches it for ``rows`` rows of an ``n x HIDDEN`` weight: its config from
+    `gemv.gemv_config` (H200: 132 SMs), halved in height when gated, unsplit with a fold (as `gemv._run` does)."""
+    c = gemv.gemv_config(n, HIDDEN, 132, rows)
+    block_n = max(gemv.MIN_BLOCK_N, c.block_n // 2) if gated else c.block_n
+    split = 1 if norm or gated else c.split_k
+    const = dict(
+        BLOCK_N=block_n, BLOCK_K=c.block_k, BLOCK_M=gemv.block_m(rows), SPLIT_K=split, HAS_BIAS=False,
+        EVEN_K=True, DOT_F32=False, PDL=True, NORM=norm, HAS_RES=norm, GATED=gated,
+    )  # fmt: skip
+    options = dict(num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=True)
+    what = f"{what}, {rows} row{'s' if rows > 1 else ''} ({block_n} x {c.block_k}, split {split})"
+    return what, gemv._gemv_kernel, const, _gemv_args(rows, n, norm), options
 
 
 def _decode(block_n: int, splits: int, warps: int, stages: int, what: str) -> tuple:
@@ -46,7 +69,8 @@ def _decode(block_n: int, splits: int, warps: int, stages: int, what: str) -> tu
         GROUP=4, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=False,
         PRECISION="tf32", KV_FP8=False, F16_DOT=False, FUSED_REDUCE=splits > 1, SPLITS_P2=splits, PDL=True,
     )  # fmt: skip
-    return what, tk._decode_kernel, const, dict(num_warps=warps, num_stages=stages, launch_pdl=True)
+    args = dict(_ATTN_ARGS, part_acc_ptr=PTR_F32, part_m_ptr=PTR_F32, part_l_ptr=PTR_F32, cnt_ptr=PTR_I32, num_heads=32)
+    return what, tk._decode_kernel, const, args, dict(num_warps=warps, num_stages=stages, launch_pdl=True)
 
 
 def _prefill(block_m: int, block_n: int, warps: int, stages: int, what: str) -> tuple:
@@ -54,22 +78,28 @@ def _prefill(block_m: int, block_n: int, warps: int, stages: int, what: str) -> 
         GROUP=4, BLOCK_SIZE=16, BLOCK_M=block_m, BLOCK_Q=block_m // 4, BLOCK_D=128, BLOCK_N=block_n, DOT_F32=False,
         PRECISION="tf32", KV_FP8=False, F16_DOT=False,
     )  # fmt: skip
-    return what, tk._prefill_kernel, const, dict(num_warps=warps, num_stages=stages)
+    args = dict(_ATTN_ARGS, num_seqs=37)  # not specialized (do_not_specialize)
+    return what, tk._prefill_kernel, const, args, dict(num_warps=warps, num_stages=stages)
 
 
-# Llama-3-8B's shapes: GQA group 4, head dim 128, 16-token blocks; the GEMV at 1-16 rows
+# The GEMV at one row (the steps of a run's long tail; at 1 row M is a constant), 16 and 64 (the folds to 16 only,
+# as the engine folds); decode attention at
+# each split count a graph plans (`TritonAttentionBackend.decode_splits`, contexts to 8,192): 32 at 1-2 running,
+# 16 at 3-4, 8 at 5-8, 4 at 9-16, 2 at 17-64, 1 from 65; SLUICE_DECODE_BLOCK_N=64 the 64-key tile
 VARIANTS = {
     "gemv": [
-        _gemv(64, 256, False, False, 4, "q/k/v, o, down"),
-        _gemv(64, 128, False, False, 4, "gate/up, LM head"),
-        _gemv(64, 256, True, False, 8, "q/k/v, the norm folded in (8 warps: the engine's)"),
-        _gemv(64, 256, True, False, 4, "q/k/v, the norm folded in, 4 warps"),
-        _gemv(64, 128, True, False, 8, "gate/up, the norm folded in"),
-        _gemv(32, 128, False, True, 4, "gate/up, SiLU-and-mul in its epilogue"),
-        _gemv(32, 128, True, True, 8, "gate/up, the norm and SiLU-and-mul folded in"),
+        *(_gemv(rows, n, what) for rows in (1, 16, 64) for n, what in ((QKV, "q/k/v"), (GATE_UP, "gate/up"))),
+        *(
+            _gemv(rows, n, what, norm=norm, gated=gated)
+            for rows in (1, gemv.FOLD_NORM_ROWS)
+            for n, what, norm, gated in (
+                (QKV, "q/k/v, the norm folded in", True, False),
+                (GATE_UP, "gate/up, the norm folded in", True, False),
+                (GATE_UP, "gate/up, SiLU-and-mul in its epilogue", False, True),
+                (GATE_UP, "gate/up, the norm and SiLU-and-mul folded in", True, True),
+            )
+        ),
     ],
-    # the split count a graph plans (`TritonAttentionBackend.decode_splits`, contexts to 8,192): 32 at 1-2 running,
-    # 16 at 3-4, 8 at 5-8, 4 at 9-16, 2 at 17-64, 1 from 65; SLUICE_DECODE_BLOCK_N=64 the 64-key tile
     "decode": [
         _decode(bn, splits, 4, 3, f"decode attention, {bn}-key tile, {splits} splits")
         for bn in (128, 64)
@@ -82,9 +112,40 @@ VARIANTS = {
 }
 
 
+def specialize(fn, args: dict) -> tuple[dict, dict, dict]:
+    """The signature, the divisibility attributes and the constants (integers equal to 1) the runtime gives a
+    launch with these argument values: Triton's own rule (``native_specialize_impl``, as `JITFunction` calls it),
+    honouring the kernel's ``do_not_specialize``."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    tensors = {PTR: torch.bfloat16, PTR_F32: torch.float32, PTR_I32: torch.int32}
+    sig, attrs, ones = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        if name not in args:
+            continue
+        value = args[name]
+        if isinstance(value, str):
+            value = torch.empty(16, dtype=tensors[value])  # CPU allocations are 64-byte aligned
+        ty, key = native_specialize_impl(
+            BaseBackend, value, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        )[:2]
+        if ty == "constexpr":
+            ones[(i,)] = key
+        else:
+            sig[name] = ty
+            if key == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs, ones
+
+
 def ptxas_usage(ptx: str) -> str:
-    """Registers and spills of the kernel, from ptxas -v (the ptxas Triton ships)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    """Registers and spills of the kernel, from ptxas -v (of the ptxas Triton ships for sm_90)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the one this Triton compiles sm_90 with (its PTX version may need a newer one)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -94,21 +155,29 @@ def ptxas_usage(ptx: str) -> str:
         )
     text = (out.stderr + out.stdout).splitlines()
     used = [line.split("info    : ")[-1] for line in text if "info    : Used" in line]
+    if not used:
+        return " ".join(text[-2:])  # ptxas refused the PTX: say why
     spills = [line.strip() for line in text if "spill stores" in line]
     return "; ".join(used + spills)
 
 
-def compile_variant(fn, const: dict, options: dict) -> dict:
-    sig = {}
-    for name in fn.arg_names:
-        sig[name] = POINTERS.get(name) or ("fp32" if name in FLOATS else "constexpr" if name in const else "i32")
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+def compile_variant(fn, const: dict, args: dict, options: dict) -> dict:
+    sig, attrs, ones = specialize(fn, args)
+    constexprs = {(fn.arg_names.index(k),): v for k, v in const.items()} | ones
+    for name in const:
+        sig[name] = "constexpr"
+    for (i,) in ones:
+        sig[fn.arg_names[i]] = "constexpr"
+    sig = {name: sig[name] for name in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     return {
         "ptxas": ptxas_usage(ptx),
         "smem": kernel.metadata.shared,
         "ld.global": ptx.count("ld.global"),
+        "ld.global.v4": ptx.count("ld.global.v4"),
+        "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma.sync": ptx.count("mma.sync"),
         "ex2": ptx.count("ex2"),
@@ -119,9 +188,9 @@ def main() -> None:
     groups = sys.argv[1:] or list(VARIANTS)
     print(f"triton {triton.__version__}, target sm_90")
     for group in groups:
-        for what, fn, const, options in VARIANTS[group]:
+        for what, fn, const, args, options in VARIANTS[group]:
             print(f"  {what} ({options['num_warps']} warps, {options['num_stages']} stages):")
-            print(f"    {compile_variant(fn, const, options)}")
+            print(f"    {compile_variant(fn, const, args, options)}")
 
 
 if __name__ == "__main__":

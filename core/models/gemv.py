@@ -302,10 +302,6 @@ def _run(x, weight, bias, counters, config: GemvConfig | None, norm=None, gated:
         n //= 2
         if config is None:
             c = replace(c, block_n=max(MIN_BLOCK_N, c.block_n // 2))
-    if norm is not None and config is None:
-        # the norm's tiles (residual, weight, squares) beside the product: with 4 warps the q/k/v tiles spill
-        # registers for sm_90 (`scripts/sm90_compile_check.py`); 8 warps hold them
-        c = replace(c, num_warps=max(c.num_warps, 8))
     split = c.split_k
     if norm is not None or gated or (split > 1 and counters.numel() < triton.cdiv(n, c.block_n)):
         split = 1

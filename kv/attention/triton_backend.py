@@ -41,8 +41,8 @@ class TritonAttentionBackend(AttentionBackend):
             fused_reduce = os.environ.get("SLUICE_FUSED_REDUCE", "1") != "0"
         self.fused_reduce = fused_reduce
         self._counters: torch.Tensor | None = None
-        # keys per tile of the decode kernel (`paged_decode`'s default, 128, unless SLUICE_DECODE_BLOCK_N says: with
-        # the fused reduce its 128-key variant spills registers for sm_90, the 64-key one does not; for timing both)
+        # keys per tile of the decode kernel (`paged_decode`'s default, 128, unless SLUICE_DECODE_BLOCK_N says: the
+        # attention sweep timed the tiles at 64 and 128 sequences, before the fused reduce; this times them again)
         self.decode_block_n = int(os.environ.get("SLUICE_DECODE_BLOCK_N", 128))
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
