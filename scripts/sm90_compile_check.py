@@ -31,6 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 HIDDEN, QKV, GATE_UP, NUM_BLOCKS, MAX_BLOCKS = 4096, 6144, 28672, 55216, 512
 PTR = "ptr"  # a 16-byte-aligned bf16 tensor (every tensor these launches pass is, at these shapes)
 PTR_F32, PTR_I32 = "ptr_f32", "ptr_i32"
+SMEM_LIMIT = 232448  # bytes of shared memory a program may use on the H200 (227 KiB): more fails at launch
 
 
 def _gemv_args(rows: int, n: int, norm: bool) -> dict:
@@ -82,8 +83,8 @@ def _prefill(block_m: int, block_n: int, warps: int, stages: int, what: str) -> 
     return what, tk._prefill_kernel, const, args, dict(num_warps=warps, num_stages=stages)
 
 
-# The GEMV at one row (the steps of a run's long tail; at 1 row M is a constant), 16 and 64 (the folds to 16 only,
-# as the engine folds); decode attention at
+# The GEMV at one row (the steps of a run's long tail; at 1 row M is a constant), 16 and 64; the folds at 1 and 16
+# rows (the engine folds to 16) and at 32, whose q/k/v tiles would not fit the H200's shared memory; decode attention at
 # each split count a graph plans (`TritonAttentionBackend.decode_splits`, contexts to 8,192): 32 at 1-2 running,
 # 16 at 3-4, 8 at 5-8, 4 at 9-16, 2 at 17-64, 1 from 65; SLUICE_DECODE_BLOCK_N=64 the 64-key tile
 VARIANTS = {
@@ -91,7 +92,7 @@ VARIANTS = {
         *(_gemv(rows, n, what) for rows in (1, 16, 64) for n, what in ((QKV, "q/k/v"), (GATE_UP, "gate/up"))),
         *(
             _gemv(rows, n, what, norm=norm, gated=gated)
-            for rows in (1, gemv.FOLD_NORM_ROWS)
+            for rows in (1, gemv.FOLD_NORM_ROWS, 2 * gemv.FOLD_NORM_ROWS)  # the last past the engine's limit
             for n, what, norm, gated in (
                 (QKV, "q/k/v, the norm folded in", True, False),
                 (GATE_UP, "gate/up, the norm folded in", True, False),
@@ -175,6 +176,7 @@ def compile_variant(fn, const: dict, args: dict, options: dict) -> dict:
     return {
         "ptxas": ptxas_usage(ptx),
         "smem": kernel.metadata.shared,
+        **({"over the H200's shared memory": SMEM_LIMIT} if kernel.metadata.shared > SMEM_LIMIT else {}),
         "ld.global": ptx.count("ld.global"),
         "ld.global.v4": ptx.count("ld.global.v4"),
         "cp.async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
