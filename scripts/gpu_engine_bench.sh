@@ -233,8 +233,9 @@ attn)  # the decode attention kernel's key tile, 64 against 128 (the default; th
     ;;
 fold)  # each decoder layer's RMSNorms folded into the GEMV after them and its SiLU-and-mul into the gate/up GEMV's
     # epilogue at <= 16 rows (SLUICE_GEMV_FOLD=norm,silu) against their own kernels (the default), alternating: the
-    # kernels' GPU tests first, device time per step at 1-16 rows, batch 1, the norms alone at batch 1 last
-    # (ShareGPT 200: fold200)
+    # kernels' GPU tests first, device time per step at 1-16 rows, batch 1, then each side's kernels at 1 and 16
+    # rows (scripts/gpu_engine_check.py profile: the graph's step time beside its kernels' own, so a fold that loses
+    # says whether its GEMVs or the gaps did) (ShareGPT 200: fold200)
     kernel_tests tests/test_fused_kernels.py
     fold="env SLUICE_GEMV_FOLD=norm,silu"
     run steps_fold 150 $fold $bench steps $M --batch-sizes 1 4 8 16 --max-num-batched-tokens 8192 --out "$OUT/steps_fold.json"
@@ -243,7 +244,9 @@ fold)  # each decoder layer's RMSNorms folded into the GEMV after them and its S
         lat_b1 lat_b1_fold_$i "$fold"
         lat_b1 lat_b1_$i
     done
-    lat_b1 lat_b1_foldnorm "env SLUICE_GEMV_FOLD=norm"
+    check="env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile $M --batch-sizes 1 16"
+    run profile_fold 120 $fold $check --out "$OUT/profile_fold.json"
+    run profile 120 $check --out "$OUT/profile.json"
     ;;
 fold200)  # the same pair on ShareGPT 200 (a call of its own: `fold` fills most of one)
     for i in ${PAIRS:-1 2}; do
