@@ -21,6 +21,8 @@
 #   scripts/gpu_engine_bench.sh attn   # decode attention's key tile 64 vs 128: steps at 1-512 running, ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU-and-mul folded into GEMVs vs their own
 #                                             # kernels: steps and batch 1 | ShareGPT 200
+#   scripts/gpu_engine_bench.sh rope|rope1000  # RoPE and the KV write in the decode attention kernel vs their own
+#                                              # kernel: steps and batch 1 | ShareGPT 1000
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -247,6 +249,24 @@ fold)  # each decoder layer's RMSNorms folded into the GEMV after them and its S
     check="env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile $M --batch-sizes 1 16"
     run profile_fold 120 $fold $check --out "$OUT/profile_fold.json"
     run profile 120 $check --out "$OUT/profile.json"
+    ;;
+rope)  # a decode step's RoPE and KV write done by the decode attention kernel (SLUICE_DECODE_ROPE=1: one launch
+    # fewer per layer, at every batch size) against their own kernel (the default), alternating: the kernels' GPU
+    # tests first, device time per step at 1-256 running, batch 1 (ShareGPT 1000 with it: PAIRS=1 in rope1000)
+    kernel_tests tests/test_triton_attention.py tests/test_fused_kernels.py -k "rope or decode"
+    rope="env SLUICE_DECODE_ROPE=1"
+    run steps_rope 150 $rope $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
+    run steps 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    for i in 1 2; do
+        lat_b1 lat_b1_rope_$i "$rope"
+        lat_b1 lat_b1_$i
+    done
+    ;;
+rope1000)  # the same pair on ShareGPT 1000
+    for i in ${PAIRS:-1}; do
+        tp1000 tp1000_rope_$i "env SLUICE_DECODE_ROPE=1"
+        tp1000 tp1000_$i
+    done
     ;;
 fold200)  # the same pair on ShareGPT 200 (a call of its own: `fold` fills most of one)
     for i in ${PAIRS:-1 2}; do

@@ -1,9 +1,10 @@
 """Compile the decode path's Triton kernels for the H200 (sm_90) on a machine without a GPU: Triton's bundled
 ptxas does the work, so a kernel change can be checked against the GPU machine's Triton before device time is
 spent on it. Prints, per variant, its registers and spills (ptxas -v over the kernel's PTX), shared memory,
-global loads, MMA instructions and exponentials in the PTX.
+global loads, MMA instructions and exponentials in the PTX; last, the variants that would not fit the H200's
+shared memory (a launch of one fails). `tests/test_sm90_compile.py` runs it in CI.
 
-    python scripts/sm90_compile_check.py [gemv] [decode] [prefill]
+    python scripts/sm90_compile_check.py [gemv] [decode] [prefill] [folds32]   # default: the first three
     PYTHONPATH=/tmp/t36:$(scripts/namespace_path.sh) python scripts/sm90_compile_check.py   # another Triton
                                             # (e.g. `pip install --no-deps --target /tmp/t36 triton==3.6.0`)
 """
@@ -30,7 +31,7 @@ from triton.compiler import ASTSource  # noqa: E402
 # without it, a kernel's loads are scalar and its registers are not those of the engine's build.
 HIDDEN, QKV, GATE_UP, NUM_BLOCKS, MAX_BLOCKS = 4096, 6144, 28672, 55216, 512
 PTR = "ptr"  # a 16-byte-aligned bf16 tensor (every tensor these launches pass is, at these shapes)
-PTR_F32, PTR_I32 = "ptr_f32", "ptr_i32"
+PTR_F32, PTR_I32, PTR_I64 = "ptr_f32", "ptr_i32", "ptr_i64"
 SMEM_LIMIT = 232448  # bytes of shared memory a program may use on the H200 (227 KiB): more fails at launch
 
 
@@ -65,12 +66,18 @@ def _gemv(rows: int, n: int, what: str, norm: bool = False, gated: bool = False)
     return what, gemv._gemv_kernel, const, _gemv_args(rows, n, norm), options
 
 
-def _decode(block_n: int, splits: int, warps: int, stages: int, what: str) -> tuple:
+def _decode(block_n: int, splits: int, warps: int, stages: int, what: str, rope: bool = False) -> tuple:
     const = dict(
         GROUP=4, BLOCK_SIZE=16, BLOCK_H=16, BLOCK_D=128, BLOCK_N=block_n, NUM_SPLITS=splits, DOT_F32=False,
         PRECISION="tf32", KV_FP8=False, F16_DOT=False, FUSED_REDUCE=splits > 1, SPLITS_P2=splits, PDL=True,
+        ROPE_KV=rope,
     )  # fmt: skip
     args = dict(_ATTN_ARGS, part_acc_ptr=PTR_F32, part_m_ptr=PTR_F32, part_l_ptr=PTR_F32, cnt_ptr=PTR_I32, num_heads=32)
+    if rope:  # SLUICE_DECODE_ROPE=1: the keys and values are views of the qkv block, the tables fp32
+        args |= dict(
+            pos_ptr=PTR_I64, k_new_ptr=PTR, v_new_ptr=PTR, cos_ptr=PTR_F32, sin_ptr=PTR_F32, slot_ptr=PTR_I64,
+            stride_kt=QKV, stride_kh=128, stride_vt=QKV, stride_vh=128, stride_cos=128,
+        )  # fmt: skip
     return what, tk._decode_kernel, const, args, dict(num_warps=warps, num_stages=stages, launch_pdl=True)
 
 
@@ -83,28 +90,37 @@ def _prefill(block_m: int, block_n: int, warps: int, stages: int, what: str) -> 
     return what, tk._prefill_kernel, const, args, dict(num_warps=warps, num_stages=stages)
 
 
+FOLDS = (
+    (QKV, "q/k/v, the norm folded in", True, False),
+    (GATE_UP, "gate/up, the norm folded in", True, False),
+    (GATE_UP, "gate/up, SiLU-and-mul in its epilogue", False, True),
+    (GATE_UP, "gate/up, the norm and SiLU-and-mul folded in", True, True),
+)
 # The GEMV at one row (the steps of a run's long tail; at 1 row M is a constant), 16 and 64; the folds at 1 and 16
-# rows (the engine folds to 16) and at 32, whose q/k/v tiles would not fit the H200's shared memory; decode attention at
-# each split count a graph plans (`TritonAttentionBackend.decode_splits`, contexts to 8,192): 32 at 1-2 running,
+# rows (the engine folds to 16; `folds32` past it); decode attention, also with RoPE and the KV write in it, at each
+# split count a graph plans (`TritonAttentionBackend.decode_splits`, contexts to 8,192): 32 at 1-2 running,
 # 16 at 3-4, 8 at 5-8, 4 at 9-16, 2 at 17-64, 1 from 65; SLUICE_DECODE_BLOCK_N=64 the 64-key tile
 VARIANTS = {
     "gemv": [
         *(_gemv(rows, n, what) for rows in (1, 16, 64) for n, what in ((QKV, "q/k/v"), (GATE_UP, "gate/up"))),
         *(
             _gemv(rows, n, what, norm=norm, gated=gated)
-            for rows in (1, gemv.FOLD_NORM_ROWS, 2 * gemv.FOLD_NORM_ROWS)  # the last past the engine's limit
-            for n, what, norm, gated in (
-                (QKV, "q/k/v, the norm folded in", True, False),
-                (GATE_UP, "gate/up, the norm folded in", True, False),
-                (GATE_UP, "gate/up, SiLU-and-mul in its epilogue", False, True),
-                (GATE_UP, "gate/up, the norm and SiLU-and-mul folded in", True, True),
-            )
+            for rows in (1, gemv.FOLD_NORM_ROWS)
+            for n, what, norm, gated in FOLDS
         ),
     ],
+    # not launched: the folds at 32 rows, past the engine's limit (why 16 is the limit: shared memory)
+    "folds32": [_gemv(2 * gemv.FOLD_NORM_ROWS, n, what, norm=norm, gated=gated) for n, what, norm, gated in FOLDS],
     "decode": [
-        _decode(bn, splits, 4, 3, f"decode attention, {bn}-key tile, {splits} splits")
-        for bn in (128, 64)
-        for splits in (32, 16, 8, 4, 2, 1)
+        *(
+            _decode(bn, splits, 4, 3, f"decode attention, {bn}-key tile, {splits} splits")
+            for bn in (128, 64)
+            for splits in (32, 16, 8, 4, 2, 1)
+        ),
+        *(
+            _decode(128, splits, 4, 3, f"decode attention with RoPE and the KV write, {splits} splits", rope=True)
+            for splits in (32, 2, 1)
+        ),
     ],
     "prefill": [
         _prefill(64, 64, 4, 2, "prefill attention, the engine's tile"),
@@ -114,20 +130,20 @@ VARIANTS = {
 
 
 def specialize(fn, args: dict) -> tuple[dict, dict, dict]:
-    """The signature, the divisibility attributes and the constants (integers equal to 1) the runtime gives a
-    launch with these argument values: Triton's own rule (``native_specialize_impl``, as `JITFunction` calls it),
-    honouring the kernel's ``do_not_specialize``."""
+    """The signature, the divisibility attributes and the constants (integers equal to 1, pointers left None) the
+    runtime gives a launch with these argument values: Triton's own rule (``native_specialize_impl``, as
+    `JITFunction` calls it), honouring the kernel's ``do_not_specialize``."""
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
-    tensors = {PTR: torch.bfloat16, PTR_F32: torch.float32, PTR_I32: torch.int32}
+    tensors = {PTR: torch.bfloat16, PTR_F32: torch.float32, PTR_I32: torch.int32, PTR_I64: torch.int64}
     sig, attrs, ones = {}, {}, {}
     for i, param in enumerate(fn.params):
         name = param.name
-        if name not in args:
+        if param.is_constexpr or (name not in args and not param.has_default):
             continue
-        value = args[name]
+        value = args[name] if name in args else param.default  # an optional argument the launch leaves out
         if isinstance(value, str):
             value = torch.empty(16, dtype=tensors[value])  # CPU allocations are 64-byte aligned
         ty, key = native_specialize_impl(
@@ -187,12 +203,17 @@ def compile_variant(fn, const: dict, args: dict, options: dict) -> dict:
 
 
 def main() -> None:
-    groups = sys.argv[1:] or list(VARIANTS)
+    groups = sys.argv[1:] or ["gemv", "decode", "prefill"]
     print(f"triton {triton.__version__}, target sm_90")
+    over = []
     for group in groups:
         for what, fn, const, args, options in VARIANTS[group]:
             print(f"  {what} ({options['num_warps']} warps, {options['num_stages']} stages):")
-            print(f"    {compile_variant(fn, const, args, options)}")
+            result = compile_variant(fn, const, args, options)
+            print(f"    {result}")
+            if result["smem"] > SMEM_LIMIT:
+                over.append(what)
+    print(f"over the H200's shared memory: {over or 'none'}")
 
 
 if __name__ == "__main__":

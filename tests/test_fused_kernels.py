@@ -347,6 +347,50 @@ def test_rope_and_kv_write_in_one_kernel_match_the_two(dtype):
     assert torch.equal(cache_one[:, 0, 1], cache[:, 0, 1])  # a slot no token maps to is untouched
 
 
+def test_attention_layer_with_rope_in_the_decode_kernel_matches_two_kernels(monkeypatch):
+    """With SLUICE_DECODE_ROPE=1 a pure decode step's attention layer launches no RoPE/KV-write kernel: the decode
+    kernel rotates and stores, and the layer's output and cache equal the default's (`rope_and_write_kv_` then
+    the decode kernel); a step with prompt rows still takes the RoPE kernel."""
+    from types import SimpleNamespace
+
+    from sluice.core.models.layers import ForwardContext
+    from sluice.core.models.llama import LlamaAttention
+    from sluice.kv.attention.triton_backend import TritonAttentionBackend
+
+    from tests.helpers import random_paged_batch
+
+    cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
+    g = torch.Generator().manual_seed(10)
+    attn = LlamaAttention(cfg, 0, qkv_bias=False).to(DEVICE, torch.bfloat16)
+    for p in attn.parameters():
+        p.data.copy_(0.3 * torch.randn(p.shape, generator=g))
+    r = RotaryEmbedding(cfg, attn.head_dim, 256).to(DEVICE)
+    assert enable_fused_kernels(r) == 1 and r.fused_write is not None
+    rope_kv_calls = []
+    real = r.fused_write
+    r.fused_write = lambda *a: rope_kv_calls.append(a[0].shape[0]) or real(*a)
+
+    def run(rope_in_decode: bool, seq_lens: list[int], q_lens: list[int]):
+        monkeypatch.setenv("SLUICE_DECODE_ROPE", "1" if rope_in_decode else "0")
+        backend = TritonAttentionBackend()
+        assert backend.rope_in_decode == rope_in_decode
+        _, cache, meta = random_paged_batch(seq_lens, q_lens, 2, 2, 16, dtype=torch.bfloat16, device=DEVICE, seed=4)
+        x = torch.randn(sum(q_lens), 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+        positions = torch.tensor([p for s, q in zip(seq_lens, q_lens) for p in range(s - q, s)], device=DEVICE)
+        c = cache.clone()
+        return attn(x, positions, r, ForwardContext(meta, [c], backend)), c
+
+    (out1, c1), (out0, c0) = run(True, [9, 40, 17], [1, 1, 1]), run(False, [9, 40, 17], [1, 1, 1])
+    assert rope_kv_calls == [3]  # only the default's step launched the RoPE/KV-write kernel
+    if ON_GPU:  # the same arithmetic in another kernel: the compiler may contract it otherwise (one rounding)
+        _close_to_scale(c1, c0, 2**-7)
+        _close_to_scale(out1, out0, 2**-5)
+    else:
+        assert torch.equal(out1, out0) and torch.equal(c1, c0)
+    run(True, [20, 7], [20, 1])  # prompt rows: the RoPE kernel as before
+    assert rope_kv_calls == [3, 21]
+
+
 def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatch):
     """By default the attention layer rotates and writes the KV in one kernel; its output and the
     cache equal the layer's with the two kernels (prefill and decode rows, the Triton backend)."""

@@ -159,6 +159,67 @@ def test_decode_key_tile_from_the_environment(monkeypatch):
     assert tiles == [64]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_with_rope_and_kv_write_matches_the_two_kernels(splits, dtype):
+    """`paged_decode` with ``rope`` (SLUICE_DECODE_ROPE=1): the unrotated q/k/v views of one qkv block, rotated
+    and stored by the decode kernel, give the output and cache that `rope_and_write_kv_` then the decode kernel
+    give; a row with slot -1 and a graph's padding row (no context either) store nothing; the qkv block is left as
+    it was."""
+    from sluice.core.models import fused
+    from sluice.kv.attention.base import DecodeRope
+
+    seq_lens, hk, group, d = [1, 16, 17, 100, 200], 2, 2, 64
+    _, cache, meta = _build(seq_lens, [1] * len(seq_lens), hk, group, d, dtype=dtype, seed=13 + splits)
+    # one padding row, as a decode graph pads its batch: no context, no slot
+    n = len(seq_lens) + 1
+    meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(1, dtype=torch.int32, device=DEVICE)])
+    meta.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=DEVICE)
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((1,), -1, dtype=torch.int64, device=DEVICE)])
+    meta.slot_mapping[1] = -1  # a row whose key and value are not to be stored (-1), context and all
+    meta.block_tables = torch.cat([meta.block_tables, torch.zeros_like(meta.block_tables[:1])])
+    meta.seq_lens_host, meta.query_start_loc_host = [*seq_lens, 0], list(range(n + 1))
+    g = torch.Generator().manual_seed(splits)
+    hq = hk * group
+    qkv = torch.randn(n, (hq + 2 * hk) * d, generator=g).to(DEVICE, dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    freqs = torch.outer(torch.arange(256, dtype=torch.float), inv)
+    cos, sin = torch.cat([freqs, freqs], -1).cos().to(DEVICE), torch.cat([freqs, freqs], -1).sin().to(DEVICE)
+    pos = torch.tensor([s - 1 for s in seq_lens] + [0], device=DEVICE)
+
+    def views(x):
+        return (
+            x[:, : hq * d].view(n, hq, d),
+            x[:, hq * d : (hq + hk) * d].view(n, hk, d),
+            x[:, (hq + hk) * d :].view(n, hk, d),
+        )
+
+    def decode(q, c, rope=None):
+        out = torch.empty_like(q)
+        counters = torch.zeros(n * hk, dtype=torch.int32, device=DEVICE)
+        return tk.paged_decode(
+            q, c, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, 0.1, n, splits, block_n=64,
+            counters=counters, rope=rope,
+        )  # fmt: skip
+
+    two, cache_two = qkv.clone(), cache.clone()
+    q, k, v = views(two)
+    fused.rope_and_write_kv_(pos, q, k, v, cos, sin, cache_two, meta.slot_mapping)
+    out_two = decode(q, cache_two)
+    one, cache_one = qkv.clone(), cache.clone()
+    q1, k1, v1 = views(one)
+    out_one = decode(q1, cache_one, DecodeRope(pos, k1, v1, cos, sin, meta.slot_mapping))
+    assert torch.equal(one, qkv)  # q is rotated in registers, k and v only stored
+    assert not torch.equal(cache_one, cache)
+    if ON_GPU:  # the same arithmetic in another kernel: the compiler may contract it otherwise (one rounding)
+        tol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(cache_one.float(), cache_two.float(), rtol=tol, atol=tol * 4)
+        torch.testing.assert_close(out_one[:-1].float(), out_two[:-1].float(), rtol=2**-5, atol=2**-5)
+    else:
+        assert torch.equal(cache_one, cache_two)
+        assert torch.equal(out_one[:-1], out_two[:-1])  # the padding row's output is unspecified
+
+
 def test_decode_head_dim_128_block_32_gqa4():
     query, cache, meta = _build([1, 31, 32, 33, 95], [1] * 5, 2, 4, 128, block_size=32, seed=3)
     _check(

@@ -20,6 +20,7 @@ from sluice.core.models.layers import (
     norm_then_linear,
 )
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
+from sluice.kv.attention.base import DecodeRope
 from torch import nn
 
 # checkpoint suffix -> (our suffix, shard index)
@@ -75,13 +76,22 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         kv_cache = ctx.kv_caches[self.layer_idx]
+        meta = ctx.attn_metadata
+        rope = None
         if rotary.fused_write is not None and self.kv_scale is None and kv_cache.dtype == k.dtype:
-            # one kernel rotates q and k and stores k and v in the cache (its layout is every backend's)
-            rotary.fused_write(positions, q, k, v, rotary.cos, rotary.sin, kv_cache, ctx.attn_metadata.slot_mapping)
+            if ctx.backend.rope_in_decode and meta.max_query_len == 1:
+                # a pure decode step: the attention kernel rotates q and k and stores k and v itself
+                rope = DecodeRope(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping)
+            else:
+                # one kernel rotates q and k and stores k and v in the cache (its layout is every backend's)
+                rotary.fused_write(positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping)
         else:
             q, k = rotary(positions, q, k)
-            ctx.backend.write_kv(k, v, kv_cache, ctx.attn_metadata.slot_mapping, self.kv_scale)
-        o = ctx.backend.forward(q, kv_cache, ctx.attn_metadata, self.scale, self.kv_scale)
+            ctx.backend.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
+        if rope is None:
+            o = ctx.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)
+        else:
+            o = ctx.backend.forward(q, kv_cache, meta, self.scale, rope=rope)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -42,11 +42,28 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(slots=True)
+class DecodeRope:
+    """What `paged_decode` needs to rotate a decode step's queries and keys itself and store its keys and values:
+    the rows' positions, their unrotated keys and their values (``[num_tokens, num_kv_heads, head_dim]``, views of
+    the qkv projection), the neox cos/sin tables (``[max_position, head_dim]``, each half the same) and the slot
+    of each row (-1: none)."""
+
+    positions: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 class AttentionBackend:
     name = "base"
     # True when `forward` reads only device tensors and the host values fixed at capture (``num_seqs``,
     # ``max_query_len``, ``max_seq_len``), so a decode step can be captured in a CUDA graph.
     graph_safe = False
+    # True when `forward` takes ``rope`` (`DecodeRope`): a pure decode step's RoPE and KV write done by the backend
+    rope_in_decode = False
 
     def write_kv(
         self,
@@ -80,9 +97,11 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged context (``kv_scale``: as in
-        `write_kv`)."""
+        `write_kv`). With ``rope`` (backends with ``rope_in_decode``, pure decode steps, 16-bit caches), ``query``
+        is not yet rotated and the step's keys and values not yet written: the backend does both first."""
         raise NotImplementedError
 
 

@@ -17,7 +17,7 @@ import os
 import torch
 import triton
 from sluice.kv.attention import triton_kernels as tk
-from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, DecodeRope
 
 # (sequence, KV head) pairs the fused reduce's counters cover; a larger decode batch takes the reduce kernel
 MAX_SPLIT_COUNTERS = 1 << 16
@@ -44,6 +44,9 @@ class TritonAttentionBackend(AttentionBackend):
         # keys per tile of the decode kernel (`paged_decode`'s default, 128, unless SLUICE_DECODE_BLOCK_N says: the
         # attention sweep timed the tiles at 64 and 128 sequences, before the fused reduce; this times them again)
         self.decode_block_n = int(os.environ.get("SLUICE_DECODE_BLOCK_N", 128))
+        # a decode step's RoPE and KV write done by the decode kernel (`forward`'s ``rope``; SLUICE_DECODE_ROPE=1)
+        # instead of a kernel of their own before it: one launch fewer per layer and step
+        self.rope_in_decode = os.environ.get("SLUICE_DECODE_ROPE", "0") == "1"
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms
@@ -96,6 +99,7 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_seqs = meta.num_seqs
@@ -106,9 +110,10 @@ class TritonAttentionBackend(AttentionBackend):
             tk.paged_decode(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
                 num_seqs, splits, block_n=self.decode_block_n, kv_scale=kv_scale,
-                counters=self.split_counters(query.device),
+                counters=self.split_counters(query.device), rope=rope,
             )  # fmt: skip
         else:
+            assert rope is None, "RoPE in the attention kernel: pure decode steps only"
             tk.paged_prefill(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
                 num_seqs, kv_scale=kv_scale,

@@ -13,7 +13,10 @@ token by token through the block table (``block_tables[seq, pos // block_size]``
   by that program, as the split-K GEMV of `core/models/gemv.py` does; one kernel, one CUDA graph node) or by
   the reduce kernel. With ``NUM_SPLITS == 1`` the decode kernel writes the final output itself. Any split
   count is correct for any sequence length (empty splits contribute nothing), so a CUDA graph captured with
-  one count stays valid for every shorter context.
+  one count stays valid for every shorter context. With ``ROPE_KV`` (`DecodeRope`, SLUICE_DECODE_ROPE=1) it also
+  does what `core/models/fused.py`'s RoPE/KV-write kernel would have done before it: each program rotates its
+  queries, and the program whose range ends with the new token rotates that token's key and stores it and its
+  value in the cache before reading its range, so its results are the two kernels' to the bit.
 * ``_prefill_kernel``: several queries per sequence (prefill, chunked prefill, or q=1 rows in a mixed
   batch). A program owns (sequence, tile of queries, KV head); its ``BLOCK_M`` rows are (query, head of
   the GQA group) pairs, so K/V tiles are loaded once per group. Keys every query of the tile can see are
@@ -42,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 from sluice.kv.attention import fp8
+from sluice.kv.attention.base import DecodeRope
 from sluice.kv.attention.pdl import pdl_launch, wait_then_release
 
 LOG2E = 1.4426950408889634
@@ -163,6 +167,15 @@ def _fp8_v_operand(v, nmask, DT: tl.constexpr):
 
 
 @triton.jit
+def _rotate(x, partner, cos, signed_sin):
+    """Neox RoPE of ``x`` given each element's partner in the other half (``rotate_half``'s sign folded into
+    ``signed_sin``), each product rounded to ``x``'s dtype as torch (and `_rope_kernel`) does."""
+    a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
+    b = (partner.to(tl.float32) * signed_sin).to(x.dtype).to(tl.float32)
+    return (a + b).to(x.dtype)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -200,6 +213,18 @@ def _decode_kernel(
     FUSED_REDUCE: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     PDL: tl.constexpr,
+    pos_ptr=None,
+    k_new_ptr=None,
+    v_new_ptr=None,
+    cos_ptr=None,
+    sin_ptr=None,
+    slot_ptr=None,
+    stride_kt=0,
+    stride_kh=0,
+    stride_vt=0,
+    stride_vh=0,
+    stride_cos=0,
+    ROPE_KV: tl.constexpr = False,
 ):
     wait_then_release(PDL)  # kv/attention/pdl.py
     seq = tl.program_id(0)
@@ -219,11 +244,35 @@ def _decode_kernel(
     hmask = offs_h < GROUP
     dmask = offs_d < head_dim
     heads = kvh * GROUP + offs_h
-    q = tl.load(
-        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=hmask[:, None] & dmask[None, :],
-        other=0.0,
-    )
+    q_rows = q_ptr + row * stride_qt + heads[:, None] * stride_qh
+    qmask = hmask[:, None] & dmask[None, :]
+    q = tl.load(q_rows + offs_d[None, :], mask=qmask, other=0.0)
+    bt = bt_ptr + seq.to(tl.int64) * stride_bt
+    head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
+    if ROPE_KV:  # `_rope_kernel`'s rotation of q and of this head's new key, then the key and value to the cache
+        half = head_dim // 2
+        partner = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half(x) = [-x2 | x1]
+        sign = tl.where(offs_d < half, -1.0, 1.0)
+        at = tl.load(pos_ptr + row).to(tl.int64)  # the new token's position (`pos` is the key loop's)
+        c = tl.load(cos_ptr + at * stride_cos + offs_d, mask=dmask, other=0.0)  # the table is [cos | cos]
+        sn = tl.load(sin_ptr + at * stride_cos + offs_d, mask=dmask, other=0.0)
+        c = c.to(q.dtype).to(tl.float32)
+        sn = sn.to(q.dtype).to(tl.float32)
+        q2 = tl.load(q_rows + partner[None, :], mask=qmask, other=0.0)
+        q = _rotate(q, q2, c[None, :], (sign * sn)[None, :])
+        k_row = k_new_ptr + row * stride_kt + kvh.to(tl.int64) * stride_kh
+        k_new = _rotate(tl.load(k_row + offs_d, mask=dmask), tl.load(k_row + partner, mask=dmask), c, sign * sn)
+        v_new = tl.load(v_new_ptr + row * stride_vt + kvh.to(tl.int64) * stride_vh + offs_d, mask=dmask)
+        # The program whose keys end with the new one stores it, then reads it back from the cache like any key
+        # (one barrier: every thread's store is seen by the tile loads after it), so the result is the two
+        # kernels' to the bit. A padding row has no context and slot -1: nothing to store.
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        last = seq_len - 1
+        if (slot >= 0) & (last >= start) & (last < end):
+            dst = head_base + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_tok + offs_d
+            tl.store(dst, k_new.to(cache_ptr.dtype.element_ty), mask=dmask)
+            tl.store(dst + stride_c_kv, v_new.to(cache_ptr.dtype.element_ty), mask=dmask)
+        tl.debug_barrier()
     if F16_DOT:
         q = q.to(tl.float16)
     if KV_FP8:  # the K scale multiplies every logit: fold it into their scale, once
@@ -232,8 +281,6 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    bt = bt_ptr + seq.to(tl.int64) * stride_bt
-    head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
     for t0 in range(start, end, BLOCK_N):
         pos = t0 + offs_n
         nmask = pos < end
@@ -582,12 +629,15 @@ def paged_decode(
     num_stages: int = 3,
     kv_scale: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """One query per sequence at row ``query_start_loc[i]``; grid ``(num_seqs, num_kv_heads, num_splits)``.
     The default tile (128 keys, 4 warps, 3 stages) was the fastest on the H200 for both cache dtypes at
     batch 64 and 128 (`scripts/gpu_kernel_sweep.py attn`). ``counters`` (int32 zeros, one per (sequence, KV
     head) at least): the last split of each pair merges the partials (one kernel) and sets its counter back to
-    zero; without them (or too few) a reduce kernel runs after the decode kernel."""
+    zero; without them (or too few) a reduce kernel runs after the decode kernel. With ``rope`` the query is not yet
+    rotated and this step's keys and values not yet in a 16-bit cache: the kernel does what `rope_and_write_kv_`
+    (`core/models/fused.py`) would have done first (``query`` itself is left as it was)."""
     query = _last_dim_contiguous(query)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -605,6 +655,15 @@ def paged_decode(
         counters = None
     scale_arg, kv_fp8 = _fp8_args(kv_cache, kv_scale)
     pdl = pdl_launch(query.device)
+    rope_args = {}
+    if rope is not None:
+        assert not kv_fp8 and kv_cache.dtype == rope.key.dtype and rope.key.stride(-1) == rope.value.stride(-1) == 1
+        rope_args = dict(
+            pos_ptr=rope.positions, k_new_ptr=rope.key, v_new_ptr=rope.value, cos_ptr=rope.cos, sin_ptr=rope.sin,
+            slot_ptr=rope.slot_mapping, stride_kt=rope.key.stride(0), stride_kh=rope.key.stride(1),
+            stride_vt=rope.value.stride(0), stride_vh=rope.value.stride(1), stride_cos=rope.cos.stride(0),
+            ROPE_KV=True,
+        )  # fmt: skip
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, kv_cache, scale_arg, block_tables, seq_lens, query_start_loc, out, part_acc, part_m, part_l,
         counters if counters is not None else seq_lens, scale * LOG2E,
@@ -614,7 +673,8 @@ def paged_decode(
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
         F16_DOT=_f16_dot(kv_fp8, query.dtype), FUSED_REDUCE=counters is not None,
-        SPLITS_P2=triton.next_power_of_2(num_splits), **pdl, num_warps=num_warps, num_stages=num_stages,
+        SPLITS_P2=triton.next_power_of_2(num_splits), **pdl, **rope_args, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](
