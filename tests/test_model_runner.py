@@ -152,6 +152,40 @@ def test_decode_through_the_graph_path_matches_eager():
     assert np.all(np.array([len(t) for t in graphed]) == 6)
 
 
+def test_rope_in_the_decode_kernel_gives_the_engines_tokens(monkeypatch):
+    """With the fused kernels on the Triton backend, SLUICE_DECODE_ROPE=1 (the decode kernel rotates and stores
+    each decode step's keys and values, `kv/attention/triton_kernels.py`) gives the tokens and logprobs of the RoPE
+    kernel's path, eager and through decode graph stand-ins (padding rows included): every later step reads the
+    keys the fused kernel stored."""
+    kw = dict(
+        model="dummy:tiny", device="cpu", attention_backend="triton", fused_kernels="on", num_kv_blocks=64,
+        max_model_len=256, enable_prefix_caching=False,  # the second run computes its prompts again, as the first
+    )  # fmt: skip
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 61)), [7] * 3]
+    # the logprobs too: a random tiny model's greedy tokens barely depend on attention, its distributions do
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3)
+
+    def run(rope_in_decode: bool) -> tuple[list, list]:
+        """Eager, then through graph stand-ins (planned for the longest context: other split counts)."""
+        monkeypatch.setenv("SLUICE_DECODE_ROPE", "1" if rope_in_decode else "0")
+        with LLM(**kw) as llm:
+            runner = llm.engine._executor.runner
+            assert runner.backend.rope_in_decode == rope_in_decode and runner.model.rotary.fused_write is not None
+            got = []
+            for graphed in (False, True):
+                if graphed:
+                    runner.graphs = EagerReplay(runner._decode_forward, runner.buffers, [1, 2, 4], runner.max_model_len)
+                    runner.graphs.capture()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                got.append(
+                    [(o.outputs[0].token_ids, [(lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+                )
+            assert 4 in runner.graphs.replayed  # 3 running requests padded to 4
+        return got[0], got[1]
+
+    assert run(True) == run(False)
+
+
 def test_build_pads_a_mixed_graph_step_with_tokens_and_rows_of_nothing():
     batch = InputBatch(8, 16, 16)
     so = step_of([("a", list(range(30)), 20, 10, [3, 4], True), ("b", list(range(6)), 5, 1, [9], True)])
