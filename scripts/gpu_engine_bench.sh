@@ -209,8 +209,9 @@ launchwait)  # ShareGPT 200 with where each launch's host time goes (the step tr
     ;;
 idle)  # three mechanisms against their switches in one call, each read in the traces: a burst's callers reaching
     # the scheduler 64 at a time (default; SLUICE_ADMITTING=0 all at once: idle before the first step), the LM
-    # head's rows padded (SLUICE_PAD_HEAD_ROWS=0: launches that wait for the device; last, unpadded with every
-    # kernel loaded at start-up, CUDA_MODULE_LOADING=EAGER: whether lazy loading is why) and the graph routes
+    # head's rows padded (SLUICE_PAD_HEAD_ROWS=0: launches that wait for the device) and the graph routes; then
+    # ShareGPT 1000 with every kernel loaded at start-up (CUDA_MODULE_LOADING=EAGER: whether lazy loading is why
+    # its eager prompt steps' launches waited, ~94 ms in the last trace)
     tp1000 tp1000
     tp1000 tp1000_noadmit "env SLUICE_ADMITTING=0"
     tp1000 tp1000_nopad "env SLUICE_PAD_HEAD_ROWS=0"
@@ -218,7 +219,7 @@ idle)  # three mechanisms against their switches in one call, each read in the t
     tp200 tp200
     tp200 tp200_noadmit "env SLUICE_ADMITTING=0"
     tp200 tp200_nopad "env SLUICE_PAD_HEAD_ROWS=0"
-    tp200 tp200_nopad_eagerload "env SLUICE_PAD_HEAD_ROWS=0 CUDA_MODULE_LOADING=EAGER"
+    tp1000 tp1000_eagerload "env CUDA_MODULE_LOADING=EAGER"
     ;;
 attn)  # the decode attention kernel's key tile, 64 against 128 (the default; the attention sweep timed them at 64
     # and 128 sequences only, before the fused reduce), alternating: device time per step at 1-512 running over
