@@ -263,6 +263,16 @@ rope)  # a decode step's RoPE and KV write done by the decode attention kernel (
         lat_b1 lat_b1_$i
     done
     ;;
+rope-short)  # `rope` in ~5 min: its own GPU tests only, steps, one batch-1 pair and one ShareGPT 200 pair
+    kernel_tests tests/test_triton_attention.py tests/test_fused_kernels.py -k "rope"
+    rope="env SLUICE_DECODE_ROPE=1"
+    run steps_rope 150 $rope $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
+    run steps 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    lat_b1 lat_b1_rope "$rope"
+    lat_b1 lat_b1
+    tp200 tp200_rope "$rope"
+    tp200 tp200
+    ;;
 rope1000)  # the same pair on ShareGPT 1000
     for i in ${PAIRS:-1}; do
         tp1000 tp1000_rope_$i "env SLUICE_DECODE_ROPE=1"
