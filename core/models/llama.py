@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         meta = ctx.attn_metadata
         rope = None
         if rotary.fused_write is not None and self.kv_scale is None and kv_cache.dtype == k.dtype:
-            if ctx.backend.rope_in_decode and meta.max_query_len == 1:
+            if ctx.backend.rope_in_decode and meta.max_query_len == 1 and meta.num_seqs <= ctx.backend.rope_max_seqs:
                 # a pure decode step: the attention kernel rotates q and k and stores k and v itself
                 rope = DecodeRope(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping)
             else:

@@ -62,8 +62,10 @@ class AttentionBackend:
     # True when `forward` reads only device tensors and the host values fixed at capture (``num_seqs``,
     # ``max_query_len``, ``max_seq_len``), so a decode step can be captured in a CUDA graph.
     graph_safe = False
-    # True when `forward` takes ``rope`` (`DecodeRope`): a pure decode step's RoPE and KV write done by the backend
+    # True when `forward` takes ``rope`` (`DecodeRope`): a pure decode step's RoPE and KV write done by the backend,
+    # for steps of at most ``rope_max_seqs`` sequences
     rope_in_decode = False
+    rope_max_seqs = 0
 
     def write_kv(
         self,

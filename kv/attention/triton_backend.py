@@ -21,6 +21,8 @@ from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, Decode
 
 # (sequence, KV head) pairs the fused reduce's counters cover; a larger decode batch takes the reduce kernel
 MAX_SPLIT_COUNTERS = 1 << 16
+# most sequences in a decode step whose RoPE and KV write the decode kernel does (`rope_in_decode`)
+DECODE_ROPE_MAX_SEQS = 16
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -45,8 +47,10 @@ class TritonAttentionBackend(AttentionBackend):
         # attention sweep timed the tiles at 64 and 128 sequences, before the fused reduce; this times them again)
         self.decode_block_n = int(os.environ.get("SLUICE_DECODE_BLOCK_N", 128))
         # a decode step's RoPE and KV write done by the decode kernel (`forward`'s ``rope``; SLUICE_DECODE_ROPE=1)
-        # instead of a kernel of their own before it: one launch fewer per layer and step
+        # instead of a kernel of their own before it: one launch fewer per layer and step, for steps of at most
+        # `DECODE_ROPE_MAX_SEQS` sequences (on the H200 it paid at 1-16 and cost at 32-256)
         self.rope_in_decode = os.environ.get("SLUICE_DECODE_ROPE", "0") == "1"
+        self.rope_max_seqs = DECODE_ROPE_MAX_SEQS
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms
