@@ -273,6 +273,12 @@ rope-short)  # `rope` in ~5 min: its own GPU tests only, steps, one batch-1 pair
     tp200 tp200_rope "$rope"
     tp200 tp200
     ;;
+rope200)  # ShareGPT 200 with and without it, alternating
+    for i in ${PAIRS:-1 2}; do
+        tp200 tp200_rope_$i "env SLUICE_DECODE_ROPE=1"
+        tp200 tp200_$i
+    done
+    ;;
 rope1000)  # the same pair on ShareGPT 1000
     for i in ${PAIRS:-1}; do
         tp1000 tp1000_rope_$i "env SLUICE_DECODE_ROPE=1"
