@@ -21,8 +21,8 @@
 #   scripts/gpu_engine_bench.sh attn   # decode attention's key tile 64 vs 128: steps at 1-512 running, ShareGPT 1000
 #   scripts/gpu_engine_bench.sh fold|fold200  # RMSNorms and SiLU-and-mul folded into GEMVs vs their own
 #                                             # kernels: steps and batch 1 | ShareGPT 200
-#   scripts/gpu_engine_bench.sh rope|rope1000  # RoPE and the KV write in the decode attention kernel vs their own
-#                                              # kernel: steps and batch 1 | ShareGPT 1000
+#   scripts/gpu_engine_bench.sh rope|rope-short|rope200|rope1000  # RoPE and the KV write in the decode attention
+#                         # kernel (default) vs their own kernel: steps and batch 1 | in 5 min | ShareGPT 200 | 1000
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -251,38 +251,40 @@ fold)  # each decoder layer's RMSNorms folded into the GEMV after them and its S
     run profile_fold 120 $fold $check --out "$OUT/profile_fold.json"
     run profile 120 $check --out "$OUT/profile.json"
     ;;
-rope)  # a decode step's RoPE and KV write done by the decode attention kernel (SLUICE_DECODE_ROPE=1: one launch
-    # fewer per layer, at every batch size) against their own kernel (the default), alternating: the kernels' GPU
-    # tests first, device time per step at 1-256 running, batch 1 (ShareGPT 1000 with it: PAIRS=1 in rope1000)
+rope)  # a decode step's RoPE and KV write done by the decode attention kernel at up to 16 running (the default since
+    # 2026-12-05; one launch fewer per layer) against their own kernel (SLUICE_DECODE_ROPE=0), alternating: the
+    # kernels' GPU tests first, device time per step at 1-256 running, batch 1 (ShareGPT 1000: rope1000)
     kernel_tests tests/test_triton_attention.py tests/test_fused_kernels.py -k "rope or decode"
-    rope="env SLUICE_DECODE_ROPE=1"
-    run steps_rope 150 $rope $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
-    run steps 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    off="env SLUICE_DECODE_ROPE=0"
+    run steps_rope 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
+    run steps 150 $off $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
     for i in 1 2; do
-        lat_b1 lat_b1_rope_$i "$rope"
-        lat_b1 lat_b1_$i
+        lat_b1 lat_b1_rope_$i
+        lat_b1 lat_b1_$i "$off"
     done
     ;;
-rope-short)  # `rope` in ~5 min: its own GPU tests only, steps, one batch-1 pair and one ShareGPT 200 pair
+rope-short)  # `rope` in ~5 min: its own GPU tests only, steps, one batch-1 pair and one ShareGPT 200 pair (run on
+    # 2026-12-05 with the RoPE at every batch size and off by default: then its sides were SLUICE_DECODE_ROPE=1 and
+    # the default)
     kernel_tests tests/test_triton_attention.py tests/test_fused_kernels.py -k "rope"
-    rope="env SLUICE_DECODE_ROPE=1"
-    run steps_rope 150 $rope $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
-    run steps 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
-    lat_b1 lat_b1_rope "$rope"
-    lat_b1 lat_b1
-    tp200 tp200_rope "$rope"
-    tp200 tp200
+    off="env SLUICE_DECODE_ROPE=0"
+    run steps_rope 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
+    run steps 150 $off $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    lat_b1 lat_b1_rope
+    lat_b1 lat_b1 "$off"
+    tp200 tp200_rope
+    tp200 tp200 "$off"
     ;;
 rope200)  # ShareGPT 200 with and without it, alternating
     for i in ${PAIRS:-1 2}; do
-        tp200 tp200_rope_$i "env SLUICE_DECODE_ROPE=1"
-        tp200 tp200_$i
+        tp200 tp200_rope_$i
+        tp200 tp200_$i "env SLUICE_DECODE_ROPE=0"
     done
     ;;
 rope1000)  # the same pair on ShareGPT 1000
     for i in ${PAIRS:-1}; do
-        tp1000 tp1000_rope_$i "env SLUICE_DECODE_ROPE=1"
-        tp1000 tp1000_$i
+        tp1000 tp1000_rope_$i
+        tp1000 tp1000_$i "env SLUICE_DECODE_ROPE=0"
     done
     ;;
 fold200)  # the same pair on ShareGPT 200 (a call of its own: `fold` fills most of one)

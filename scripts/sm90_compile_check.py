@@ -73,7 +73,7 @@ def _decode(block_n: int, splits: int, warps: int, stages: int, what: str, rope:
         ROPE_KV=rope,
     )  # fmt: skip
     args = dict(_ATTN_ARGS, part_acc_ptr=PTR_F32, part_m_ptr=PTR_F32, part_l_ptr=PTR_F32, cnt_ptr=PTR_I32, num_heads=32)
-    if rope:  # SLUICE_DECODE_ROPE=1: the keys and values are views of the qkv block, the tables fp32
+    if rope:  # RoPE in the decode kernel: the keys and values are views of the qkv block, the tables fp32
         args |= dict(
             pos_ptr=PTR_I64, k_new_ptr=PTR, v_new_ptr=PTR, cos_ptr=PTR_F32, sin_ptr=PTR_F32, slot_ptr=PTR_I64,
             stride_kt=QKV, stride_kh=128, stride_vt=QKV, stride_vh=128, stride_cos=128,

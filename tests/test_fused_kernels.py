@@ -356,9 +356,10 @@ def test_rope_and_kv_write_in_one_kernel_match_the_two(dtype):
 
 
 def test_attention_layer_with_rope_in_the_decode_kernel_matches_two_kernels(monkeypatch):
-    """With SLUICE_DECODE_ROPE=1 a pure decode step's attention layer launches no RoPE/KV-write kernel: the decode
-    kernel rotates and stores, and the layer's output and cache equal the default's (`rope_and_write_kv_` then
-    the decode kernel); a step with prompt rows still takes the RoPE kernel."""
+    """With SLUICE_DECODE_ROPE=1 (the default) a pure decode step's attention layer launches no RoPE/KV-write
+    kernel: the decode kernel rotates and stores, and the layer's output and cache equal those of
+    `rope_and_write_kv_` then the decode kernel (SLUICE_DECODE_ROPE=0); a step with prompt rows, or with more than
+    `DECODE_ROPE_MAX_SEQS` decodes, still takes the RoPE kernel."""
     from types import SimpleNamespace
 
     from sluice.core.models.layers import ForwardContext
@@ -397,6 +398,8 @@ def test_attention_layer_with_rope_in_the_decode_kernel_matches_two_kernels(monk
         assert torch.equal(out1, out0) and torch.equal(c1, c0)
     run(True, [20, 7], [20, 1])  # prompt rows: the RoPE kernel as before
     assert rope_kv_calls == [3, 21]
+    run(True, [5 + i for i in range(17)], [1] * 17)  # more decodes than the decode kernel rotates for
+    assert rope_kv_calls == [3, 21, 17]
 
 
 def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatch):

@@ -153,10 +153,10 @@ def test_decode_through_the_graph_path_matches_eager():
 
 
 def test_rope_in_the_decode_kernel_gives_the_engines_tokens(monkeypatch):
-    """With the fused kernels on the Triton backend, SLUICE_DECODE_ROPE=1 (the decode kernel rotates and stores
-    each decode step's keys and values, `kv/attention/triton_kernels.py`) gives the tokens and logprobs of the RoPE
-    kernel's path, eager and through decode graph stand-ins (padding rows included): every later step reads the
-    keys the fused kernel stored."""
+    """With the fused kernels on the Triton backend, RoPE in the decode kernel (it rotates and stores each decode
+    step's keys and values, `kv/attention/triton_kernels.py`) gives the tokens and logprobs of the RoPE kernel's
+    path (SLUICE_DECODE_ROPE=0), eager and through decode graph stand-ins (padding rows included): every later step
+    reads the keys the fused kernel stored."""
     kw = dict(
         model="dummy:tiny", device="cpu", attention_backend="triton", fused_kernels="on", num_kv_blocks=64,
         max_model_len=256, enable_prefix_caching=False,  # the second run computes its prompts again, as the first

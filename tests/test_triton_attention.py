@@ -162,7 +162,7 @@ def test_decode_key_tile_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_with_rope_and_kv_write_matches_the_two_kernels(splits, dtype):
-    """`paged_decode` with ``rope`` (SLUICE_DECODE_ROPE=1): the unrotated q/k/v views of one qkv block, rotated
+    """`paged_decode` with ``rope``: the unrotated q/k/v views of one qkv block, rotated
     and stored by the decode kernel, give the output and cache that `rope_and_write_kv_` then the decode kernel
     give; a row with slot -1 and a graph's padding row (no context either) store nothing; the qkv block is left as
     it was."""

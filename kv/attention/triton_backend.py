@@ -46,10 +46,10 @@ class TritonAttentionBackend(AttentionBackend):
         # keys per tile of the decode kernel (`paged_decode`'s default, 128, unless SLUICE_DECODE_BLOCK_N says: the
         # attention sweep timed the tiles at 64 and 128 sequences, before the fused reduce; this times them again)
         self.decode_block_n = int(os.environ.get("SLUICE_DECODE_BLOCK_N", 128))
-        # a decode step's RoPE and KV write done by the decode kernel (`forward`'s ``rope``; SLUICE_DECODE_ROPE=1)
-        # instead of a kernel of their own before it: one launch fewer per layer and step, for steps of at most
-        # `DECODE_ROPE_MAX_SEQS` sequences (on the H200 it paid at 1-16 and cost at 32-256)
-        self.rope_in_decode = os.environ.get("SLUICE_DECODE_ROPE", "0") == "1"
+        # a decode step's RoPE and KV write done by the decode kernel (`forward`'s ``rope``; SLUICE_DECODE_ROPE=0:
+        # their own kernel before it) for steps of at most `DECODE_ROPE_MAX_SEQS` sequences: one launch fewer per
+        # layer and step (on the H200 it paid at 1-16 running and cost at 32-256: docs/benchmarks.md)
+        self.rope_in_decode = os.environ.get("SLUICE_DECODE_ROPE", "1") != "0"
         self.rope_max_seqs = DECODE_ROPE_MAX_SEQS
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits

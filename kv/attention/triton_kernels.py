@@ -13,10 +13,10 @@ token by token through the block table (``block_tables[seq, pos // block_size]``
   by that program, as the split-K GEMV of `core/models/gemv.py` does; one kernel, one CUDA graph node) or by
   the reduce kernel. With ``NUM_SPLITS == 1`` the decode kernel writes the final output itself. Any split
   count is correct for any sequence length (empty splits contribute nothing), so a CUDA graph captured with
-  one count stays valid for every shorter context. With ``ROPE_KV`` (`DecodeRope`, SLUICE_DECODE_ROPE=1) it also
-  does what `core/models/fused.py`'s RoPE/KV-write kernel would have done before it: each program rotates its
-  queries, and the program whose range ends with the new token rotates that token's key and stores it and its
-  value in the cache before reading its range, so its results are the two kernels' to the bit.
+  one count stays valid for every shorter context. With ``ROPE_KV`` (`DecodeRope`; the engine's decode steps of up
+  to 16 sequences) it also does what `core/models/fused.py`'s RoPE/KV-write kernel would have done before it: each
+  program rotates its queries, and the program whose range ends with the new token rotates that token's key and
+  stores it and its value in the cache before reading its range, so its results are the two kernels' to the bit.
 * ``_prefill_kernel``: several queries per sequence (prefill, chunked prefill, or q=1 rows in a mixed
   batch). A program owns (sequence, tile of queries, KV head); its ``BLOCK_M`` rows are (query, head of
   the GQA group) pairs, so K/V tiles are loaded once per group. Keys every query of the tile can see are
