@@ -69,6 +69,13 @@ lat_b8() {  # batch 8, 32 in / 128 out
 kernel_tests() {  # the Triton kernels' tests on the GPU
     run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider "$@"
 }
+rope_steps() {  # device time per step at 1-256 running with RoPE in the decode kernel (the default) and without
+    for side in rope off; do
+        local prefix="" name=steps_rope
+        [ $side = off ] && prefix="env SLUICE_DECODE_ROPE=0" name=steps
+        run $name 150 $prefix $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/$name.json"
+    done
+}
 
 case ${1:-core} in
 core)
@@ -256,8 +263,7 @@ rope)  # a decode step's RoPE and KV write done by the decode attention kernel a
     # kernels' GPU tests first, device time per step at 1-256 running, batch 1 (ShareGPT 1000: rope1000)
     kernel_tests tests/test_triton_attention.py tests/test_fused_kernels.py -k "rope or decode"
     off="env SLUICE_DECODE_ROPE=0"
-    run steps_rope 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
-    run steps 150 $off $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    rope_steps
     for i in 1 2; do
         lat_b1 lat_b1_rope_$i
         lat_b1 lat_b1_$i "$off"
@@ -268,8 +274,7 @@ rope-short)  # `rope` in ~5 min: its own GPU tests only, steps, one batch-1 pair
     # the default)
     kernel_tests tests/test_triton_attention.py tests/test_fused_kernels.py -k "rope"
     off="env SLUICE_DECODE_ROPE=0"
-    run steps_rope 150 $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps_rope.json"
-    run steps 150 $off $bench steps $M --batch-sizes 1 16 64 256 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
+    rope_steps
     lat_b1 lat_b1_rope
     lat_b1 lat_b1 "$off"
     tp200 tp200_rope

@@ -38,7 +38,9 @@ from tests.helpers import random_paged_batch  # noqa: E402
 # triton's own jit library was decorated for the interpreter (or there is a GPU): kernels run in-process
 IN_PROCESS = ON_GPU or isinstance(triton.language.standard.cdiv, InterpretedFunction)
 if IN_PROCESS and not ON_GPU and not isinstance(tk._decode_kernel, InterpretedFunction):
-    importlib.reload(tk)  # decorated before TRITON_INTERPRET was set; the backend looks kernels up via `tk`
+    # decorated before TRITON_INTERPRET was set; the backend looks kernels up via `tk` (and tk its RoPE helper)
+    importlib.reload(importlib.import_module("sluice.kv.attention.rope"))
+    importlib.reload(tk)
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from sluice.kv.attention.pdl import pdl_launch, wait_then_release
+from sluice.kv.attention.rope import rotate_neox
 
 
 @triton.jit
@@ -161,32 +162,30 @@ def _rope_kernel(
     q2 = tl.load(qp + HALF, mask=qm, other=0.0)
     c = cos.to(q1.dtype).to(tl.float32)[None, :]
     s = sin.to(q1.dtype).to(tl.float32)[None, :]
-    # out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2 | x1], each product rounded as torch does
-    o1 = (q1.to(tl.float32) * c).to(q1.dtype).to(tl.float32) + (-q2.to(tl.float32) * s).to(q1.dtype).to(tl.float32)
-    o2 = (q2.to(tl.float32) * c).to(q1.dtype).to(tl.float32) + (q1.to(tl.float32) * s).to(q1.dtype).to(tl.float32)
-    tl.store(qp, o1.to(q1.dtype), mask=qm)
-    tl.store(qp + HALF, o2.to(q1.dtype), mask=qm)
+    # out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2 | x1]
+    tl.store(qp, rotate_neox(q1, q2, c, -s), mask=qm)
+    tl.store(qp + HALF, rotate_neox(q2, q1, c, s), mask=qm)
 
     hk = tl.arange(0, BLOCK_HK)
     km = (hk < num_k_heads)[:, None]
     kp = k_ptr + t * stride_kt + hk[:, None] * stride_kh + offs[None, :]
     k1 = tl.load(kp, mask=km, other=0.0)
     k2 = tl.load(kp + HALF, mask=km, other=0.0)
-    o1 = (k1.to(tl.float32) * c).to(k1.dtype).to(tl.float32) + (-k2.to(tl.float32) * s).to(k1.dtype).to(tl.float32)
-    o2 = (k2.to(tl.float32) * c).to(k1.dtype).to(tl.float32) + (k1.to(tl.float32) * s).to(k1.dtype).to(tl.float32)
+    o1 = rotate_neox(k1, k2, c, -s)
+    o2 = rotate_neox(k2, k1, c, s)
     if WRITE_KV:  # the rotated key and the value go to the token's cache slot (-1: none); k itself is not kept
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
             dst = cache_ptr + (slot // block_size) * stride_c_blk + (slot % block_size) * stride_c_tok
             dst = dst + hk[:, None] * stride_c_head + offs[None, :]
-            tl.store(dst, o1.to(k1.dtype), mask=km)
-            tl.store(dst + HALF, o2.to(k1.dtype), mask=km)
+            tl.store(dst, o1, mask=km)
+            tl.store(dst + HALF, o2, mask=km)
             vp = v_ptr + t * stride_vt + hk[:, None] * stride_vh + offs[None, :]
             tl.store(dst + stride_c_kv, tl.load(vp, mask=km, other=0.0), mask=km)
             tl.store(dst + stride_c_kv + HALF, tl.load(vp + HALF, mask=km, other=0.0), mask=km)
     else:
-        tl.store(kp, o1.to(k1.dtype), mask=km)
-        tl.store(kp + HALF, o2.to(k1.dtype), mask=km)
+        tl.store(kp, o1, mask=km)
+        tl.store(kp + HALF, o2, mask=km)
 
 
 def rope_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

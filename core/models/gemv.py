@@ -16,8 +16,8 @@ become resident while the kernel before them (a fused norm, SiLU-and-mul, attent
 
 The kernels beside a projection at these sizes (the RMSNorm before it, the SiLU-and-mul after the gate/up one) are
 latency-bound launches of their own on the step's critical path; `gemv_rmsnorm` folds the norm into the GEMV's
-loads of x, `gemv_silu` the SiLU-and-mul into the gate/up GEMV's epilogue (``SLUICE_GEMV_FOLD``, off until timed
-on the H200).
+loads of x, `gemv_silu` the SiLU-and-mul into the gate/up GEMV's epilogue (``SLUICE_GEMV_FOLD``; off: on the H200
+the folded steps were slower, up to twice as slow in CUDA graphs, for reasons not yet found: docs/benchmarks.md).
 
 Accumulation is fp32 like cuBLAS's; the sums run in another order, so outputs agree with ``F.linear`` to
 the rounding of the output dtype, not bit for bit.
@@ -185,8 +185,8 @@ FOLD_NORM_ROWS = 16
 
 @functools.cache  # asked at every decoder layer; fixed for a process
 def fold_norm_rows() -> int:
-    """Rows up to which `gemv_rmsnorm` serves: none unless ``SLUICE_GEMV_FOLD`` names ``norm`` (off until the H200
-    has timed it against the norm's own kernel: `scripts/gpu_engine_bench.sh fold`)."""
+    """Rows up to which `gemv_rmsnorm` serves: none unless ``SLUICE_GEMV_FOLD`` names ``norm`` (off: slower on the
+    H200 than the norm's own kernel, `scripts/gpu_engine_bench.sh fold`)."""
     return FOLD_NORM_ROWS if "norm" in _folds() else 0
 
 

@@ -79,19 +79,14 @@ class LlamaAttention(nn.Module):
         meta = ctx.attn_metadata
         rope = None
         if rotary.fused_write is not None and self.kv_scale is None and kv_cache.dtype == k.dtype:
-            if ctx.backend.rope_in_decode and meta.max_query_len == 1 and meta.num_seqs <= ctx.backend.rope_max_seqs:
-                # a pure decode step: the attention kernel rotates q and k and stores k and v itself
+            if ctx.backend.takes_rope(meta):  # the attention kernel rotates q and k and stores k and v itself
                 rope = DecodeRope(positions, k, v, rotary.cos, rotary.sin, meta.slot_mapping)
-            else:
-                # one kernel rotates q and k and stores k and v in the cache (its layout is every backend's)
+            else:  # one kernel rotates q and k and stores k and v in the cache (its layout is every backend's)
                 rotary.fused_write(positions, q, k, v, rotary.cos, rotary.sin, kv_cache, meta.slot_mapping)
         else:
             q, k = rotary(positions, q, k)
             ctx.backend.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
-        if rope is None:
-            o = ctx.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale)
-        else:
-            o = ctx.backend.forward(q, kv_cache, meta, self.scale, rope=rope)
+        o = ctx.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale, rope)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

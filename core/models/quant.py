@@ -289,7 +289,8 @@ class _AmaxRecorder(AttentionBackend):
         self.amax[i, 1] = torch.maximum(self.amax[i, 1], value.detach().abs().float().amax(dim=(0, 2)))
         self.inner.write_kv(key, value, kv_cache, slot_mapping)
 
-    def forward(self, query, kv_cache, meta, scale, kv_scale=None):
+    def forward(self, query, kv_cache, meta, scale, kv_scale=None, rope=None):
+        assert rope is None  # it must see every key through `write_kv` (`takes_rope` is False)
         return self.inner.forward(query, kv_cache, meta, scale)
 
 

@@ -62,10 +62,13 @@ class AttentionBackend:
     # True when `forward` reads only device tensors and the host values fixed at capture (``num_seqs``,
     # ``max_query_len``, ``max_seq_len``), so a decode step can be captured in a CUDA graph.
     graph_safe = False
-    # True when `forward` takes ``rope`` (`DecodeRope`): a pure decode step's RoPE and KV write done by the backend,
-    # for steps of at most ``rope_max_seqs`` sequences
+    # whether `forward` may be given ``rope`` (`DecodeRope`, where `takes_rope` says): the backend does a decode
+    # step's RoPE and KV write itself
     rope_in_decode = False
-    rope_max_seqs = 0
+
+    def takes_rope(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's RoPE and KV write go to `forward` (``rope``) instead of running before it."""
+        return False
 
     def write_kv(
         self,
@@ -102,8 +105,8 @@ class AttentionBackend:
         rope: DecodeRope | None = None,
     ) -> torch.Tensor:
         """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged context (``kv_scale``: as in
-        `write_kv`). With ``rope`` (backends with ``rope_in_decode``, pure decode steps, 16-bit caches), ``query``
-        is not yet rotated and the step's keys and values not yet written: the backend does both first."""
+        `write_kv`). With ``rope`` (only where `takes_rope` says, 16-bit caches), ``query`` is not yet rotated and
+        the step's keys and values not yet written: the backend does both first."""
         raise NotImplementedError
 
 

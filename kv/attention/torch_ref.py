@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from sluice.kv.attention import fp8
-from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, DecodeRope
 
 # Query lengths up to this are batched across sequences (padding costs little at these lengths).
 MAX_BATCHED_QUERY_LEN = 17
@@ -80,7 +80,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        rope: DecodeRope | None = None,
     ) -> torch.Tensor:
+        assert rope is None, "the torch reference takes no RoPE (`takes_rope` is False)"
         if fp8.is_fp8(kv_cache):
             fp8.require_scale(kv_scale)
         plan = self._plan

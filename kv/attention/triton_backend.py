@@ -21,7 +21,7 @@ from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, Decode
 
 # (sequence, KV head) pairs the fused reduce's counters cover; a larger decode batch takes the reduce kernel
 MAX_SPLIT_COUNTERS = 1 << 16
-# most sequences in a decode step whose RoPE and KV write the decode kernel does (`rope_in_decode`)
+# most sequences in a decode step whose RoPE and KV write the decode kernel does (`takes_rope`)
 DECODE_ROPE_MAX_SEQS = 16
 
 
@@ -50,7 +50,6 @@ class TritonAttentionBackend(AttentionBackend):
         # their own kernel before it) for steps of at most `DECODE_ROPE_MAX_SEQS` sequences: one launch fewer per
         # layer and step (on the H200 it paid at 1-16 running and cost at 32-256: docs/benchmarks.md)
         self.rope_in_decode = os.environ.get("SLUICE_DECODE_ROPE", "1") != "0"
-        self.rope_max_seqs = DECODE_ROPE_MAX_SEQS
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms
@@ -73,6 +72,11 @@ class TritonAttentionBackend(AttentionBackend):
         by_occupancy = max(1, triton.cdiv(4 * self.num_sms(device), max(1, num_seqs * num_kv_heads)))
         splits = max(1, min(by_len, by_occupancy, self.max_splits))
         return 1 << (splits.bit_length() - 1)  # round down to a power of two: few kernel variants
+
+    def takes_rope(self, meta: AttentionMetadata) -> bool:
+        """Pure decode steps of up to `DECODE_ROPE_MAX_SEQS` sequences (host values, fixed when a graph is
+        captured: a graph and its replays take one path)."""
+        return self.rope_in_decode and meta.max_query_len == 1 and meta.num_seqs <= DECODE_ROPE_MAX_SEQS
 
     def split_counters(self, device: torch.device) -> torch.Tensor | None:
         """The fused reduce's arrival counters (None: the reduce kernel): int32 zeros, one per (sequence, KV head)

@@ -47,6 +47,7 @@ import triton.language as tl
 from sluice.kv.attention import fp8
 from sluice.kv.attention.base import DecodeRope
 from sluice.kv.attention.pdl import pdl_launch, wait_then_release
+from sluice.kv.attention.rope import rotate_neox
 
 LOG2E = 1.4426950408889634
 IEEE_DIV = hasattr(tl.math, "div_rn")
@@ -167,15 +168,6 @@ def _fp8_v_operand(v, nmask, DT: tl.constexpr):
 
 
 @triton.jit
-def _rotate(x, partner, cos, signed_sin):
-    """Neox RoPE of ``x`` given each element's partner in the other half (``rotate_half``'s sign folded into
-    ``signed_sin``), each product rounded to ``x``'s dtype as torch (and `_rope_kernel`) does."""
-    a = (x.to(tl.float32) * cos).to(x.dtype).to(tl.float32)
-    b = (partner.to(tl.float32) * signed_sin).to(x.dtype).to(tl.float32)
-    return (a + b).to(x.dtype)
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -249,7 +241,7 @@ def _decode_kernel(
     q = tl.load(q_rows + offs_d[None, :], mask=qmask, other=0.0)
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
-    if ROPE_KV:  # `_rope_kernel`'s rotation of q and of this head's new key, then the key and value to the cache
+    if ROPE_KV:  # `_rope_kernel`'s rotation (`rotate_neox`) of q and this head's new key; key and value to the cache
         half = head_dim // 2
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)  # rotate_half(x) = [-x2 | x1]
         sign = tl.where(offs_d < half, -1.0, 1.0)
@@ -259,9 +251,9 @@ def _decode_kernel(
         c = c.to(q.dtype).to(tl.float32)
         sn = sn.to(q.dtype).to(tl.float32)
         q2 = tl.load(q_rows + partner[None, :], mask=qmask, other=0.0)
-        q = _rotate(q, q2, c[None, :], (sign * sn)[None, :])
+        q = rotate_neox(q, q2, c[None, :], (sign * sn)[None, :])
         k_row = k_new_ptr + row * stride_kt + kvh.to(tl.int64) * stride_kh
-        k_new = _rotate(tl.load(k_row + offs_d, mask=dmask), tl.load(k_row + partner, mask=dmask), c, sign * sn)
+        k_new = rotate_neox(tl.load(k_row + offs_d, mask=dmask), tl.load(k_row + partner, mask=dmask), c, sign * sn)
         v_new = tl.load(v_new_ptr + row * stride_vt + kvh.to(tl.int64) * stride_vh + offs_d, mask=dmask)
         # The program whose keys end with the new one stores it, then reads it back from the cache like any key
         # (one barrier: every thread's store is seen by the tile loads after it), so the result is the two
