@@ -19,7 +19,7 @@ import tempfile
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
 
 import triton  # noqa: E402
-from sluice.core.models import gemv  # noqa: E402
+from sluice.core.models import fused, gemv  # noqa: E402
 from sluice.kv.attention import triton_kernels as tk  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -96,6 +96,21 @@ FOLDS = (
     (GATE_UP, "gate/up, SiLU-and-mul in its epilogue", False, True),
     (GATE_UP, "gate/up, the norm and SiLU-and-mul folded in", True, True),
 )
+
+
+def _rope_kv() -> tuple:
+    """`fused.rope_and_write_kv_` as a decode step of Llama-3-8B launches it (steps past the decode kernel's RoPE)."""
+    const = dict(HALF=64, BLOCK_HQ=32, BLOCK_HK=8, PDL=True, WRITE_KV=True)
+    args = dict(
+        pos_ptr=PTR_I64, q_ptr=PTR, k_ptr=PTR, cos_ptr=PTR_F32, sin_ptr=PTR_F32, stride_qt=QKV, stride_qh=128,
+        stride_kt=QKV, stride_kh=128, stride_cos=128, num_q_heads=32, num_k_heads=8, v_ptr=PTR, cache_ptr=PTR,
+        slot_ptr=PTR_I64, stride_vt=QKV, stride_vh=128, stride_c_kv=NUM_BLOCKS * 16 * 1024, stride_c_blk=16 * 1024,
+        stride_c_tok=1024, stride_c_head=128, block_size=16,
+    )  # fmt: skip
+    options = dict(num_warps=4, num_stages=3, launch_pdl=True)  # the launch's warps, Triton's default stages
+    return "RoPE and the KV write (their own kernel)", fused._rope_kernel, const, args, options
+
+
 # The GEMV at one row (the steps of a run's long tail; at 1 row M is a constant), 16 and 64; the folds at 1 and 16
 # rows (the engine folds to 16; `folds32` past it); decode attention, also with RoPE and the KV write in it, at each
 # split count a graph plans (`TritonAttentionBackend.decode_splits`, contexts to 8,192): 32 at 1-2 running,
@@ -122,7 +137,8 @@ VARIANTS = {
             for splits in (32, 2, 1)
         ),
     ],
-    "prefill": [
+    "prefill": [  # and the RoPE/KV-write kernel of steps with prompt rows
+        _rope_kv(),
         _prefill(64, 64, 4, 2, "prefill attention, the engine's tile"),
         _prefill(128, 64, 8, 2, "prefill attention, 128 x 64, 8 warps"),
     ],
