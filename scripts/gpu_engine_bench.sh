@@ -23,6 +23,7 @@
 #                                             # kernels: steps and batch 1 | ShareGPT 200
 #   scripts/gpu_engine_bench.sh rope|rope-short|rope200|rope1000  # RoPE and the KV write in the decode attention
 #                         # kernel (default) vs their own kernel: steps and batch 1 | in 5 min | ShareGPT 200 | 1000
+#   scripts/gpu_engine_bench.sh lat    # batch 1 and batch 8 only
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -291,6 +292,10 @@ rope1000)  # the same pair on ShareGPT 1000
         tp1000 tp1000_rope_$i
         tp1000 tp1000_$i "env SLUICE_DECODE_ROPE=0"
     done
+    ;;
+lat)  # batch 1 and batch 8, this build
+    lat_b1 lat_b1
+    lat_b8 lat_b8
     ;;
 fold200)  # the same pair on ShareGPT 200 (a call of its own: `fold` fills most of one)
     for i in ${PAIRS:-1 2}; do
