@@ -24,6 +24,7 @@
 #   scripts/gpu_engine_bench.sh rope|rope-short|rope200|rope1000  # RoPE and the KV write in the decode attention
 #                         # kernel (default) vs their own kernel: steps and batch 1 | in 5 min | ShareGPT 200 | 1000
 #   scripts/gpu_engine_bench.sh lat    # batch 1 and batch 8 only
+#   scripts/gpu_engine_bench.sh submit  # callers spawned 64 at a time vs all at once: ShareGPT 1000 (and 200)
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
@@ -292,6 +293,16 @@ rope1000)  # the same pair on ShareGPT 1000
         tp1000 tp1000_rope_$i
         tp1000 tp1000_$i "env SLUICE_DECODE_ROPE=0"
     done
+    ;;
+submit)  # the benchmark's callers spawned 64 at a time (default, `drive_engine`) vs all before any runs
+    # (SLUICE_SUBMIT_CHUNK=0): ShareGPT 200 first (on a fresh machine it compiles what the others then read), 1000
+    # twice and once all at once, the previous build (.stage/old) on 1000, ShareGPT 200 again
+    tp200 tp200_1
+    tp1000 tp1000_1
+    tp1000 tp1000_all "env SLUICE_SUBMIT_CHUNK=0"
+    tp1000 tp1000_2
+    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench" tp1000 tp1000_prev
+    tp200 tp200_2
     ;;
 lat)  # batch 1 and batch 8, this build
     lat_b1 lat_b1
