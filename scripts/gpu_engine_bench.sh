@@ -27,6 +27,7 @@
 #   scripts/gpu_engine_bench.sh submit  # callers spawned 64 at a time vs all at once: ShareGPT 1000 (and 200)
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
+#   scripts/gpu_engine_bench.sh spec-short  # EAGLE batch 1 x3 and 64 concurrent, shorter (GGUF at $HOME/stage)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -132,6 +133,16 @@ spec)  # EAGLE, default model + shipped head (GGUF joined at $HOME/stage): batch
         run spec_c1_run$i 200 $S --concurrency 1 --num-prompts 8 --rounds 2 --also-sync --out "$OUT/spec_c1_run$i.json"
     done
     run spec_c64 200 $S --concurrency 64 --num-prompts 64 --rounds 3 --out "$OUT/spec_c64.json"
+    ;;
+spec-short)  # `spec` in ~2 min, as run on 2026-12-05 (three calls, each carrying one part of the GGUF, the
+    # last with .stage/g3 and .whl, its gguf installed aside): batch 1 three times (a machine's first run also
+    # compiles inside its timed run), 64 concurrent once
+    [ -n "${DRY:-}" ] || pip install -q --no-index --no-deps --target "$HOME/pyx" .whl/gguf-*.whl
+    S="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python -m sluice.app.bench.spec --model $HOME/stage/smollm2-135m-instruct.gguf --head default --data .stage/g3/heldout.json --max-new-tokens 256"
+    for i in 1 2 3; do
+        run spec_c1_run$i 80 $S --concurrency 1 --num-prompts 8 --rounds 2 --out "$OUT/spec_c1_run$i.json"
+    done
+    run spec_c64 100 $S --concurrency 64 --num-prompts 64 --rounds 1 --out "$OUT/spec_c64.json"
     ;;
 rows)  # the bf16 GEMV up to 64 rows (default) against its former limit of 16 (SLUICE_GEMV_ROWS=16), same build, alternating
     run steps 150 $bench steps $M --batch-sizes 16 24 32 48 64 --max-num-batched-tokens 8192 --out "$OUT/steps.json"
