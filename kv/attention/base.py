@@ -62,9 +62,6 @@ class AttentionBackend:
     # True when `forward` reads only device tensors and the host values fixed at capture (``num_seqs``,
     # ``max_query_len``, ``max_seq_len``), so a decode step can be captured in a CUDA graph.
     graph_safe = False
-    # whether `forward` may be given ``rope`` (`DecodeRope`, where `takes_rope` says): the backend does a decode
-    # step's RoPE and KV write itself
-    rope_in_decode = False
 
     def takes_rope(self, meta: AttentionMetadata) -> bool:
         """Whether this step's RoPE and KV write go to `forward` (``rope``) instead of running before it."""
