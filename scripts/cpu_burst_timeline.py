@@ -1,5 +1,5 @@
 """Where a burst's first step waits, on the CPU machine: `dummy:tiny` with its forward stubbed (as `sluice bench
-host` does), N requests submitted at once as the offline benchmark submits them (one task each), and the times
+host` does), N requests submitted by the offline benchmark's own `drive_engine`, and the times
 from the submission of: the first caller's first turn, the last caller's, the scheduler's first admission, each
 `schedule`, the executor's hand-off to its worker thread, the worker's launch and the first forward.
 
@@ -16,11 +16,11 @@ import functools
 import time
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 import torch
-from sluice.app.bench.common import SUBMIT_CHUNK
-from sluice.core import AsyncEngine, EngineArgs, SamplingParams, executor, model_runner, scheduler, scheduler_actor
+from sluice.app.bench.common import SUBMIT_CHUNK, drive_engine
+from sluice.app.bench.datasets import BenchRequest
+from sluice.core import AsyncEngine, EngineArgs, executor, model_runner, scheduler, scheduler_actor
 from sluice.core.models import llama
 
 EVENTS: list[tuple[str, float]] = []  # (what, perf_counter) of the burst; the first of each kind is kept
@@ -70,23 +70,19 @@ def _install(stub_s: float) -> None:
     executor.anyio.to_thread.run_sync = run_sync
 
 
-def _prompts(n: int, input_len: int) -> list[list[int]]:
-    return [[1 + (i * 7919 + j * 104729) % 1000 for j in range(input_len)] for i in range(n)]
+def _requests(n: int, input_len: int) -> list[BenchRequest]:
+    return [BenchRequest([1 + (i * 7919 + j * 104729) % 1000 for j in range(input_len)], 4) for i in range(n)]
 
 
-async def _burst(engine, prompts: list[list[int]], tag: str, chunk: int = 0) -> None:
-    async def one(i: int) -> None:
-        if tag == "run":
-            EVENTS.append(("caller turn", time.perf_counter()))
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        async for _ in engine.generate(prompts[i], params, request_id=f"{tag}-{i}", final_only=True):
-            pass
+def _mark_callers(engine) -> None:
+    """Each caller's first turn: the benchmark's callers (`drive_engine`) call `generate` first thing."""
+    generate = engine.generate
 
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-            if chunk and (i + 1) % chunk == 0:  # as the benchmark's `drive_engine` spawns them
-                await anyio.lowlevel.checkpoint()
+    def marked(*args, **kwargs):
+        EVENTS.append(("caller turn", time.perf_counter()))
+        return generate(*args, **kwargs)
+
+    engine.generate = marked
 
 
 async def _round(ns) -> dict[str, float]:
@@ -97,11 +93,12 @@ async def _round(ns) -> dict[str, float]:
         enable_prefix_caching=False,
     )  # fmt: skip
     async with AsyncEngine(args) as engine:
-        await _burst(engine, _prompts(8, ns.input_len), "warmup")
-        prompts = _prompts(n, ns.input_len)  # before the clock, as a requests file's are
+        await drive_engine(engine, _requests(8, ns.input_len), tag="warmup", final_only=True)
+        requests = _requests(n, ns.input_len)  # before the clock, as a requests file's are
+        _mark_callers(engine)
         EVENTS.clear()
         t0 = time.perf_counter()
-        await _burst(engine, prompts, "run", ns.submit_chunk)
+        await drive_engine(engine, requests, tag="run", final_only=True, submit_chunk=ns.submit_chunk)
     turns = [t for w, t in EVENTS if w == "caller turn"]
     out = {"first caller's turn": turns[0], "last caller's turn": turns[-1]}
     out.update((w, t) for w, t in EVENTS if w != "caller turn")

@@ -106,12 +106,16 @@ SUBMIT_CHUNK = int(os.environ.get("SLUICE_SUBMIT_CHUNK", "64"))
 
 
 async def drive_engine(
-    engine, requests: Sequence[BenchRequest], tag: str = "bench", final_only: bool = False
+    engine,
+    requests: Sequence[BenchRequest],
+    tag: str = "bench",
+    final_only: bool = False,
+    submit_chunk: int = SUBMIT_CHUNK,
 ) -> EngineRun:
     """Submit every request at once (greedy, EOS ignored, forced output lengths) and wait for all. With
     ``final_only`` each request yields only its final output, so its first-token time is its finish time.
 
-    "At once": one task per request, spawned `SUBMIT_CHUNK` at a time with a turn of the event loop between
+    "At once": one task per request, spawned ``submit_chunk`` at a time (0: all) with a turn of the event loop between
     chunks, so the callers spawned first reach the engine while the harness spawns the rest, as requests
     arriving over a network would; the clock starts before the first spawn."""
     import anyio
@@ -138,7 +142,7 @@ async def drive_engine(
     async with anyio.create_task_group() as tg:
         for i in range(n):
             tg.start_soon(one, i)
-            if SUBMIT_CHUNK and (i + 1) % SUBMIT_CHUNK == 0:
+            if submit_chunk and (i + 1) % submit_chunk == 0:
                 await anyio.lowlevel.checkpoint()
     return EngineRun(time.perf_counter() - t0, lens, first, finish)
 
