@@ -43,11 +43,12 @@ def _gemv_args(rows: int, n: int, norm: bool) -> dict:
     )  # fmt: skip
 
 
+# the cache's strides: [2, blocks, 16 tokens, 8 KV heads, 128]
+_CACHE_STRIDES = dict(stride_c_kv=NUM_BLOCKS * 16 * 1024, stride_c_blk=16 * 1024, stride_c_tok=1024, stride_c_head=128)
 _ATTN_ARGS = dict(
     q_ptr=PTR, cache_ptr=PTR, kv_scale_ptr=PTR_F32, bt_ptr=PTR_I32, seq_lens_ptr=PTR_I32, qsl_ptr=PTR_I32,
     out_ptr=PTR, scale_log2=0.1275, stride_qt=QKV, stride_qh=128, stride_ot=HIDDEN, stride_oh=128,
-    stride_c_kv=NUM_BLOCKS * 16 * 1024, stride_c_blk=16 * 1024, stride_c_tok=1024, stride_c_head=128,
-    stride_bt=MAX_BLOCKS, head_dim=128,
+    stride_bt=MAX_BLOCKS, head_dim=128, **_CACHE_STRIDES,
 )  # fmt: skip
 
 
@@ -104,8 +105,7 @@ def _rope_kv() -> tuple:
     args = dict(
         pos_ptr=PTR_I64, q_ptr=PTR, k_ptr=PTR, cos_ptr=PTR_F32, sin_ptr=PTR_F32, stride_qt=QKV, stride_qh=128,
         stride_kt=QKV, stride_kh=128, stride_cos=128, num_q_heads=32, num_k_heads=8, v_ptr=PTR, cache_ptr=PTR,
-        slot_ptr=PTR_I64, stride_vt=QKV, stride_vh=128, stride_c_kv=NUM_BLOCKS * 16 * 1024, stride_c_blk=16 * 1024,
-        stride_c_tok=1024, stride_c_head=128, block_size=16,
+        slot_ptr=PTR_I64, stride_vt=QKV, stride_vh=128, block_size=16, **_CACHE_STRIDES,
     )  # fmt: skip
     options = dict(num_warps=4, num_stages=3, launch_pdl=True)  # the launch's warps, Triton's default stages
     return "RoPE and the KV write (their own kernel)", fused._rope_kernel, const, args, options
