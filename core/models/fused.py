@@ -160,8 +160,8 @@ def _rope_kernel(
     qp = q_ptr + t * stride_qt + hq[:, None] * stride_qh + offs[None, :]
     q1 = tl.load(qp, mask=qm, other=0.0)
     q2 = tl.load(qp + HALF, mask=qm, other=0.0)
-    c = cos[None, :]
-    s = sin[None, :]
+    c = cos.to(q1.dtype).to(tl.float32)[None, :]
+    s = sin.to(q1.dtype).to(tl.float32)[None, :]
     # out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2 | x1]
     tl.store(qp, rotate_neox(q1, q2, c, -s), mask=qm)
     tl.store(qp + HALF, rotate_neox(q2, q1, c, s), mask=qm)

@@ -248,6 +248,8 @@ def _decode_kernel(
         at = tl.load(pos_ptr + row).to(tl.int64)  # the new token's position (`pos` is the key loop's)
         c = tl.load(cos_ptr + at * stride_cos + offs_d, mask=dmask, other=0.0)  # the table is [cos | cos]
         sn = tl.load(sin_ptr + at * stride_cos + offs_d, mask=dmask, other=0.0)
+        c = c.to(q.dtype).to(tl.float32)
+        sn = sn.to(q.dtype).to(tl.float32)
         q2 = tl.load(q_rows + partner[None, :], mask=qmask, other=0.0)
         q = rotate_neox(q, q2, c[None, :], (sign * sn)[None, :])
         k_row = k_new_ptr + row * stride_kt + kvh.to(tl.int64) * stride_kh
