@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def __getattr__(name: str):
     if name == "build_app":
-        from sluice.app.server import build_app
+        from sluice.app.server.app import build_app
 
         return build_app
     raise AttributeError(f"module 'sluice.app' has no attribute {name!r}")

@@ -108,7 +108,7 @@ class EngineArgs:
         "tokenize chat messages' special-token text (<|im_end|>) as plain text, so user content cannot end its "
         "turn or forge another; the template's own special tokens stay special",
     )
-    # prefill/decode disaggregation (core/disagg.py): the role this engine plays in a pair
+    # prefill/decode disaggregation (core/disagg/engine.py): the role this engine plays in a pair
     kv_role: str = _arg(
         "both",
         "both = one engine does prefill and decode; prefill / decode = one half of a disaggregated pair, which "

@@ -1,7 +1,7 @@
 """The step contract between the scheduler and the executor: what changed since the last step
 (`SchedulerOutput`) and what the step produced (`ModelOutput`).
 
-The executor keeps a persistent batch (`core/input_batch.py`): every running request's tokens, block
+The executor keeps a persistent batch (`core/worker/input_batch.py`): every running request's tokens, block
 table and sampling parameters, from the step it was first scheduled in until it is dropped. So a step
 carries only changes: the requests scheduled for the first time (or again, after a preemption) in full,
 and for every request in the step how many tokens it computes from which position, the blocks its table
@@ -102,7 +102,7 @@ class ModelOutput:
     logprobs: list[TokenLogprob | None] | None = None  # per row, where asked for
     error: Exception | None = None  # the step failed: every request in it fails
     fatal: bool = False
-    # requests whose rows failed the step alone (`core/culprit.py`); the other rows' tokens are above
+    # requests whose rows failed the step alone (`core/worker/culprit.py`); the other rows' tokens are above
     failed: dict[str, Exception] | None = None
     # speculative decoding: for rows that verified drafts, the accepted drafts then the resampled / bonus
     # token (their entry in token_ids is the last of these); and the next drafts proposed per request

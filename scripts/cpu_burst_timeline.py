@@ -5,8 +5,8 @@ from the submission of: the first caller's first turn, the last caller's, the sc
 
     PYTHONPATH=$(scripts/namespace_path.sh) python scripts/cpu_burst_timeline.py [--num-seqs 200] [--rounds 3]
 
-`SLUICE_ADMITTING` (the gate, `core/engine.py`) applies as in the engine. Each await on an anyio stream or thread
-hand-off yields to the event loop first, so during a burst every hop waits for the callers queued before it.
+`SLUICE_ADMITTING` (the gate, `core/frontend/engine.py`) applies as in the engine. Each await on an anyio stream or
+thread hand-off yields to the event loop first, so during a burst every hop waits for the callers queued before it.
 """
 
 from __future__ import annotations

@@ -47,14 +47,14 @@ run() {  # name, seconds, command...
     shift 2
     if [ -n "${DRY:-}" ]; then echo "$name $secs: $*"; return; fi  # DRY=1: print the commands only
     echo "== $name: $*"
-    # each step's shape and device time (core/executor.py), summed by batch size below
+    # each step's shape and device time (core/engine_core/executor.py), summed by batch size below
     SLUICE_STEP_TRACE=$OUT/$name.trace.json timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
     echo "   exit $? after ${SECONDS}s"
     grep -E "speedup|identical|output_tokens_per_s|requests_per_s|num_steps|host_profile|ms per|median|p99|ratio|Error|error" "$OUT/$name.log" | head -20
     [ -s "$OUT/$name.trace.json" ] && python scripts/step_mix.py --trace "$OUT/$name.trace.json"
 }
 # `timeout` runs programs, not shell functions: the build as an env command line (BENCH: another build's)
-bench="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.cli bench"
+bench="env PYTHONPATH=$(scripts/namespace_path.sh) python -m sluice.app.commands.cli bench"
 # The workloads, each `NAME [PREFIX [FLAGS]]`: PREFIX an env command line setting switches, FLAGS more bench
 # flags; the result goes to $OUT/NAME.json.
 tp200() {  # ShareGPT 200 offline
@@ -84,7 +84,7 @@ case ${1:-core} in
 core)
     tp1000 tp1000
     # the previous build, from .stage/old
-    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench" tp1000 tp1000_prev
+    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.commands.cli bench" tp1000 tp1000_prev
     tp200 tp200
     lat_b1 lat_b1
     lat_b8 lat_b8
@@ -312,7 +312,7 @@ submit)  # the benchmark's callers spawned 64 at a time (default, `drive_engine`
     tp1000 tp1000_1
     tp1000 tp1000_all "env SLUICE_SUBMIT_CHUNK=0"
     tp1000 tp1000_2
-    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench" tp1000 tp1000_prev
+    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.commands.cli bench" tp1000 tp1000_prev
     tp200 tp200_2
     ;;
 lat)  # batch 1 and batch 8, this build

@@ -35,7 +35,7 @@ TOPICS = [
 
 
 def _prompts(tokenizer) -> list[list[int]]:
-    from sluice.core.tokenizer import apply_chat_template
+    from sluice.core.frontend.tokenizer import apply_chat_template
 
     out = []
     for i, topic in enumerate(TOPICS):
@@ -175,10 +175,10 @@ def profile(ns: argparse.Namespace) -> dict:
     import torch
     from sluice.app.bench.latency import prefill_flops
     from sluice.core.args import EngineArgs
-    from sluice.core.model_runner import ModelRunner
     from sluice.core.models.loader import resolve_model
     from sluice.core.sampling_params import SamplingParams
     from sluice.core.step import NewRequest, SchedulerOutput
+    from sluice.core.worker.model_runner import ModelRunner
 
     source = resolve_model(ns.model)
     args = EngineArgs(

@@ -21,15 +21,15 @@ BUDGET=8192
 [ "$MODE" = latency ] && BUDGET=512
 if [ "$MODE" = throughput ]; then
     # the same build offline on the same requests first: the served figure is compared with this one (issue 23)
-    timeout 200 python -m sluice.app.cli bench throughput --model dummy:llama3-8b --requests-file "$REQ" --num-prompts 1000 \
+    timeout 200 python -m sluice.app.commands.cli bench throughput --model dummy:llama3-8b --requests-file "$REQ" --num-prompts 1000 \
         --max-num-seqs 512 --max-num-batched-tokens 8192 --out "$OUT/offline_tp1000.json" 2>&1 | grep -E "output_tokens_per_s|num_finished"
 fi
-python -m sluice.app.cli serve --model dummy:llama3-8b --max-num-seqs 512 --max-num-batched-tokens $BUDGET \
+python -m sluice.app.commands.cli serve --model dummy:llama3-8b --max-num-seqs 512 --max-num-batched-tokens $BUDGET \
     --port "$PORT" >"$OUT/serve_$MODE.log" 2>&1 &
 server=$!
 for _ in $(seq 240); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
 echo "server up after ${SECONDS}s"
-bench() { timeout 200 python -m sluice.app.cli bench serve --base-url "http://127.0.0.1:$PORT" --requests-file "$REQ" "$@"; }
+bench() { timeout 200 python -m sluice.app.commands.cli bench serve --base-url "http://127.0.0.1:$PORT" --requests-file "$REQ" "$@"; }
 if [ "$MODE" = throughput ]; then
     bench --num-prompts 1000 --request-rate inf --out "$OUT/serve_inf.json" 2>&1 | tail -14
     bench --num-prompts 200 --request-rate 16 --out "$OUT/serve_16rps.json" 2>&1 | tail -14

@@ -8,7 +8,7 @@
 * offline ShareGPT throughput (``sluice bench throughput`` on a saved request file): bf16 KV, then fp8 KV
   (``--kv-cache-dtype fp8``); the ratio fp8 / bf16 of output tokens per second (target: >= 1).
 
-Each benchmark is its own ``python -m sluice.app.cli bench ...`` process (a fresh engine and GPU memory), in
+Each benchmark is its own ``python -m sluice.app.commands.cli bench ...`` process (a fresh engine and GPU memory), in
 that order; every result file is kept in ``--out-dir`` with its command, machine and versions, and the
 summary (``quant_gpu_bench.json``) repeats the pairs and ratios. A pair whose run fails is reported as such.
 Extra engine flags for every run go after ``--`` (e.g. ``-- --max-num-batched-tokens 8192``). A
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _run(args: list[str], out: Path, log, env: dict[str, str] | None = None) -> dict | None:
-    cmd = [sys.executable, "-m", "sluice.app.cli", "bench", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "sluice.app.commands.cli", "bench", *args, "--out", str(out)]
     print("$", *(f"{k}={v}" for k, v in (env or {}).items()), " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})

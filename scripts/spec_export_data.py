@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from sluice.app.train_cli import chat_pairs, load_conversations
+from sluice.app.commands.train_draft import chat_pairs, load_conversations
+from sluice.core.frontend.tokenizer import load_tokenizer
 from sluice.core.models.loader import default_tokenizer_dir
-from sluice.core.tokenizer import load_tokenizer
 
 TURN_CHARS = 6000  # the first turn's cut (earlier runs' prompt order); well past the prompt limit
 REPLY_CHARS = 3000  # a reply is used for at most 256 tokens

@@ -32,7 +32,7 @@ trap 'phase "FAILED (exit $?) at line $LINENO"' ERR
 
 if [ "${TRAIN:-1}" = 1 ]; then
   phase train
-  "$PY" -m sluice.app.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
+  "$PY" -m sluice.app.commands.cli train-draft --model "$GGUF" --data "$DATA/train.json" --out "$HEAD" "${OPT[@]}" \
     --num-prompts "${NUM_PROMPTS:-8192}" --max-new-tokens "${MAX_NEW:-256}" --max-prompt-len 512 --max-num-seqs 512 \
     --gen-time-limit "${GEN_TIME:-120}" --epochs "${EPOCHS:-8}" --train-time-limit "${TRAIN_TIME:-90}" \
     --batch-tokens 16384 --lr "${LR:-2e-3}" --ttt-steps 3 --draft-vocab "${DRAFT_VOCAB:-0}" --feature "${FEATURE:-final}" \
@@ -42,7 +42,7 @@ fi
 
 # From here a failing step is reported and the next one still runs (each writes its own file).
 phase eval
-"$PY" -m sluice.app.cli eval-draft --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --split heldout \
+"$PY" -m sluice.app.commands.cli eval-draft --model "$GGUF" --head "$HEAD" --data "$DATA/heldout.json" --split heldout \
   --num-prompts "${EVAL_PROMPTS:-200}" --max-new-tokens "${MAX_NEW:-256}" --num-speculative-tokens 4 \
   --json "$OUT/eval.json" 2>&1 | tee -a "$LOG" || phase "eval FAILED"
 

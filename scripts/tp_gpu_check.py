@@ -57,7 +57,7 @@ def main() -> int:
     ns = p.parse_args()
 
     from sluice.app.bench.results import machine_info, versions
-    from sluice.app.cli import main as sluice
+    from sluice.app.commands.cli import main as sluice
 
     result: dict = {"machine": machine_info(), "versions": versions(), "date": time.strftime("%Y-%m-%d"), "runs": []}
     ok = True

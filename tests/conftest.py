@@ -56,7 +56,7 @@ def default_source():
 
 @pytest.fixture(scope="session")
 def default_tokenizer(default_source):
-    from sluice.core.tokenizer import load_tokenizer
+    from sluice.core.frontend.tokenizer import load_tokenizer
 
     return load_tokenizer(default_source.tokenizer_dir)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from sluice.core.cuda_graphs import DecodeGraphs, MixedGraphs
+from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs
 
 
 class _Eager:

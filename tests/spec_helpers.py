@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 from sluice.core.args import EngineArgs
-from sluice.core.model_runner import ModelRunner
 from sluice.core.models.loader import ModelSource
 from sluice.core.request import Request
-from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.sched.scheduler import Scheduler, SchedulerConfig
+from sluice.core.worker.model_runner import ModelRunner
 from sluice.kv.attention import allocate_kv_cache
 from sluice.kv.manager import KVCacheManager
 from sluice.spec.eagle import eagle3_layers, new_draft_head, save_draft_head

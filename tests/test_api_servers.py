@@ -29,11 +29,11 @@ import anyio
 import httpx
 import openai
 import pytest
-from sluice.app.api_servers import SharedCoreEngine
+from sluice.app.server.api_servers import SharedCoreEngine
 from sluice.core import EngineArgs, SamplingParams
-from sluice.core.core_client import SharedCore
-from sluice.core.core_process import BridgeAddress, CoreProcessSpec, run_core_process
+from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineStoppedError
+from sluice.core.frontend.core_client import SharedCore
 
 from tests.server_helpers import assert_openai_error, free_port, metric_value, wait_gone
 
@@ -49,7 +49,7 @@ class Serve:
     def __init__(self, *flags: str) -> None:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "sluice.app.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
+        cmd = [sys.executable, "-m", "sluice.app.commands.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
         self.proc = subprocess.Popen(
             [*cmd, "--port", str(port), *flags], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

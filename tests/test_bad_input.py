@@ -123,8 +123,8 @@ def test_params_list_of_the_wrong_length(llm):
 async def test_request_cancelled_before_admission_is_aborted(default_tokenizer):
     """A caller cancelled after its AddRequest went out but before the scheduler answered still sends
     Abort: otherwise the scheduler would run the orphan to its end, holding KV blocks."""
-    from sluice.core.request import AbortRequest, AddRequest
-    from sluice.core.request_actor import RequestLimits, run_request
+    from sluice.core.frontend.request_actor import RequestLimits, run_request
+    from sluice.core.messages import AbortRequest, AddRequest
 
     inbox_send, inbox_recv = anyio.create_memory_object_stream(8)
     limits = RequestLimits(MAX_MODEL_LEN, 49152, 4096)

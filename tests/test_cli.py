@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from sluice.app.cli import main
+from sluice.app.commands.cli import main
 from sluice.core import LLM, SamplingParams
 
 ENGINE = ["--model", "dummy:tiny", "--device", "cpu", "--num-kv-blocks", "32", "--max-model-len", "256"]
@@ -63,7 +63,7 @@ def test_prompt_and_messages_file_are_exclusive(tmp_path, capsys):
 def _subparser(name: str):
     import argparse
 
-    from sluice.app.cli import build_parser
+    from sluice.app.commands.cli import build_parser
 
     (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return sub.choices[name]
@@ -88,7 +88,7 @@ def test_every_engine_flag_says_what_it_does_and_its_default(command):
 
 
 def test_help_lists_chat_and_it_exists():
-    from sluice.app.cli import build_parser
+    from sluice.app.commands.cli import build_parser
 
     assert "chat" in build_parser().format_help()
     assert "/reset" in _subparser("chat").format_help()
@@ -139,7 +139,7 @@ def chat_engine():
 def test_chat_keeps_the_history_and_reset_forgets_it(chat_engine, expected):
     """The second turn's reply is what the model gives for the whole conversation so far (what `LLM.chat`
     gives for it); after /reset a turn is answered as if it came first."""
-    from sluice.app.chat_cli import ChatSession
+    from sluice.app.commands.chat import ChatSession
 
     portal, engine = chat_engine
     params = SamplingParams(max_tokens=4, temperature=0.0)

@@ -18,10 +18,10 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs, EngineOverloaded, InvalidRequestError, SamplingParams
+from sluice.core.messages import TokenEvent
 from sluice.core.outputs import TokenLogprob
-from sluice.core.request import TokenEvent
 
 from tests.server_helpers import ServerThread, assert_openai_error, gone, metric_value, wait_gone
 
@@ -34,7 +34,7 @@ def tiny_args(**kw) -> EngineArgs:
 
 
 def test_events_and_errors_cross_the_wire_as_themselves():
-    from sluice.core import wire
+    from sluice.core.ipc import wire
 
     ev = TokenEvent("r#1", [5, 6], [TokenLogprob(5, -0.25, [(5, -0.25), (9, -2.0)])], "stop", 6, 3, None, 12.5)
     step = wire.CoreStep([wire.event_to_wire(ev)], wire.EngineStats(num_running=2))
@@ -192,7 +192,7 @@ def test_killing_the_front_end_takes_its_core_down(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "sluice.app.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "sluice.app.commands.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
     cmd += ["--port", str(port), "--num-kv-blocks", "64", "--max-model-len", "256"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

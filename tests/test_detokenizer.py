@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sluice.core.tokenizer import IncrementalDetokenizer
+from sluice.core.frontend.tokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Café naïve — déjà vu, Ångström, façade.",

@@ -13,9 +13,9 @@ import time
 import anyio
 import httpx
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs, EngineDeadError, InvalidRequestError, SamplingParams
-from sluice.core.disagg import DisaggEngine
+from sluice.core.disagg.engine import DisaggEngine
 from sluice.kv import transfer as kv_transfer
 
 from tests.helpers import InTask
@@ -172,7 +172,7 @@ async def test_wrong_kv_would_be_caught(single, pair, monkeypatch):
     def zeros(kv_caches, block_ids, payload):
         real(kv_caches, block_ids, payload.zero_())
 
-    monkeypatch.setattr("sluice.core.disagg.scatter_blocks", zeros)
+    monkeypatch.setattr("sluice.core.disagg.engine.scatter_blocks", zeros)
     try:
         got = await run_all(pair, work, concurrent=False)
     finally:
@@ -293,7 +293,7 @@ async def test_real_model_pair_equals_one_engine(default_tokenizer):
 def test_bench_disagg_runs_both_configurations(tmp_path, capsys):
     import json
 
-    from sluice.app.cli import main as sluice
+    from sluice.app.commands.cli import main as sluice
 
     out = tmp_path / "disagg.json"
     argv = [
@@ -372,7 +372,7 @@ def test_transport_ships_blocks_between_pools_and_recovers_from_a_kill():
 
 
 def test_serve_refuses_half_a_pair(capsys):
-    from sluice.app.cli import main as sluice
+    from sluice.app.commands.cli import main as sluice
 
     assert sluice(["serve", "--model", "dummy:tiny", "--device", "cpu", "--kv-role", "prefill"]) == 2
     assert "runs in a pair" in capsys.readouterr().err

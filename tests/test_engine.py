@@ -314,7 +314,7 @@ def test_a_final_only_sequence_gets_one_event_with_everything():
     """The scheduler holds a final-only request's tokens (and logprobs) and sends them in one event at its end."""
     from sluice.core.outputs import TokenLogprob
     from sluice.core.request import Request
-    from sluice.core.scheduler import Scheduler, SchedulerConfig
+    from sluice.core.sched.scheduler import Scheduler, SchedulerConfig
     from sluice.core.step import ModelOutput
     from sluice.kv.manager import KVCacheManager
 

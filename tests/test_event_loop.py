@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs
 
 from tests.server_helpers import ServerThread

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sluice.core.executor import ExecutorActor
-from sluice.core.model_runner import LaunchedStep
+from sluice.core.engine_core.executor import ExecutorActor
 from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.worker.model_runner import LaunchedStep
 
 
 @dataclass
@@ -63,7 +63,7 @@ async def test_step_trace_records_each_steps_shape_and_device_time_and_is_writte
     import json
 
     import anyio
-    from sluice.core.executor import FLUSH
+    from sluice.core.engine_core.executor import FLUSH
 
     path = tmp_path / "trace.json"
     monkeypatch.setenv("SLUICE_STEP_TRACE", str(path))

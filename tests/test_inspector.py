@@ -13,16 +13,16 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict
 from sluice.app.bench.workloads import shared_prefix
-from sluice.app.cache_sim import SimConfig, simulate
-from sluice.app.cli import main
+from sluice.app.commands.cache_sim import SimConfig, simulate
+from sluice.app.commands.cli import main
 from sluice.app.inspector.trace import load_trace, step_dict
 from sluice.app.inspector.web import build_trace_app
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs, SamplingParams
+from sluice.core.engine_core.inspector import StepRecorder
 from sluice.core.errors import InvalidRequestError
-from sluice.core.inspector import StepRecorder
-from sluice.core.request_actor import RequestLimits, make_requests
-from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.frontend.request_actor import RequestLimits, make_requests
+from sluice.core.sched.scheduler import Scheduler, SchedulerConfig
 from sluice.kv.manager import KVCacheManager
 from starlette.testclient import TestClient
 
@@ -386,7 +386,7 @@ def test_a_served_trace_replays_in_cache_sim_with_the_engines_hit_rate(tmp_path,
     the simulator's hits are the engine's, tenant by tenant."""
     import openai
     from sluice.app.bench.workloads import load_trace as load_workload
-    from sluice.core.tokenizer import apply_chat_template
+    from sluice.core.frontend.tokenizer import apply_chat_template
 
     path = tmp_path / "serve.jsonl"
     engine = AsyncEngine(dummy_args(num_kv_blocks=64))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import anyio
 import pytest
 from sluice.core import EngineArgs, InvalidRequestError, RequestFailedError, SamplingParams
-from sluice.core.culprit import isolate_culprits
 from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.worker.culprit import isolate_culprits
 
 from tests.helpers import EngineInTask
 

@@ -200,8 +200,8 @@ def test_triton_fp8_scales_apply_per_head_and_per_tensor(seq_lens, q_lens, split
 
 def _runner(**kw):
     from sluice.core.args import EngineArgs
-    from sluice.core.model_runner import ModelRunner
     from sluice.core.models.loader import resolve_model
+    from sluice.core.worker.model_runner import ModelRunner
 
     args = EngineArgs(model="dummy:tiny", device="cpu", max_model_len=256, **kw)
     return ModelRunner(args, resolve_model(args.model), 256)

@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 import torch
 from sluice.core import LLM, SamplingParams
-from sluice.core.cuda_graphs import DecodeGraphs, StepBuffers, fastest_routes, graph_batch_sizes, mixed_graph_sizes
-from sluice.core.input_batch import InputBatch
 from sluice.core.step import NewRequest, SchedulerOutput
+from sluice.core.worker.cuda_graphs import (
+    DecodeGraphs,
+    StepBuffers,
+    fastest_routes,
+    graph_batch_sizes,
+    mixed_graph_sizes,
+)
+from sluice.core.worker.input_batch import InputBatch
 
 from tests.graph_helpers import EagerMixedReplay, EagerReplay
 
@@ -276,7 +282,7 @@ def test_route_to_fastest_times_each_graph_and_routes_steps_by_it(monkeypatch):
 def test_graphs_keep_their_smallest_size_when_timing_them_fails():
     from types import SimpleNamespace
 
-    from sluice.core.model_runner import ModelRunner
+    from sluice.core.worker.model_runner import ModelRunner
 
     class Failing:
         routes = {1: 2}

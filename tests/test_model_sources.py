@@ -6,8 +6,8 @@ first GGUF conversion announces what it writes."""
 from __future__ import annotations
 
 import pytest
+from sluice.core.frontend.tokenizer import apply_chat_template, load_tokenizer
 from sluice.core.models.loader import default_tokenizer_dir, resolve_model
-from sluice.core.tokenizer import apply_chat_template, load_tokenizer
 
 TEXTS = [
     "The capital of France is",

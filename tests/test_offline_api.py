@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 from sluice.core import LLM, AsyncEngine, EngineArgs, EngineOverloaded, SamplingParams
-from sluice.core.admission import AdmissionGate
+from sluice.core.frontend.admission import AdmissionGate
 
 TINY = dict(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_model_len=256)
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog near the river bank. " * 4  # > 2 blocks of 16

@@ -124,7 +124,7 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
 
     # The default model without its package: one line that names the command to run.
     run = subprocess.run(
-        [py, "-m", "sluice.app.cli", "generate", "--prompt", "hi"], cwd=project, capture_output=True, text=True
+        [py, "-m", "sluice.app.commands.cli", "generate", "--prompt", "hi"], cwd=project, capture_output=True, text=True
     )
     assert run.returncode == 2, run.stdout + run.stderr
     (line,) = run.stderr.strip().splitlines()[-1:]

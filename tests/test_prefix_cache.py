@@ -11,11 +11,11 @@ import anyio
 import pytest
 from sluice.app.bench.prefix import run_engine
 from sluice.app.bench.workloads import shared_prefix, shared_prefix_optimum
-from sluice.app.cache_sim import SimConfig, simulate
+from sluice.app.commands.cache_sim import SimConfig, simulate
 from sluice.core import AsyncEngine, EngineArgs, SamplingParams
+from sluice.core.frontend.request_actor import RequestLimits, make_requests
 from sluice.core.request import Request, RequestStatus
-from sluice.core.request_actor import RequestLimits, make_requests
-from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.sched.scheduler import Scheduler, SchedulerConfig
 from sluice.kv import prefix_cache
 from sluice.kv.manager import KVCacheManager
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 from sluice.app.bench.workloads import load_trace, multi_turn, shared_prefix, write_trace
-from sluice.app.cache_sim import SimConfig, simulate
-from sluice.app.cli import build_parser, main
+from sluice.app.commands.cache_sim import SimConfig, simulate
+from sluice.app.commands.cli import build_parser, main
 
 
 def test_shared_prefix_prompts_share_exactly_their_system_prompt():
@@ -53,7 +53,7 @@ def test_trace_round_trip_and_errors(tmp_path):
 
 
 def test_trace_messages_go_through_the_chat_template(tmp_path, default_tokenizer):
-    from sluice.core.tokenizer import apply_chat_template
+    from sluice.core.frontend.tokenizer import apply_chat_template
 
     msgs = [{"role": "user", "content": "Name three rivers."}]
     path = tmp_path / "t.jsonl"
@@ -153,7 +153,7 @@ def test_a_pool_too_small_never_reads_better_its_rejections_count_as_misses():
 
 def test_sweep_reports_the_unbounded_caches_hit_rate_beside_each_pool():
     from sluice.app.bench.workloads import shared_prefix_optimum
-    from sluice.app.cache_sim import sweep
+    from sluice.app.commands.cache_sim import sweep
 
     w = shared_prefix(groups=4, prompts_per_group=4, system_len=64, question_len=8, output_len=4, order="interleaved")
     results, best = sweep(w, [6, 10, 20], [16], SimConfig(num_kv_blocks=1))
@@ -181,7 +181,7 @@ def test_per_tenant_figures_add_up_and_salts_never_share():
 def test_kv_memory_maps_to_the_pool_the_engine_allocates():
     """The budget -> blocks arithmetic is the engine's own: an engine given the same memory (fp32 on the CPU)
     allocates exactly the blocks cache-sim reports."""
-    from sluice.app.cache_sim import blocks_for_memory, kv_bytes_per_token, parse_bytes
+    from sluice.app.commands.cache_sim import blocks_for_memory, kv_bytes_per_token, parse_bytes
     from sluice.core import LLM
     from sluice.core.models.loader import resolve_model
 

@@ -51,7 +51,7 @@ def test_a_script_that_never_closes_its_llm_exits(tmp_path, ending):
 def test_sluice_generate_exits_with_the_error_after_bad_input(tmp_path):
     """Bad flags, a missing messages file, and an error once the model is loaded (a prompt over
     --max-model-len): each ends the command at once with the message, no traceback."""
-    base = [sys.executable, "-m", "sluice.app.cli", "generate", "--model", "dummy:tiny", "--device", "cpu"]
+    base = [sys.executable, "-m", "sluice.app.commands.cli", "generate", "--model", "dummy:tiny", "--device", "cpu"]
     cases = {
         "max_tokens": [*base, "--prompt", "hi", "--max-tokens", "0"],
         "messages_file": [*base, "--messages-file", str(tmp_path / "missing.json")],

@@ -30,7 +30,7 @@ NEAR_TIE_LOGITS = 0.75
 
 def _runner(source, **kw):
     from sluice.core.args import EngineArgs
-    from sluice.core.model_runner import ModelRunner
+    from sluice.core.worker.model_runner import ModelRunner
 
     args = EngineArgs(model="smollm2-135m-instruct", device="cpu", num_kv_blocks=16, max_model_len=256, **kw)
     return ModelRunner(args, source, 256)

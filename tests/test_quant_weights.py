@@ -251,7 +251,7 @@ def test_gguf_q4_1_blocks_load_as_is_and_equal_the_dense_weights(default_source)
 def test_bench_perplexity_compares_every_option_on_the_same_text(tmp_path):
     import json
 
-    from sluice.app.cli import main
+    from sluice.app.commands.cli import main
 
     out = tmp_path / "ppl.json"
     argv = ["bench", "perplexity", "--model", "dummy:tiny", "--device", "cpu", "--num-tokens", "192"]

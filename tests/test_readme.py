@@ -114,7 +114,7 @@ def hit_rate_section() -> str:
 def test_hit_rate_walkthrough_figures_come_from_the_committed_trace(tmp_path, capsys):
     """The README's cache-sim command, as written, on the committed trace of the walk-through: its table is the
     one the README shows (the simulator is deterministic), and the files beside it agree."""
-    from sluice.app.cli import main
+    from sluice.app.commands.cli import main
 
     trace = ROOT / "docs" / "benchmarks" / "hit-rate" / "traffic.jsonl"
     (command,) = re.findall(r"^(sluice cache-sim .*?)\n```", hit_rate_section().replace("\\\n   ", ""), re.M | re.S)

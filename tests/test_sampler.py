@@ -1,4 +1,4 @@
-"""The sampler (core/sampler.py): masks on hand-built logits, penalties as defined, seeded draws that do
+"""The sampler (core/worker/sampler.py): masks on hand-built logits, penalties as defined, seeded draws that do
 not depend on the batch, temperature sampling that follows softmax(logits / T) (chi-square), raw
 logprobs; then the same through the model runner and `LLM` on ``dummy:tiny``."""
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from sluice.core import LLM, SamplingParams
-from sluice.core.sampler import (
+from sluice.core.worker.sampler import (
     SamplingBatch,
     apply_min_p,
     apply_penalties,
@@ -299,8 +299,8 @@ def test_logprobs_are_the_raw_log_softmax():
 @pytest.fixture(scope="module")
 def runner():
     from sluice.core.args import EngineArgs
-    from sluice.core.model_runner import ModelRunner
     from sluice.core.models.loader import resolve_model
+    from sluice.core.worker.model_runner import ModelRunner
 
     args = EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=8)
     return ModelRunner(args, resolve_model("dummy:tiny"), max_model_len=64)

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs
 
 from tests.server_helpers import ServerThread

@@ -12,7 +12,7 @@ import time
 import httpx
 import openai
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -352,7 +352,7 @@ def test_failure_mid_stream_sends_error_event(one_process_server, monkeypatch):
 def test_metrics_hit_rate_gauge_covers_the_recent_requests_only():
     """The gauge is the hit rate of the last requests (here all of them: it equals the cumulative counters'),
     and forgets what left its window."""
-    from sluice.app.metrics import RecentHitRate
+    from sluice.app.server.metrics import RecentHitRate
 
     srv = ServerThread(build_app(AsyncEngine(dummy_args(num_kv_blocks=64)))).start()
     try:

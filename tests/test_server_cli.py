@@ -31,7 +31,7 @@ def test_serve_streams_then_shuts_down_gracefully_on_sigterm():
     cmd = [
         sys.executable,
         "-m",
-        "sluice.app.cli",
+        "sluice.app.commands.cli",
         "serve",
         "--model",
         "dummy:tiny",
@@ -107,7 +107,7 @@ def test_serve_streams_then_shuts_down_gracefully_on_sigterm():
 
 def _start(*flags: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "sluice.app.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "sluice.app.commands.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
     cmd += ["--port", str(port), *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

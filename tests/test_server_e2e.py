@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs, SamplingParams
 
 from tests.server_helpers import ServerThread, check_chat_stream, metric_value, parse_sse

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from sluice.app.server import build_app
+from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs, InvalidRequestError
 
 from tests.server_helpers import ServerThread, assert_openai_error

@@ -12,7 +12,7 @@ import torch
 from sluice.core import LLM, AsyncEngine, EngineArgs, SamplingParams
 from sluice.core.errors import InvalidRequestError
 from sluice.core.models.loader import resolve_model
-from sluice.core.scheduler import Scheduler
+from sluice.core.sched.scheduler import Scheduler
 from sluice.kv.attention import allocate_kv_cache, get_attention_backend
 from sluice.kv.attention.torch_ref import TorchAttentionBackend
 from sluice.kv.prefix_cache import block_hashes
@@ -444,8 +444,8 @@ async def aenumerate(it):
 
 
 def test_metrics_export_the_spec_counters():
-    from sluice.app.metrics import ServerMetrics
-    from sluice.core.scheduler_actor import EngineStats
+    from sluice.app.server.metrics import ServerMetrics
+    from sluice.core.stats import EngineStats
 
     class Engine:
         def __init__(self, stats):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 from sluice.core.request import Request
 from sluice.core.sampling_params import SamplingParams
-from sluice.core.scheduler import Scheduler, SchedulerConfig
+from sluice.core.sched.scheduler import Scheduler, SchedulerConfig
 from sluice.core.step import ModelOutput, SchedulerOutput
 from sluice.kv.manager import KVCacheManager
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from sluice.app.cli import main as cli_main
-from sluice.app.train_cli import chat_pairs, load_conversations
+from sluice.app.commands.cli import main as cli_main
+from sluice.app.commands.train_draft import chat_pairs, load_conversations
 from sluice.core import LLM, SamplingParams
 from sluice.core.models.layers import ForwardContext
 from sluice.core.models.loader import load_model, resolve_model
@@ -195,7 +195,7 @@ def test_cli_extends_cached_data_with_only_the_missing_prompts(tmp_path):
 
 
 def test_later_turns_follow_the_first_turns_with_their_context(default_tokenizer):
-    from sluice.core.tokenizer import apply_chat_template
+    from sluice.core.frontend.tokenizer import apply_chat_template
 
     convs = [["hi there", "hello!", "tell me a joke", "why did...", "another", "sure"], ["what is 2+2?", "4"]]
     first = chat_pairs(default_tokenizer, convs, 10, 512, 0)

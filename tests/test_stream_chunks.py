@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sluice.app import schemas as S
-from sluice.app.stream_chunks import ChatChunks, CompletionChunks
+from sluice.app.server import schemas as S
+from sluice.app.server.stream_chunks import ChatChunks, CompletionChunks
 
 # every code point but lone surrogates (not valid in a Python str written as UTF-8 anywhere)
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)

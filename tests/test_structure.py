@@ -13,14 +13,26 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("app", "core", "kv", "spec")
 SOURCE_DIRS = (*PARTS, "tests", "scripts")
 
-# Who may import whom (a layer may always import itself).
-ALLOWED = {
-    "app": {"core", "models", "spec", "kv"},
-    "core": {"models", "spec", "kv"},  # the engine: actors, scheduler, executor, sampler
-    "spec": {"models", "kv"},
-    "models": {"kv"},
-    "kv": set(),
-}
+# The floors, lowest first: a module may import its own floor and the floors below it, never one above.
+# `vocab` is the root of core/ (args, sampling params, errors, outputs, the step contract, the inbox messages);
+# the other core floors are its sub-packages. The process bridge (`ipc`) sits just above the vocabulary it
+# carries; the policy (`sched`) and the model runner (`worker`) know nothing of the actors that drive them.
+FLOORS = (
+    "kv",
+    "models",
+    "spec",
+    "core.vocab",
+    "core.ipc",
+    "core.sched",
+    "core.worker",
+    "core.engine_core",
+    "core.frontend",
+    "core.disagg",
+    "core",  # core/__init__.py: the library's public names, from every floor below
+    "app",
+)
+ALLOWED = {f: set(FLOORS[:i]) for i, f in enumerate(FLOORS)}
+CORE_FLOORS = {f.split(".")[1] for f in FLOORS if f.startswith("core.") and f != "core.vocab"}
 
 
 def python_files(*dirs: str) -> list[Path]:
@@ -64,14 +76,24 @@ def layer_of_module(name: str) -> str | None:
     parts = name.split(".")
     if parts[0] != "sluice" or len(parts) < 2 or parts[1] not in PARTS:
         return None
-    if parts[1] == "core" and len(parts) > 2 and parts[2] == "models":
+    return floor_of(parts[1:])
+
+
+def floor_of(parts: list[str] | tuple[str, ...]) -> str:
+    """The floor of a module given its path parts under the namespace (``["core", "sched", "scheduler"]``)."""
+    if parts[0] != "core":
+        return parts[0]
+    if len(parts) == 1 or tuple(parts) == ("core", "__init__"):
+        return "core"
+    if len(parts) > 2 and parts[1] == "models":
         return "models"
-    return parts[1]
+    if len(parts) > 2 and parts[1] in CORE_FLOORS:
+        return f"core.{parts[1]}"
+    return "core.vocab"
 
 
 def layer_of_file(path: Path) -> str:
-    rel = path.relative_to(ROOT).parts
-    return "models" if rel[:2] == ("core", "models") else rel[0]
+    return floor_of(path.relative_to(ROOT).with_suffix("").parts)
 
 
 def test_no_bare_imports_of_the_parts():
@@ -98,7 +120,7 @@ def test_declared_packages_are_the_folders_that_hold_an_init():
     )
     assert sorted(tool["packages"]) == on_disk
     assert project["project"]["name"] == "sluice-llm"
-    assert project["project"]["scripts"]["sluice"] == "sluice.app.cli:main"
+    assert project["project"]["scripts"]["sluice"] == "sluice.app.commands.cli:main"
 
 
 def test_imports_follow_the_floor_plan():
@@ -172,13 +194,13 @@ def test_the_step_contract_is_not_the_schedulers():
     """The executor side (runner, TP workers, speculative steps) reads the step contract from its own module:
     only the engine core's wiring, its scheduler actor, the step recorder (it snapshots the queues and the KV
     pool), the cache simulator and the prefill/decode role schedulers (subclasses of the policy) know it."""
-    users = {m for m, deps in module_graph().items() if "sluice.core.scheduler" in deps}
+    users = {m for m, deps in module_graph().items() if "sluice.core.sched.scheduler" in deps}
     assert users <= {
-        "sluice.core.engine_core",
-        "sluice.core.scheduler_actor",
-        "sluice.core.inspector",
-        "sluice.app.cache_sim",
-        "sluice.core.disagg_scheduler",
+        "sluice.core.engine_core.core",
+        "sluice.core.engine_core.scheduler_actor",
+        "sluice.core.engine_core.inspector",
+        "sluice.app.commands.cache_sim",
+        "sluice.core.sched.disagg",
     }
 
 
@@ -186,11 +208,26 @@ def test_the_floor_plan_check_sees_a_forbidden_arrow():
     """The checkers themselves: a kv module importing the engine is caught, relative imports resolved, and a
     cycle is found."""
     probe = ROOT / "kv" / "_floor_plan_probe.py"
-    probe.write_text("from ..core import scheduler\nfrom .block_pool import BlockPool\nfrom .. import core\n")
+    probe.write_text("from ..core.sched import scheduler\nfrom .block_pool import BlockPool\nfrom .. import core\n")
     try:
         names = [n for _, n in imported_modules(probe)]
     finally:
         probe.unlink()
-    assert names == ["sluice.core.scheduler", "sluice.kv.block_pool", "sluice.core"]
-    assert [layer_of_module(n) for n in names] == ["core", "kv", "core"]
+    assert names == ["sluice.core.sched.scheduler", "sluice.kv.block_pool", "sluice.core"]
+    assert [layer_of_module(n) for n in names] == ["core.sched", "kv", "core"]
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_wire_codec_loads_no_torch():
+    """The process bridge's codec sits on the engine's bottom floors: importing it (a front end's first import
+    when the core runs elsewhere) loads neither torch nor the model runner."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, sluice.core.ipc.wire\n"
+        "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith('sluice.core.worker'))\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"importing the wire codec loaded: {out}"

@@ -93,7 +93,7 @@ def test_engine_args_validate_tensor_parallel_fields():
         EngineArgs(tensor_parallel_size=2, tensor_parallel_local_size=3)
     with pytest.raises(InvalidRequestError, match="speculative_model"):
         EngineArgs(tensor_parallel_size=2, speculative_model="default")
-    from sluice.app.cli import build_parser, engine_args_from
+    from sluice.app.commands.cli import build_parser, engine_args_from
 
     ns = build_parser().parse_args(["generate", "--prompt", "x", "--tensor-parallel-size", "2"])
     assert engine_args_from(ns).tensor_parallel_size == 2
@@ -190,15 +190,15 @@ def test_two_ranks_give_the_tokens_of_one(name, tiny_dirs, prompts):
 
 
 def test_a_rank_from_another_host_joins_through_the_rendezvous(tiny_dirs, prompts, monkeypatch):
-    """Rank 1 started like a rank on a second host (`python -m sluice.core.tp_worker` with the torchrun
+    """Rank 1 started like a rank on a second host (`python -m sluice.core.worker.tp.worker` with the torchrun
     variables); the engine runs only rank 0. Here both are on one host, over loopback."""
-    from sluice.core.distributed import free_port
+    from sluice.core.worker.tp.distributed import free_port
 
     port = free_port()
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK="1")
     env.update(LOCAL_RANK="0", SLUICE_TP_DEVICE="cpu")
     remote = subprocess.Popen(
-        [sys.executable, "-m", "sluice.core.tp_worker"], env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "sluice.core.worker.tp.worker"], env=env, stderr=subprocess.PIPE, text=True
     )
     try:
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -221,7 +221,7 @@ def test_a_rank_from_another_host_joins_through_the_rendezvous(tiny_dirs, prompt
 
 async def test_a_killed_worker_fails_the_request_in_flight_and_the_engine():
     import httpx
-    from sluice.app.server import build_app
+    from sluice.app.server.app import build_app
 
     args = EngineArgs(model="dummy:tiny", tensor_parallel_size=2, **ENGINE)
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
@@ -271,7 +271,7 @@ async def test_a_worker_that_dies_between_steps_makes_the_engine_unhealthy():
 def test_throughput_compares_tensor_parallel_sizes_in_one_run(tmp_path, capsys):
     import json
 
-    from sluice.app.cli import main as sluice
+    from sluice.app.commands.cli import main as sluice
 
     out = tmp_path / "tp.json"
     argv = ["bench", "throughput", "--model", "dummy:tiny", "--device", "cpu", "--dataset", "random"]
@@ -293,7 +293,7 @@ def test_throughput_compares_tensor_parallel_sizes_in_one_run(tmp_path, capsys):
 @pytest.mark.slow
 def test_default_model_two_ranks_give_the_tokens_of_one(default_llm, default_tokenizer):
     """The default model's 9 query heads over 3 KV heads: KV head 1 on both ranks (fp32, gloo)."""
-    from sluice.core.tokenizer import apply_chat_template
+    from sluice.core.frontend.tokenizer import apply_chat_template
 
     ps = [prompt_of_length(default_tokenizer, n, f"Story {n}:") for n in (7, 33)]
     ps.append(apply_chat_template(default_tokenizer, [{"role": "user", "content": "Name three rivers."}]))

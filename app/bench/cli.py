@@ -28,7 +28,7 @@ def register(subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m sluice.app.bench.cli throughput ...` (the same as `sluice bench throughput ...`)."""
-    from sluice.app.cli import main as sluice_main
+    from sluice.app.commands.cli import main as sluice_main
 
     return sluice_main(["bench", *(argv if argv is not None else sys.argv[1:])])
 

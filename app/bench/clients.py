@@ -49,7 +49,7 @@ def main(ns: argparse.Namespace) -> int:
 
     _raise_open_files_limit(2 * ns.num_clients + 256)  # a socket per client, here and in the server
     port = _free_port()
-    cmd = [sys.executable, "-m", "sluice.app.cli", "serve", "--model", ns.model, "--port", str(port)]
+    cmd = [sys.executable, "-m", "sluice.app.commands.cli", "serve", "--model", ns.model, "--port", str(port)]
     cmd += ["--max-waiting-requests", str(max(1024, ns.num_clients)), *shlex.split(ns.serve_args)]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

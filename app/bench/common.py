@@ -152,7 +152,7 @@ def engine_args_for(ns: argparse.Namespace, num_requests: int, longest: int):
     context long enough for the longest one."""
     from dataclasses import replace
 
-    from sluice.app.cli import engine_args_from
+    from sluice.app.commands.cli import engine_args_from
 
     args = engine_args_from(ns)
     args = replace(args, max_waiting_requests=max(args.max_waiting_requests, num_requests))

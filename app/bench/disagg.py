@@ -44,7 +44,7 @@ class Timing:
 
 
 def register(sub) -> None:
-    from sluice.app.cli import add_engine_args
+    from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("disagg", help="prefill/decode pair vs two independent engines, same devices and arrivals")
     add_dataset_args(p, default_num_prompts=600)
@@ -131,7 +131,7 @@ def figures_of(timings: Sequence[Timing], duration: float) -> dict:
 
 
 async def bench_pair(args, ns, requests, offsets) -> dict:
-    from sluice.core.disagg import DisaggEngine
+    from sluice.core.disagg.engine import DisaggEngine
 
     async with DisaggEngine(args, ns.prefill_device, ns.decode_device) as pair:
         timings, duration = await run([pair], requests, offsets)
@@ -164,8 +164,8 @@ async def bench_split(args, ns, requests, offsets) -> dict:
 def main(ns: argparse.Namespace) -> int:
     import anyio
     from sluice.app.bench.common import release_device_memory
+    from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
-    from sluice.core.tokenizer import load_tokenizer
 
     source = resolve_model(ns.model)
     tokenizer = load_tokenizer(source.tokenizer_dir)

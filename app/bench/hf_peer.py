@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 from sluice.app.bench.datasets import BenchRequest
+from sluice.core.frontend.tokenizer import load_tokenizer
 from sluice.core.models.loader import resolve_model
 from sluice.core.models.registry import DEFAULT_MODEL
-from sluice.core.tokenizer import load_tokenizer
 
 DUMMY_INIT_STD = 0.02
 DUMMY_SEED = 0

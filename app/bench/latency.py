@@ -29,7 +29,7 @@ from sluice.app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
-    from sluice.app.cli import add_engine_args
+    from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("latency", help="end-to-end latency of one fixed batch; per-step time and ms/token")
     p.add_argument("--batch-size", type=int, default=8)

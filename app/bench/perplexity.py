@@ -35,7 +35,7 @@ VARIANTS = {
 
 
 def register(sub) -> None:
-    from sluice.app.cli import add_engine_args
+    from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("perplexity", help="perplexity on held-out ShareGPT text: each quantization option vs none")
     p.add_argument("--variants", default="base,fp8-kv,int8,int4,int4-requant", help=f"from {', '.join(VARIANTS)}")
@@ -111,9 +111,9 @@ def score(runner, windows: list[list[int]]) -> tuple[float, int]:
 def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[int]]) -> dict:
     import gc
 
-    from sluice.app.cli import engine_args_from
-    from sluice.core.model_runner import ModelRunner
+    from sluice.app.commands.cli import engine_args_from
     from sluice.core.models.quant import weight_bytes
+    from sluice.core.worker.model_runner import ModelRunner
     from sluice.kv.manager import cdiv
 
     args = replace(engine_args_from(ns), **VARIANTS[name], num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
@@ -142,8 +142,8 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 def main(ns: argparse.Namespace) -> int:
     from sluice.app.bench.common import print_figures
     from sluice.app.bench.results import command_line, machine_line, print_table, write_result
+    from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
-    from sluice.core.tokenizer import load_tokenizer
 
     names = [v.strip() for v in ns.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in VARIANTS]

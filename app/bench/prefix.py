@@ -196,9 +196,9 @@ async def bench_prefix(
 def cmd_bench_prefix(ns: argparse.Namespace) -> int:
     from sluice.app.bench.results import command_line, machine_info, print_table, versions, write_result
     from sluice.app.bench.workloads import build_workload, shared_prefix_optimum
-    from sluice.app.cli import engine_args_from
+    from sluice.app.commands.cli import engine_args_from
+    from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
-    from sluice.core.tokenizer import load_tokenizer
 
     args = engine_args_from(ns)
     source = resolve_model(args.model)
@@ -254,7 +254,7 @@ def cmd_bench_prefix(ns: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     from sluice.app.bench.workloads import add_workload_args
-    from sluice.app.cli import add_engine_args
+    from sluice.app.commands.cli import add_engine_args
 
     p = subparsers.add_parser(
         "prefix",

@@ -201,9 +201,9 @@ def _server_model(base_url: str) -> str:
 
 def main(ns: argparse.Namespace) -> int:
     import anyio
+    from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
     from sluice.core.models.registry import DEFAULT_MODEL
-    from sluice.core.tokenizer import load_tokenizer
 
     model = ns.model or _server_model(ns.base_url)
     if ns.requests_file:

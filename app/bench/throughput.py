@@ -34,7 +34,7 @@ from sluice.app.bench.results import command_line, machine_line, write_result
 
 
 def register(sub) -> None:
-    from sluice.app.cli import add_engine_args
+    from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("throughput", help="offline throughput (ShareGPT or random), optionally beside the HF peer")
     add_dataset_args(p)
@@ -274,8 +274,8 @@ def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s:
 
 
 def main(ns: argparse.Namespace) -> int:
+    from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
-    from sluice.core.tokenizer import load_tokenizer
 
     source = resolve_model(ns.model)
     tokenizer = load_tokenizer(source.tokenizer_dir)

@@ -187,7 +187,7 @@ def sharegpt_multi_turn(
     """`multi_turn` over ShareGPT conversations with at least two turns, sampled with ``seed``, encoded
     with ``tokenizer``'s chat template."""
     from sluice.app.bench.datasets import sharegpt_conversations
-    from sluice.core.tokenizer import apply_chat_template
+    from sluice.core.frontend.tokenizer import apply_chat_template
 
     convs = sharegpt_conversations(min_turns=2)
     if num_conversations > len(convs):
@@ -275,7 +275,7 @@ def _trace_prompt(obj: dict, tokenizer, where: str) -> list[int]:
         if tokenizer is None:
             raise ValueError(f"{where}: messages and prompt need a tokenizer (give --model)")
         if "messages" in obj:
-            from sluice.core.tokenizer import apply_chat_template
+            from sluice.core.frontend.tokenizer import apply_chat_template
 
             return apply_chat_template(tokenizer, obj["messages"])
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:

@@ -10,7 +10,7 @@ def cmd_inspect(ns: argparse.Namespace) -> int:
     import uvicorn
     from sluice.app.inspector.web import build_trace_app
 
-    app = build_trace_app(ns.trace)  # a missing or bad file: one line and exit status 2 (`sluice.app.cli.main`)
+    app = build_trace_app(ns.trace)  # a missing or bad file: one line, exit status 2 (`commands.cli.main`)
     print(f"inspector on {ns.trace}: http://{ns.host}:{ns.port}/inspect")
     uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level)
     return 0

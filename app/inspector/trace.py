@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
-from sluice.core.inspector import RequestRecord, StepRecord, StepRequest
+from sluice.core.engine_core.inspector import RequestRecord, StepRecord, StepRequest
 
 TRACE_VERSION = 1
 

@@ -20,8 +20,8 @@ from importlib import resources
 from typing import Any
 
 import anyio
-from sluice.app.errors import APIError
 from sluice.app.inspector.trace import Trace, load_trace, step_dict
+from sluice.app.server.errors import APIError
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException

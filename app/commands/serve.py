@@ -1,0 +1,126 @@
+"""`sluice serve`: the OpenAI-compatible server under uvicorn (built by `app/server/uvicorn_server.py`; with
+``--api-server-count N``, N of them in front of one engine core: `app/server/api_servers.py`).
+
+Shutdown on SIGINT/SIGTERM is graceful: uvicorn stops accepting connections, in-flight streams get
+``--shutdown-timeout`` seconds to finish before they are cancelled (which aborts their requests), the
+engine stops in the lifespan's exit, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(subparsers) -> None:
+    from sluice.app.commands.cli import add_engine_args
+    from sluice.app.commands.disagg import add_disagg_args
+
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SLUICE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $SLUICE_API_KEY; unset = no key)",
+    )
+    p.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="require the API key on /metrics too (it shows every tenant's counts and cache hits)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a request's headers (else the connection is closed) and its whole body (else 408) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=32 << 20,
+        help="refuse (400) a request whose whole response could be larger (n x max_tokens x logprobs) "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default: %(default)s)"
+    )
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stalled client may block a stream (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown (default: %(default)s)",
+    )
+    p.add_argument(
+        "--retry-after",
+        type=int,
+        default=1,
+        help="Retry-After seconds sent with 503 when overloaded (default: %(default)s)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default: %(default)s)",
+    )
+    p.add_argument(
+        "--record-trace",
+        default=None,
+        metavar="FILE",
+        help="write every engine step to FILE (JSON lines) for `sluice inspect --trace FILE`; turns the inspector on",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log a line per HTTP request (default: off: at thousands of requests a second it costs the front end "
+        "time it needs for streaming)",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="front-end processes (HTTP, request actors, detokenizing, SSE), all on the one port, in front of one "
+        "engine core; /metrics and /health cover them all. Needs the engine core process (default: %(default)s)",
+    )
+    add_engine_args(p)
+    add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/commands/disagg.py)
+    # A server runs its engine core in a process of its own: HTTP, detokenization and SSE encoding then never
+    # take time from scheduling (--no-engine-core-process keeps one process).
+    p.set_defaults(func=cmd_serve, engine_core_process=True)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from sluice.app.commands.cli import engine_args_from
+    from sluice.app.commands.disagg import pair_engine
+    from sluice.app.server.uvicorn_server import build_server
+    from sluice.core.frontend.engine import AsyncEngine
+    from sluice.core.models.loader import resolve_model
+
+    args = engine_args_from(ns)
+    if ns.api_server_count != 1:
+        from sluice.app.server.api_servers import check_api_server_count
+
+        check_api_server_count(ns, args)
+    # A wrong device or model path ends the command with one line here, not with a traceback from inside the
+    # server's startup (a GGUF is converted now, once; the engine then finds it in the cache).
+    args.resolve_device()
+    resolve_model(args.model)
+    if ns.api_server_count > 1:
+        from sluice.app.server.api_servers import serve_api_servers
+
+        return serve_api_servers(ns, args)
+    if ns.record_trace:
+        args.enable_inspector = True
+    engine = pair_engine(ns, args) or AsyncEngine(args)
+    server = build_server(ns, engine)
+    server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
+    return 0

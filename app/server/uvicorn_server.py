@@ -1,0 +1,120 @@
+"""The uvicorn server of `sluice serve`, built from its flags: one per process (`app/commands/serve.py` runs one, each
+front end of `--api-server-count` runs its own, `app/server/api_servers.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+
+def build_server(
+    ns: argparse.Namespace, engine, log_config: dict | None = None, on_started: Callable[[], None] | None = None
+):
+    """The uvicorn server of `sluice serve`'s flags over ``engine``. An `--api-server-count` front end passes
+    its own ``log_config`` (its lines say which front end they come from) and ``on_started``, called once it
+    serves."""
+    import uvicorn
+    from sluice.app.server.app import SHUTDOWN_MARGIN_S, build_app
+
+    app = build_app(
+        engine,
+        api_key=ns.api_key,
+        max_body_bytes=ns.max_body_bytes,
+        send_timeout=ns.send_timeout,
+        shutdown_grace_seconds=ns.shutdown_timeout,
+        retry_after_seconds=ns.retry_after,
+        record_trace=ns.record_trace,
+        body_timeout=ns.body_timeout,
+        max_response_bytes=ns.max_response_bytes,
+        metrics_require_key=ns.metrics_require_key,
+    )
+    config = uvicorn.Config(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        access_log=ns.access_log,
+        lifespan="on",
+        # At shutdown_timeout the server ends what is still in flight with an error (OpenAIServer.drain); the
+        # margin lets those answers go out before uvicorn cancels what is left.
+        timeout_graceful_shutdown=math.ceil(ns.shutdown_timeout + 2 * SHUTDOWN_MARGIN_S),
+        http=_h11_with_header_timeout(ns.body_timeout),
+        **({} if log_config is None else {"log_config": log_config}),
+    )
+    return _server(config, app.state.openai_server, ns.shutdown_timeout, on_started)
+
+
+def _h11_with_header_timeout(timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all arrived
+    ``timeout_s`` after it opened (or after its last response): uvicorn only times out idle connections, so a
+    client sending its headers a byte at a time could hold a connection forever. The body has its own timeout
+    (`OpenAIServer._read_body`)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        _headers_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._headers_timer = self.loop.call_later(timeout_s, self._headers_overdue)
+
+        def _disarm(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_overdue(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # a request's headers are in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return Protocol
+
+
+def _server(config, api, grace_seconds: float, on_started: Callable[[], None] | None = None):
+    """A uvicorn server whose shutdown drains ``api`` (`OpenAIServer.drain`: requests still in flight after
+    the grace end with an error, not a cut body) and, once complete, exits 0. uvicorn re-raises a caught
+    SIGINT/SIGTERM after its graceful shutdown, so the process would die of the signal (exit 130/143); a
+    shutdown we completed on request is a clean exit. uvicorn is imported here so other subcommands run
+    without it."""
+    import anyio
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started and on_started is not None:
+                on_started()
+
+        async def shutdown(self, sockets=None) -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(api.drain, grace_seconds)
+                await super().shutdown(sockets)
+                tg.cancel_scope.cancel()
+
+    return Server(config)

@@ -1,0 +1,730 @@
+"""The one model runner: applies a step's changes to the persistent batch, builds the step's inputs, runs
+one forward over the flattened batch, samples, and (with a draft head) verifies and drafts.
+
+It knows nothing of how steps are scheduled: any mix of prefill chunks, decodes and verifications, in
+any order. Only the positions that sample are projected through the LM head.
+
+A step is launched, then collected. `launch` enqueues the device work (inputs copied from pinned buffers,
+a CUDA graph replayed for uniform decode steps, sampling) and starts copying the sampled tokens back;
+`collect` waits for them. Between the two the host is free: the executor launches the next step first
+(asynchronous scheduling), whose decodes take their input token from this step's samples on the device.
+Steps that speculate are computed whole in `launch` (their drafts decide the next step).
+
+One step-input builder (`InputBatch.build`) and one sampling-batch builder (`_sampling_batch`) serve every
+step, the speculative ones and the memory profile included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from sluice.core.args import EngineArgs
+from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.models.loader import ModelSource, load_model
+from sluice.core.models.quant import weight_bytes
+from sluice.core.sampling_params import SamplingParams
+from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
+from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, StepBuffers, graph_batch_sizes, mixed_graph_sizes
+from sluice.core.worker.culprit import is_fatal, isolate_culprits
+from sluice.core.worker.input_batch import InputBatch, StepRows
+from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
+from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
+from sluice.kv.attention.base import kv_bytes_per_block
+from sluice.kv.attention.fp8 import kv_cache_torch_dtype
+
+logger = logging.getLogger("sluice")
+
+GiB = 1024**3
+# Room left beside the KV pool for the graphs' memory pool (activations of the largest captured step, the
+# decode graphs' logits), which is allocated after the pool is sized.
+GRAPH_POOL_RESERVE = GiB
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is enqueued; `ModelRunner.collect` turns it into a `ModelOutput`."""
+
+    so: SchedulerOutput
+    output: ModelOutput | None = None  # already complete (no sampling rows, speculative steps)
+    req_ids: list[str] = field(default_factory=list)  # sampling rows, forks included
+    slots: np.ndarray | None = None
+    tokens: torch.Tensor | None = None  # [R] on the device
+    host_tokens: torch.Tensor | None = None  # pinned, filled asynchronously
+    ready: torch.cuda.Event | None = None
+    sampler_out: SamplerOutput | None = None  # logprobs
+    read: bool = False  # the host has the tokens (`ModelRunner._read_back`)
+    uniform: bool = False  # a uniform speculative step: ``tokens`` is its output vector (`Drafter.uniform_step`)
+    token_list: list[int] = field(default_factory=list)
+    # for the host profile: when the inputs were ready, how long the host waited for the tokens, and events
+    # around the step's device work
+    prepared_at: float = 0.0
+    waited_s: float = 0.0
+    started: torch.cuda.Event | None = None
+    eager: bool = False  # its forward ran op by op (no graph replayed): the host's launches may idle the device
+    after: torch.cuda.Event | None = None  # the end event of the step launched before it (set by the executor)
+    launched_at: float = 0.0  # host clock when its launch began, and how long the launch took (the executor's)
+    launch_s: float = 0.0
+    enqueued_at: float = 0.0  # host clock when its forward, logits and sampling were enqueued (the trace's)
+
+    def gpu_seconds(self) -> float | None:
+        """The device's time on this step (once collected)."""
+        if self.started is None or self.ready is None:
+            return None
+        return self.started.elapsed_time(self.ready) / 1e3
+
+
+class ModelRunner:
+    """With ``tp`` (tensor parallel, one runner per rank in its own process, `core/worker/tp/worker.py`): this
+    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples and
+    broadcasts the tokens, so every rank's persistent batch knows them."""
+
+    def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
+        self.args = args
+        self.tp = tp
+        self.device = args.resolve_device()
+        self.dtype = args.resolve_dtype(self.device)
+        self.block_size = args.block_size
+        self.max_model_len = max_model_len
+        torch.manual_seed(args.seed)
+        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed, tp=tp)
+        if args.quantization is not None:
+            from sluice.core.models.quant import quantize_model  # imports the gguf reader
+
+            counts = quantize_model(
+                self.model,
+                args.quantization,
+                source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
+                include_lm_head=args.speculative_model is None,
+            )
+            logger.info("quantization %s: %s linear layers", args.quantization, counts)
+        cfg = source.config
+        backend = args.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = get_attention_backend(backend)
+        self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
+        if fp8.is_fp8(self.kv_dtype):
+            from sluice.core.models.quant import calibrate_kv_scales
+
+            scales = calibrate_kv_scales(
+                self.model, self.backend, self.dtype, self.device, seq_len=min(256, max_model_len), seed=args.seed
+            )
+            logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
+        fused = args.fused_kernels
+        if fused == "auto":
+            fused = "on" if self.device.type == "cuda" else "off"
+        self.fused_kernels = fused == "on"  # the draft head follows the target
+        if fused == "on":
+            logger.info(
+                "fused kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules", enable_fused_kernels(self.model)
+            )
+        self.num_layers = cfg.num_hidden_layers
+        self.vocab_size = cfg.vocab_size
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        self.drafter = None  # speculative decoding: the draft head and its steps
+        k = 0
+        if args.speculative_model is not None:
+            from sluice.core.worker.drafter import Drafter
+
+            self.drafter = Drafter(self, source)
+            k = self.drafter.k
+        # draft lookahead slots may reach past max_model_len
+        self.max_blocks_per_seq = -(-(max_model_len + 2 * k + 1) // self.block_size)
+        self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
+        # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
+        self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
+        self.generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
+        self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
+        # pinned room for two steps' sampled tokens, whole from the start: allocating pinned memory while a step
+        # runs may wait for the device (page-locking is a driver call), and the rows grow step by step as a burst
+        # of prompts is admitted
+        pin = self.device.type == "cuda"  # the CPU reads its tokens in place
+        rows = self.max_num_tokens if pin else 0
+        self._host_bufs = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._host_turn = 0
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
+        self._pad_head_rows = os.environ.get("SLUICE_PAD_HEAD_ROWS") != "0"  # `_head_rows`
+        self._event_turn = 0
+        self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
+        if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
+        self.kv_caches = allocate_kv_cache(
+            self.num_layers,
+            self.num_kv_blocks,
+            self.block_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.kv_dtype,
+            self.device,
+        )
+        if self.drafter is not None:
+            self.drafter.allocate_kv(self.num_kv_blocks)
+        logger.info(
+            "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
+            weight_bytes(self.model) / GiB,
+            self.dtype,
+            args.quantization or "unquantized",
+            self.num_kv_blocks,
+            self.block_size,
+            self.num_kv_blocks * self.block_size,
+            self.num_kv_blocks * self._bytes_per_block() / GiB,
+            self.kv_dtype,
+        )
+        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
+            if getattr(self.backend, "graph_safe", False):
+                graphs = DecodeGraphs(
+                    self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), max_model_len
+                )
+                max_mixed = min(args.max_graph_tokens, self.max_num_tokens)
+                mixed = None
+                if max_mixed > 1:
+                    mixed = MixedGraphs(self.mixed_forward, self.buffers, mixed_graph_sizes(max_mixed), max_model_len)
+                try:
+                    with torch.inference_mode():
+                        pool = graphs.capture()
+                        if mixed is not None:
+                            mixed.capture(pool)
+                    self.graphs, self.mixed_graphs = graphs, mixed
+                    if os.environ.get("SLUICE_GRAPH_ROUTES") != "0":  # 0: each step in its smallest graph
+                        self._route_graphs()
+                    if self.drafter is not None:
+                        self.drafter.capture_graphs()
+                except Exception:  # slower, still correct: serve every step eagerly
+                    logger.exception("CUDA graph capture failed; every step runs eagerly")
+                    self.graphs = self.mixed_graphs = mixed = None
+                    if self.drafter is not None:
+                        self.drafter.graphs = None
+                    del graphs
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()
+            else:
+                logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
+        self.warm_up_eager()
+        if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
+            # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def _route_graphs(self) -> None:
+        """Each graph size to the fastest graph at least as large (`DecodeGraphs.route_to_fastest`). Only a
+        speed-up: if timing fails, every step keeps its smallest graph."""
+        try:
+            with torch.inference_mode():
+                for g in (self.graphs, self.mixed_graphs):
+                    if g is not None:
+                        g.route_to_fastest()
+        except Exception:
+            logger.exception("timing the CUDA graphs failed; each step replays its smallest graph")
+            for g in (self.graphs, self.mixed_graphs):
+                if g is not None:
+                    g.routes = {}
+
+    # -- memory --------------------------------------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+        return draft + kv_bytes_per_block(
+            self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
+        )
+
+    def _blocks_from_memory(self) -> int:
+        if self.device.type != "cuda":
+            return max(int(self.args.cpu_kv_cache_gib * GiB // self._bytes_per_block()), 16)
+        return self._profile_kv_blocks()
+
+    @torch.inference_mode()
+    def _profile_kv_blocks(self) -> int:
+        """Size the KV pool from a profiling run: the largest step the scheduler can send (all of
+        ``max_num_batched_tokens`` as prefill) and sampling at ``max_num_seqs`` rows with top-p, measured
+        as peak allocated memory; then ``gpu_memory_utilization`` of the card minus weights, that peak,
+        memory outside torch, and a reserve for the graphs; the rest is cut into blocks."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        weights = torch.cuda.memory_allocated(dev)
+        tmp_cache = allocate_kv_cache(
+            self.num_layers, self._largest_step_blocks(), self.block_size, self.model.num_kv_heads,
+            self.model.head_dim, self.kv_dtype, dev,
+        )  # fmt: skip
+        tmp_bytes = sum(t.numel() * t.element_size() for t in tmp_cache)
+        n_tok, n_rows = self._run_largest_step(tmp_cache)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del tmp_cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        activations = max(0, peak - weights - tmp_bytes)
+        reserve = 0 if self.args.enforce_eager else GRAPH_POOL_RESERVE
+        budget = total * self.args.gpu_memory_utilization - weights - activations - non_torch - reserve
+        blocks = int(budget // self._bytes_per_block())
+        logger.info(
+            "memory profile: card %.1f GiB x %.2f; weights %.2f GiB, peak activations %.2f GiB (step of %d tokens, "
+            "sampling %d rows), outside torch %.2f GiB, graph reserve %.2f GiB -> KV budget %.2f GiB",
+            total / GiB,
+            self.args.gpu_memory_utilization,
+            weights / GiB,
+            activations / GiB,
+            n_tok,
+            n_rows,
+            non_torch / GiB,
+            reserve / GiB,
+            budget / GiB,
+        )
+        if blocks < 1:
+            raise MemoryError(
+                f"no room for the KV cache: budget {budget / GiB:.2f} GiB at gpu_memory_utilization="
+                f"{self.args.gpu_memory_utilization} (weights {weights / GiB:.2f} GiB, activations "
+                f"{activations / GiB:.2f} GiB)"
+            )
+        return blocks
+
+    def _largest_step_lens(self) -> list[int]:
+        """Prompt lengths of the largest step the scheduler can send: all of ``max_num_batched_tokens`` as prefill,
+        in as few sequences as ``max_model_len`` allows (no step holds more than ``max_num_seqs`` sequences of
+        ``max_model_len`` tokens, and the step buffers bound the profile's own batch too)."""
+        n_tok = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
+        n_seq = max(1, -(-n_tok // self.max_model_len))
+        return [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
+
+    def _largest_step_blocks(self) -> int:
+        return sum(-(-n // self.block_size) for n in self._largest_step_lens())
+
+    @torch.inference_mode()
+    def _run_largest_step(self, kv_caches: list[torch.Tensor]) -> tuple[int, int]:
+        """One eager forward of the largest step (`_largest_step_lens`, random tokens, its KV written to the first
+        blocks of ``kv_caches``), then sampling at ``max_num_seqs`` rows with top-k, top-p and min-p: the most
+        memory a step takes outside the graphs. Its own persistent batch; returns ``(tokens, sampled rows)``."""
+        dev = self.device
+        lens = self._largest_step_lens()
+        g = torch.Generator(device="cpu").manual_seed(0)
+        so, next_block = SchedulerOutput(0), 0
+        for i, n in enumerate(lens):
+            nb = -(-n // self.block_size)
+            ids = torch.randint(0, self.vocab_size, (n,), generator=g).tolist()
+            rid = f"profile-{i}"
+            so.new_requests.append(NewRequest(rid, ids, n, list(range(next_block, next_block + nb)), _PROFILE_PARAMS))
+            so.req_ids.append(rid)
+            so.num_scheduled_tokens.append(n)
+            so.num_computed_tokens.append(0)
+            so.samples.append(True)
+            next_block += nb
+        n_tok, n_seq = sum(lens), len(lens)
+        batch = InputBatch(n_seq, self.max_blocks_per_seq, self.block_size)  # the one builder, on its own slots
+        batch.apply(so)
+        b = self.buffers
+        b.wait_uploaded()
+        rows = batch.build(so, b)
+        b.upload(rows.num_tokens, n_seq, b.max_blocks, 0)
+        meta = self._metadata(rows, b)
+        hidden = self.model(b.input_ids[:n_tok], b.positions[:n_tok], ForwardContext(meta, kv_caches, self.backend))
+        del hidden
+        n_rows = min(self.max_num_seqs, n_tok)
+        logits = self.model.compute_logits(
+            torch.randn(n_rows, self.model.config.hidden_size, device=dev, dtype=self.dtype)
+        )
+        sampling = SamplingBatch(
+            temperature=torch.ones(n_rows, device=dev),
+            top_k=torch.full((n_rows,), 50, dtype=torch.long, device=dev),
+            top_p=torch.full((n_rows,), 0.9, device=dev),
+            min_p=torch.full((n_rows,), 0.05, device=dev),
+            generators=[None] * n_rows,
+        )
+        sample(logits, sampling).token_ids.tolist()
+        logits.argmax(-1).tolist()  # what an all-greedy step does instead
+        return n_tok, n_rows
+
+    def warm_up_eager(self) -> None:
+        """Run the largest eager step once after start-up (CUDA), as vLLM's warm-up does: Triton compiles the
+        eager path's kernel variants, and the caching allocator takes from the driver the memory such a step
+        needs and keeps it. Otherwise the first burst of prompts pays for both inside its first steps, while the
+        device waits (allocating device memory may wait for the device, too). Its KV goes to the first blocks of
+        the pool, free at start-up. ``SLUICE_EAGER_WARMUP=0`` skips it; ``=1`` runs it on the CPU too (tests)."""
+        flag = os.environ.get("SLUICE_EAGER_WARMUP")
+        if flag == "0" or (flag != "1" and self.device.type != "cuda"):
+            return
+        if self._largest_step_blocks() > self.num_kv_blocks:  # a pool smaller than one largest step: nothing to warm
+            return
+        self._run_largest_step(self.kv_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def copy_blocks(self, block_copies: list[tuple[int, int]]) -> None:
+        """Carry out copy-on-write orders in every layer, the draft head's KV included, before the step's
+        attention."""
+        if not block_copies:
+            return
+        src = torch.tensor([s for s, _ in block_copies], device=self.device)
+        dst = torch.tensor([d for _, d in block_copies], device=self.device)
+        for kv in self.kv_caches:
+            if fp8.is_fp8(kv):
+                kv = kv.view(torch.uint8)  # index_put has no fp8 kernel on every device
+            kv[:, dst] = kv[:, src]
+        if self.drafter is not None:
+            self.drafter.proposer.copy_blocks(src, dst)
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        """Launch and collect one step (callers that do not overlap steps)."""
+        return self.collect(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        for rid in self.batch.apply(so):
+            self.generators.pop(rid, None)
+        if self.drafter is not None:
+            self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
+        if not so.req_ids:
+            return LaunchedStep(so, ModelOutput(so.step_id))
+        self.copy_blocks(so.block_copies)
+        try:
+            return self._launch_rows(so)
+        except Exception as e:
+            if is_fatal(e) or self.tp is not None or (so.num_reqs == 1 and not so.forks) or so.uniform:
+                # nobody else to spare (tensor-parallel ranks would each bisect on their own); a uniform step's
+                # rows may take their inputs from the device, which a re-run from host tokens cannot
+                raise
+            logger.warning("step %d failed (%s); re-running its rows to find the culprits", so.step_id, e)
+            return LaunchedStep(so, self._isolate(so, e))
+
+    def _isolate(self, so: SchedulerOutput, error: Exception) -> ModelOutput:
+        """Re-run the rows of a failed step in groups until the failure is pinned on its culprits
+        (`core/worker/culprit.py`); synchronous, from host tokens."""
+        self._read_back(self._inflight)
+        ib = self.batch
+
+        def run(sub: SchedulerOutput) -> ModelOutput:
+            # the failed attempt may have recorded samples it never produced: inputs come from the host
+            ib.pending[[ib.slot_of[r] for r in sub.req_ids]] = -1
+            return self.collect(self._launch_rows(sub))
+
+        out = isolate_culprits(so, error, run)
+        for rid in out.failed:
+            slot = ib.slot_of.get(rid)
+            if slot is not None:
+                ib.pending[slot] = -1
+        return out
+
+    def _launch_rows(self, so: SchedulerOutput) -> LaunchedStep:
+        """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
+        if so.uniform:  # the scheduler marks one only when the drafter has its uniform graphs
+            # inputs from the host (every step before it read back) or from the device (`device_fed`)
+            slots, bs = self.drafter.prepare_uniform(so)
+            step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
+            step.started = self._device_event()
+            self._enqueue_read_back(step, self.drafter.run_uniform(bs))
+            return step
+        if self.drafter is not None and (so.drafting or so.num_draft_tokens):
+            # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
+            self._read_back(self._inflight)
+            return LaunchedStep(so, self.drafter.step(so))
+        n = len(so.req_ids)
+        num_tokens = so.num_tokens
+        b = self.buffers
+        graph_bs = self.graphs.padded_size(n) if self.graphs is not None and num_tokens == n else None
+        # steps with prefill rows (and decodes past the decode graphs' sizes): a mixed-step graph, if one fits
+        graph_t = None
+        if graph_bs is None and self.mixed_graphs is not None:
+            graph_t = self.mixed_graphs.padded_size(num_tokens)
+        if num_tokens > b.max_tokens or n > b.max_seqs:
+            # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
+            b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
+            graph_bs = graph_t = None
+        b.wait_uploaded()  # the last step's inputs have left the pinned buffers
+        if graph_t is not None:
+            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
+            rows = self.batch.build(so, b, graph_seqs, graph_t)
+        else:
+            rows = self.batch.build(so, b, graph_bs)
+        sample_rows, req_ids = self._sampling_rows(so)
+        num_rows = len(req_ids)
+        if so.forks:  # a fork samples with its own parameters (its own slot) from its parent's row
+            slots = np.fromiter(map(self.batch.slot_of.__getitem__, req_ids), np.int64, num_rows)
+        else:
+            slots = rows.slots if num_rows == n else rows.slots[sample_rows]
+        positions = rows.starts[sample_rows] + rows.q_lens[sample_rows] - 1
+        rank0 = self.tp is None or self.tp.rank == 0
+        if self.batch.penalized[slots].any():
+            self._read_back(self._inflight)  # penalties count every output token: the one in flight too
+        sampling = self._sampling_batch(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
+        whole = graph_bs is not None and num_rows == n and not so.forks  # every row samples, in order
+        gather = rows.gather_dst.size
+        if gather:
+            b.gather_src_np[:gather] = rows.gather_src
+            b.gather_dst_np[:gather] = rows.gather_dst
+        if graph_bs is not None:
+            if not whole and num_rows:
+                b.logit_rows_np[:num_rows] = sample_rows
+            b.upload(graph_bs, graph_bs, b.max_blocks, 0 if whole else num_rows, gather)
+        else:
+            head_rows = self._head_rows(num_rows)
+            if num_rows:
+                b.logit_rows_np[:num_rows] = rows.query_start_loc[1:][sample_rows] - 1
+                b.logit_rows_np[num_rows:head_rows] = 0  # padding: any row of this step
+            if graph_t is not None:
+                b.upload(graph_t, graph_seqs, b.max_blocks, head_rows, gather)
+            else:
+                b.upload(rows.num_tokens, n, b.max_blocks, head_rows, gather)
+        if gather:  # decodes whose input token the step in flight sampled: copied from its samples on the device
+            b.input_ids[b.gather_dst[:gather]] = self._last_sampled[b.gather_src[:gather]]
+        prepared_at = time.perf_counter()
+        started = self._device_event()  # the device's time on the step: from its forward on
+        if graph_bs is not None:
+            logits = self.graphs.replay(graph_bs)
+            if num_rows == 0:
+                return LaunchedStep(so, ModelOutput(so.step_id))
+            logits = logits[:n] if whole else logits[b.logit_rows[:num_rows]]
+        else:
+            if graph_t is not None:
+                hidden, _ = self.replay_mixed(graph_t)
+            else:
+                t = rows.num_tokens
+                hidden = self._forward(b.input_ids[:t], b.positions[:t], self._metadata(rows, b))
+            if num_rows == 0:
+                return LaunchedStep(so, ModelOutput(so.step_id))
+            logits = self.model.compute_logits(hidden[b.logit_rows[:head_rows]])[:num_rows]
+        eager = graph_bs is None and graph_t is None
+        step = LaunchedStep(so, req_ids=req_ids, slots=slots, prepared_at=prepared_at, started=started, eager=eager)
+        if not rank0:
+            tokens = torch.empty(num_rows, dtype=torch.long, device=self.device)
+        elif sampling is None:  # every row greedy, no penalties, bans or logprobs
+            tokens = logits.argmax(-1)
+        else:
+            step.sampler_out = sample(logits, sampling)
+            tokens = step.sampler_out.token_ids
+        step.enqueued_at = time.perf_counter()
+        if self.tp is not None:
+            self.tp.broadcast(tokens)
+        self.batch.sampled(slots, so.step_id, np.arange(num_rows))
+        self._enqueue_read_back(step, tokens)
+        self._last_sampled = tokens
+        return step
+
+    def _head_rows(self, num_rows: int) -> int:
+        """Rows the LM head computes for a step outside the decode graphs: ``num_rows`` padded to a decode graph's
+        batch size. The head's matmul then has a row count the graphs' capture ran, so cuBLAS picks a kernel that
+        is loaded already. CUDA loads a kernel at its first launch, and loading one may wait for the device to
+        finish what is queued: the likely cause of the launches in a burst's first steps that lasted as long as
+        their step's device work (docs/benchmarks.md). ``SLUICE_PAD_HEAD_ROWS=0`` computes the rows as they are."""
+        if self.graphs is None or not num_rows or not self._pad_head_rows:
+            return num_rows
+        return self.graphs.padded_size(num_rows) or num_rows
+
+    def _device_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded now, from a ring (creating one per step costs host time): a step's two are
+        read within the next two launches, each of which takes two more."""
+        if self.device.type != "cuda":
+            return None
+        self._event_turn = (self._event_turn + 1) % len(self._events)
+        event = self._events[self._event_turn]
+        event.record()
+        return event
+
+    def _enqueue_read_back(self, step: LaunchedStep, tokens: torch.Tensor) -> None:
+        """The step's tokens on their way to pinned host memory; it is the step in flight until read back."""
+        step.tokens = tokens
+        if self.device.type == "cuda":
+            step.host_tokens = self._host_tokens(tokens.numel())
+            step.host_tokens.copy_(tokens, non_blocking=True)
+            step.ready = self._device_event()
+        self._inflight = step
+
+    def _host_tokens(self, n: int) -> torch.Tensor:
+        """Pinned room for a step's sampled tokens; two in turn, as two steps may be in flight."""
+        self._host_turn ^= 1
+        buf = self._host_bufs[self._host_turn]
+        if buf.numel() < n:
+            buf = self._host_bufs[self._host_turn] = torch.empty(n, dtype=torch.long, pin_memory=True)
+        return buf[:n]
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        """Wait for a launched step's tokens; its output for the scheduler."""
+        if step.output is not None:
+            return step.output
+        self._read_back(step)
+        if step.uniform:
+            return step.output
+        if self.tp is not None and self.tp.rank != 0:
+            return ModelOutput(step.so.step_id)
+        logprobs = None
+        if step.sampler_out is not None and step.sampler_out.logprobs is not None:
+            logprobs = token_logprobs(self.batch.num_logprobs[step.slots].tolist(), step.token_list, step.sampler_out)
+        return ModelOutput(step.so.step_id, step.req_ids, step.token_list, logprobs)
+
+    def _read_back(self, step: LaunchedStep | None) -> None:
+        """The host side of a step's samples: the persistent batch learns its tokens (once)."""
+        if step is None or step.read or step.output is not None:
+            return
+        step.read = True
+        if step.ready is not None:
+            t0 = time.perf_counter()
+            step.ready.synchronize()
+            step.waited_s = time.perf_counter() - t0
+            host = step.host_tokens.numpy()
+        else:
+            host = step.tokens.numpy()
+        if step.uniform:
+            step.output = self.drafter.uniform_output(step.so, step.slots, host)
+            if self._inflight is step:
+                self._inflight = None
+            return
+        self.batch.read_back(step.slots, step.so.step_id, host)
+        step.token_list = host.tolist()
+        ib = self.batch
+        if ib.penalized[step.slots].any():
+            for slot, t in zip(step.slots.tolist(), step.token_list):
+                out = ib.output_tokens[slot]
+                if out is not None:
+                    out.append(t)
+        if self._inflight is step:
+            self._inflight = None
+
+    def _sampling_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
+        """The rows that sample (their indices in the step) and the request of each sampled token: a row's
+        own, then with n > 1 its forks', which sample from the same row."""
+        n = len(so.req_ids)
+        if not so.forks:
+            if all(so.samples):
+                return np.arange(n), so.req_ids
+            idx = [i for i, s in enumerate(so.samples) if s]
+            return np.asarray(idx, np.int64), [so.req_ids[i] for i in idx]
+        idx, req_ids = [], []
+        for i, (rid, s) in enumerate(zip(so.req_ids, so.samples)):
+            if s:
+                for r in (rid, *so.forks.get(rid, ())):
+                    idx.append(i)
+                    req_ids.append(r)
+        return np.asarray(idx, np.int64), req_ids
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward over a step's tokens: final hidden states (what a mixed-step graph captures)."""
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+
+    def mixed_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """What a mixed-step graph captures: the final hidden states, and with an EAGLE-3 draft head its features
+        beside them (``[T, hidden + features]``), so that a step that drafts (a prompt's last chunk) replays it too."""
+        if self.drafter is None or not self.drafter.feature_layers:
+            return self._forward(input_ids, positions, meta)
+        return torch.cat(self.drafter.target_forward(input_ids, positions, meta), -1)
+
+    def replay_mixed(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the mixed-step graph of ``size`` tokens: its final hidden states and the draft head's features
+        (the hidden states themselves without EAGLE-3 layers)."""
+        out = self.mixed_graphs.replay(size)
+        h = self.model.config.hidden_size
+        return (out[:, :h], out[:, h:]) if out.shape[-1] > h else (out, out)
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """The captured part of a decode step: embedding to logits of every row."""
+        return self.model.compute_logits(self._forward(input_ids, positions, meta))
+
+    def _metadata(self, rows: StepRows, b: StepBuffers) -> AttentionMetadata:
+        n = len(rows.slots)
+        qsl = rows.query_start_loc
+        seq_lens = b.seq_lens_np[:n]
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping[: rows.num_tokens],
+            query_start_loc=b.query_start_loc[: n + 1],
+            seq_lens=b.seq_lens[:n],
+            block_tables=b.block_tables[:n],
+            max_query_len=int(rows.q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_host=qsl.tolist(),
+            seq_lens_host=seq_lens.tolist(),
+        )
+
+    # -- sampling ----------------------------------------------------------------------------------
+    def _generator(self, slot: int) -> torch.Generator:
+        rid = self.batch.req_ids[slot]
+        g = self.generators.get(rid)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(self.batch.params[slot].seed)
+            self.generators[rid] = g
+            if self.args.kv_role == "decode":  # prefill/decode disaggregation (core/disagg/engine.py)
+                self._skip_prefill_draws(g, slot)
+        return g
+
+    def _skip_prefill_draws(self, g: torch.Generator, slot: int) -> None:
+        """A decode engine's request arrives with the first token the prefill engine sampled (one draw of the
+        same seed's stream there). Drawing it here too, and dropping it, keeps the stream where one engine's
+        would be: seeded sampling gives the same tokens through the pair as through one engine."""
+        for _ in range(int(self.batch.num_arrived[slot] - self.batch.num_prompt[slot])):
+            torch.empty(self.vocab_size, device=self.device).exponential_(generator=g)
+
+    def _sampling_batch(
+        self,
+        slots: np.ndarray,
+        num_outputs: np.ndarray,
+        b: StepBuffers,
+        extra_outputs: list[list[int]] | None = None,
+    ) -> SamplingBatch | None:
+        """The sampler's per-row parameters, or None when plain argmax serves every row. Row ``i`` belongs to
+        slot ``slots[i]`` and samples after ``num_outputs[i]`` output tokens: its own so far, then (a
+        verification row) ``extra_outputs[i]``, the drafts before it."""
+        ib = self.batch
+        k = len(slots)
+        temperature = ib.temperature[slots]
+        any_pen = bool(ib.penalized[slots].any())
+        early = num_outputs < ib.min_tokens[slots]
+        any_banned = bool(early.any())
+        nlp = int(ib.num_logprobs[slots].max()) if k else -1
+        all_greedy = not temperature.any()
+        if all_greedy and not any_pen and not any_banned and nlp < 0:
+            return None
+        if k > b.max_seqs:
+            b = StepBuffers(1, k, 1, self.device)
+        f = b.sampling_f_np
+        f[0, :k] = temperature
+        f[1, :k] = ib.top_p[slots]
+        f[2, :k] = ib.min_p[slots]
+        if any_pen:
+            f[3, :k] = ib.presence[slots]
+            f[4, :k] = ib.frequency[slots]
+            f[5, :k] = ib.repetition[slots]
+        top_k = ib.top_k[slots]
+        b.top_k_np[:k] = top_k
+        b.upload_sampling(k, any_pen)
+        slot_list = slots.tolist()
+        seeded = ib.seeded[slots]
+        generators = [self._generator(s) if g else None for s, g in zip(slot_list, seeded)]
+        banned = None
+        if any_banned:
+            banned = [
+                list(ib.eos[s]) + list(ib.params[s].stop_token_ids) if e else [] for s, e in zip(slot_list, early)
+            ]
+        outputs = prompts = None
+        if any_pen:
+            outputs = []
+            for i, s in enumerate(slot_list):
+                out = ib.output_tokens[s] or []
+                outputs.append(out + extra_outputs[i] if extra_outputs is not None else out)
+            prompts = [ib.tokens[s][: ib.num_prompt[s]] if ib.penalized[s] else [] for s in slot_list]
+        dev = b.sampling_f
+        return SamplingBatch(
+            temperature=dev[0, :k],
+            top_k=b.top_k[:k],
+            top_p=dev[1, :k],
+            min_p=dev[2, :k],
+            generators=generators,
+            presence_penalty=dev[3, :k] if any_pen else None,
+            frequency_penalty=dev[4, :k] if any_pen else None,
+            repetition_penalty=dev[5, :k] if any_pen else None,
+            output_token_ids=outputs,
+            prompt_token_ids=prompts,
+            banned_token_ids=banned,
+            num_logprobs=nlp,
+            all_greedy=all_greedy,
+            any_top_k_top_p=bool((top_k > 0).any() or (ib.top_p[slots] < 1).any()),
+            any_min_p=bool((ib.min_p[slots] > 0).any()),
+        )
+
+
+_PROFILE_PARAMS = SamplingParams(temperature=0)
