@@ -28,6 +28,8 @@
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
 #   scripts/gpu_engine_bench.sh spec-short  # EAGLE batch 1 x3 and 64 concurrent, shorter (GGUF at $HOME/stage)
+#   scripts/gpu_engine_bench.sh regroup|regroup-eq  # issue 35: this build vs 07bb7c6 (.stage/old), alternating:
+#                       # ShareGPT 200 and batch 1 | greedy equality on the real model (after stage1, stage2, stage3)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
@@ -69,6 +71,9 @@ lat_b1() {  # batch 1, 128 in / 256 out
 lat_b8() {  # batch 8, 32 in / 128 out
     run "$1" 90 ${2:-} ${BENCH:-$bench} latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 ${3:-} --out "$OUT/$1.json"
 }
+pyx() {  # wheels the device lacks (.whl, carried) into $HOME/pyx
+    [ -n "${DRY:-}" ] || [ ! -d .whl ] || pip install -q --no-index --no-deps --target "$HOME/pyx" .whl/*.whl
+}
 kernel_tests() {  # the Triton kernels' tests on the GPU
     run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider "$@"
 }
@@ -84,7 +89,7 @@ case ${1:-core} in
 core)
     tp1000 tp1000
     # the previous build, from .stage/old
-    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.commands.cli bench" tp1000 tp1000_prev
+    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench" tp1000 tp1000_prev
     tp200 tp200
     lat_b1 lat_b1
     lat_b8 lat_b8
@@ -312,7 +317,7 @@ submit)  # the benchmark's callers spawned 64 at a time (default, `drive_engine`
     tp1000 tp1000_1
     tp1000 tp1000_all "env SLUICE_SUBMIT_CHUNK=0"
     tp1000 tp1000_2
-    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.commands.cli bench" tp1000 tp1000_prev
+    BENCH="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh) python -m sluice.app.cli bench" tp1000 tp1000_prev
     tp200 tp200_2
     ;;
 lat)  # batch 1 and batch 8, this build
@@ -324,6 +329,49 @@ fold200)  # the same pair on ShareGPT 200 (a call of its own: `fold` fills most 
         tp200 tp200_fold_$i "env SLUICE_GEMV_FOLD=norm,silu"
         tp200 tp200_$i
     done
+    ;;
+regroup)  # issue 35: this build against the one before the regrouping (.stage/old: `git archive 07bb7c6 app core
+    # kv spec scripts`), alternating: ShareGPT 200 offline and batch 1, PAIRS pairs (default 2), the order swapped
+    # in every other pair. Wheels for what the device lacks (msgspec, pyzmq) travel in .whl and go to $HOME/pyx.
+    pyx
+    now="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python -m sluice.app.commands.cli bench"
+    prev="env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh):$HOME/pyx python -m sluice.app.cli bench"
+    for i in $(seq 1 "${PAIRS:-2}"); do
+        order="now prev"
+        [ $((i % 2)) = 0 ] && order="prev now"
+        for side in $order; do
+            [ $side = now ] && b=$now || b=$prev
+            BENCH="$b" tp200 tp200_${side}_$i
+        done
+        for side in $order; do
+            [ $side = now ] && b=$now || b=$prev
+            BENCH="$b" lat_b1 lat_b1_${side}_$i
+        done
+    done
+    ;;
+stage1|stage2|stage3)  # the default model's GGUF in three parts (.stage/g1..g3, one carried per call, calls back to
+    # back on one warm machine) joined under $HOME/stage; stage3 checks its sha256
+    mkdir -p "$HOME/stage" && cp .stage/g${1#stage}/* "$HOME/stage/"
+    if [ "$1" = stage3 ]; then
+        cat "$HOME"/stage/gguf.part0{0,1,2} >"$HOME/stage/smollm2-135m-instruct.gguf"
+        sha256sum "$HOME/stage/smollm2-135m-instruct.gguf" | tee "$OUT/gguf.sha256"
+        grep -q '^b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 ' "$OUT/gguf.sha256" || exit 3
+    fi
+    ls -la "$HOME/stage"
+    ;;
+regroup-eq)  # issue 35: greedy equality on the real model (GGUF from stage1-3), this build and the previous one
+    # (.stage/old); each must pass, and their per-prompt rows must be the same
+    pyx
+    G=$HOME/stage/smollm2-135m-instruct.gguf
+    run eq_now 300 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_engine_check.py equality --model "$G" --out "$OUT/eq_now.json"
+    run eq_prev 300 env -C .stage/old PYTHONPATH=$(.stage/old/scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_engine_check.py equality --model "$G" --out "$OUT/eq_prev.json"
+    python - "$OUT/eq_now.json" "$OUT/eq_prev.json" <<'PY'
+import json, sys
+now, prev = (json.load(open(f)) for f in sys.argv[1:3])
+same = now["rows"] == prev["rows"]
+print(f"equality: this build pass={now['pass']} equal={now['equal']} near_ties={now['near_ties']} "
+      f"mismatches={now['mismatches']}; previous pass={prev['pass']}; rows identical: {same}")
+PY
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
