@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from sluice.app.bench.datasets import BenchRequest
+from sluice.core import envs
 from sluice.core.frontend.tokenizer import load_tokenizer
 from sluice.core.models.loader import resolve_model
 from sluice.core.models.registry import DEFAULT_MODEL
@@ -49,7 +50,7 @@ def load_hf_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    source = resolve_model(model)
+    source = resolve_model(model, envs.SLUICE_CACHE_DIR)
     if source.weights_dir is None:
         with torch.device(device):
             m = AutoModelForCausalLM.from_config(source.config, dtype=dtype, attn_implementation="sdpa")
@@ -61,7 +62,7 @@ def load_hf_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"
 
 def load_hf_tokenizer(model: str = DEFAULT_MODEL):
     """The tokenizer of `model` (dummy models borrow the default model's)."""
-    return load_tokenizer(resolve_model(model).tokenizer_dir)
+    return load_tokenizer(resolve_model(model, envs.SLUICE_CACHE_DIR).tokenizer_dir)
 
 
 # ------------------------------------------------------------------------------------------------ results

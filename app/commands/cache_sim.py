@@ -338,13 +338,14 @@ def _pct(x: float | None) -> str:
 def cmd_cache_sim(ns: argparse.Namespace) -> int:
     from sluice.app.bench.results import command_line, print_table, write_result
     from sluice.app.bench.workloads import build_workload
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
     if ns.kv_memory and ns.pool_blocks:
         raise ValueError("give --pool-blocks or --kv-memory, not both")
     t = time.perf_counter()
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     workload = build_workload(ns, lambda: load_tokenizer(source.tokenizer_dir), source.config.vocab_size)
     print(f"{workload.name}: {workload.summary()} (built in {time.perf_counter() - t:.1f}s)")
     pool_blocks = ns.pool_blocks
