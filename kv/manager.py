@@ -12,10 +12,16 @@ The scheduler asks; the manager answers in block ids and copy orders, never touc
 - ``free``: drop references tail-first, so a request's suffix is evicted before its prefix.
 - ``fork``: a second table over the same blocks (parallel sampling); the first write into a shared
   block is what ``allocate_slots`` turns into a copy.
+
+A prompt's KV computed in another engine (disaggregated prefill, `core/sched/disagg.py`) changes hands through
+pins, references held outside any table: ``pin_prompt`` keeps a finished prompt's full blocks for shipping;
+``reserve`` finds the leading blocks cached here and allocates the rest, ``publish`` hashes the rest into the
+prefix cache once the shipped KV is in them, and ``release`` / ``unpin`` drop the pins.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from sluice.kv.block_pool import ROOT_KEY, BlockPool, KVBlock
@@ -38,6 +44,22 @@ class KVRequest(Protocol):
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(slots=True)
+class KVReservation:
+    """Blocks held for a prompt whose KV is computed elsewhere: the leading ``cached`` ones were in this pool's
+    prefix cache already, the ``fresh`` ones receive the shipped KV. Each is pinned until `release`."""
+
+    cached: list[KVBlock]
+    fresh: list[KVBlock]
+    hashes: list[BlockHash]
+    token_ids: list[int]
+    cache_salt: str | None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.cached) + len(self.fresh)
 
 
 class KVCacheManager:
@@ -92,20 +114,28 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.num_computed_tokens > 0:
             return [], 0
         hashes = self._hashes(req)
-        bs = self.block_size
         tokens = req.all_token_ids
-        max_blocks = min((len(tokens) - 1) // bs, len(hashes))
+        hit = self._cached_prefix(
+            hashes, tokens, req.cache_salt, min((len(tokens) - 1) // self.block_size, len(hashes))
+        )
+        return hit, len(hit) * self.block_size
+
+    def _cached_prefix(
+        self, hashes: list[BlockHash], tokens: list[int], cache_salt: str | None, max_blocks: int
+    ) -> list[KVBlock]:
+        """The cached blocks that continue the chain from the root over ``tokens``, verified block by block."""
+        bs = self.block_size
         hit: list[KVBlock] = []
         parent_key = ROOT_KEY
         for i in range(max_blocks):
             block = self.pool.get_cached_block(
-                hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent_key, req.cache_salt if i == 0 else None
+                hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent_key, cache_salt if i == 0 else None
             )
             if block is None:
                 break
             hit.append(block)
             parent_key = block.cache_key
-        return hit, len(hit) * bs
+        return hit
 
     def prefix_in_flight(self, req: KVRequest, num_hit_blocks: int) -> bool:
         """Whether the first block ``req`` missed is being computed right now by another request (allocated,
@@ -220,22 +250,31 @@ class KVCacheManager:
         first = self.num_cached_blocks.get(rid, 0)
         if num_full <= first:
             return
-        hashes = self._hashes(req)
-        tokens = req.all_token_ids
-        end = min(num_full, len(blocks))
+        end = self._publish(
+            blocks, self._hashes(req), req.all_token_ids, req.cache_salt, first, min(num_full, len(blocks))
+        )
+        self.num_cached_blocks[rid] = max(first, end)
+
+    def _publish(
+        self,
+        blocks: list[KVBlock],
+        hashes: list[BlockHash],
+        tokens: list[int],
+        cache_salt: str | None,
+        first: int,
+        end: int,
+    ) -> int:
+        """Publish ``blocks[first:end]`` in the prefix cache, each chained to the one before it; returns where it
+        stopped (``end``, or the first block whose parent is unpublished: nothing after it can be verified)."""
+        bs = self.block_size
         for i in range(first, end):
             parent_key = blocks[i - 1].cache_key if i > 0 else ROOT_KEY
             if i > 0 and parent_key == ROOT_KEY:
-                end = i  # the parent is unpublished: nothing after it can be verified
-                break
+                return i
             self.pool.cache_full_block(
-                blocks[i],
-                hashes[i],
-                tuple(tokens[i * bs : (i + 1) * bs]),
-                parent_key,
-                req.cache_salt if i == 0 else None,
+                blocks[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent_key, cache_salt if i == 0 else None
             )
-        self.num_cached_blocks[rid] = max(first, end)
+        return end
 
     # -- release -----------------------------------------------------------------------------------
     def free(self, request_id: str) -> None:
@@ -246,6 +285,46 @@ class KVCacheManager:
         self.req_hashes.pop(request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    # -- pins: blocks held outside any table while a prompt's KV changes engines --------------------------
+    def pin_prompt(self, request_id: str, num_prompt_tokens: int) -> list[KVBlock] | None:
+        """Pin the request's full prompt blocks (they outlive its table) and return them; None where its table
+        does not hold them all."""
+        n = num_prompt_tokens // self.block_size
+        blocks = self.blocks(request_id)[:n]
+        if not blocks or len(blocks) != n:
+            return None
+        self.pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        """Drop pins, tail first: a prefix is evicted after what follows it."""
+        self.pool.free_blocks(reversed(blocks))
+
+    def reserve(self, token_ids: list[int], cache_salt: str | None) -> KVReservation | None:
+        """Room for the full blocks of ``token_ids``, hashed as this pool's prefix cache hashes them: the leading
+        blocks it caches already, and fresh ones for the rest, all pinned. None (nothing held) when the pool is
+        short."""
+        hashes = block_hashes(token_ids, self.block_size, cache_salt)
+        cached = self._cached_prefix(hashes, token_ids, cache_salt, len(hashes)) if self.enable_prefix_caching else []
+        self.pool.touch(cached)
+        num_fresh = len(hashes) - len(cached)
+        if num_fresh > self.pool.free_queue.num_free:
+            self.unpin(cached)
+            return None
+        fresh = self.pool.get_new_blocks(num_fresh)
+        return KVReservation(cached, fresh, hashes, list(token_ids), cache_salt)
+
+    def publish(self, res: KVReservation) -> None:
+        """The fresh blocks hold their KV now: publish them in the prefix cache, chained after the cached ones.
+        Without a prefix cache nothing can find them: their request recomputes (correct, slower)."""
+        if self.enable_prefix_caching:
+            blocks = res.cached + res.fresh
+            self._publish(blocks, res.hashes, res.token_ids, res.cache_salt, len(res.cached), len(blocks))
+
+    def release(self, res: KVReservation) -> None:
+        """Drop the reservation's pins."""
+        self.unpin(res.cached + res.fresh)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child's table points at every parent block (each gains a reference). The child's tokens must

@@ -174,13 +174,14 @@ def _profile_steps(step, steps: int) -> dict:
 def profile(ns: argparse.Namespace) -> dict:
     import torch
     from sluice.app.bench.latency import prefill_flops
+    from sluice.core import envs
     from sluice.core.args import EngineArgs
     from sluice.core.models.loader import resolve_model
     from sluice.core.sampling_params import SamplingParams
     from sluice.core.step import NewRequest, SchedulerOutput
     from sluice.core.worker.model_runner import ModelRunner
 
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     args = EngineArgs(
         model=ns.model,
         max_num_seqs=max(ns.batch_sizes),

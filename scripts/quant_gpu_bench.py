@@ -62,11 +62,12 @@ def main() -> int:
     p.add_argument("extra", nargs="*", help="engine flags for every run (after --)")
     ns = p.parse_args()
     from sluice.app.bench.results import command_line, write_result
+    from sluice.core import envs
     from sluice.core.errors import ModelLoadError
     from sluice.core.models.loader import resolve_model
 
     try:  # fail here, not four times over: random-weight models borrow the default model's tokenizer
-        resolve_model(ns.model)
+        resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     except ModelLoadError as e:
         print(f"{ns.model}: {e}. A machine without the model package needs a copy of the tokenizer folder")
         print("$SLUICE_CACHE_DIR/tokenizers/ (~/.cache/sluice/tokenizers/ by default) from one that has it.")

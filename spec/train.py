@@ -344,19 +344,117 @@ def train_draft_head(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
-    examples = [
+    examples = _trainable(examples, cfg)
+    fingerprint = _fingerprint(examples, cfg)
+    ckpt_path = out / CHECKPOINT
+    ckpt = _read_checkpoint(ckpt_path, fingerprint, device) if resume and ckpt_path.exists() else None
+    head, start_head, draft_vocab = _first_head(
+        model, target_name, target_config, examples, cfg, ckpt, init_from, eos_token_ids, device
+    )
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    start = 0
+    history: list[dict] = []
+    if ckpt is not None:
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start, history = ckpt["step"], ckpt["history"]
+        logger.info("resuming draft training at step %d", start)
+
+    feats = target_features(
+        model, [ex.token_ids for ex in examples], device, progress=progress, aux_layers=head.cfg.feature_layers
+    )
+    token_tensors = [torch.tensor(ex.token_ids, device=device) for ex in examples]
+    lm_d = head.lm_weight(target_lm_weight(model)).detach()
+    embed = model.model.embed_tokens
+    lengths = [len(ex.token_ids) for ex in examples]
+    per_epoch = len(_batches(lengths, cfg.batch_tokens, 0))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+    def save_checkpoint(step: int) -> None:
+        state = {"head": head.state_dict(), "optimizer": opt.state_dict(), "step": step, "history": history}
+        _save_checkpoint(ckpt_path, {**state, "fingerprint": fingerprint, "draft_vocab": draft_vocab})
+
+    plan = _StepPlan(per_epoch * cfg.epochs, start, max_steps, time_limit)
+    bar = tqdm(total=plan.total, initial=start, desc="train draft", unit="step", disable=not progress)
+    head.train()
+    step = start
+    order, order_epoch = [], -1
+    while step < plan.stop:
+        if plan.replan(step):
+            bar.total = plan.total
+        epoch, idx = divmod(step, per_epoch)
+        if epoch != order_epoch:
+            order, order_epoch = _batches(lengths, cfg.batch_tokens, cfg.seed * 1000 + epoch), epoch
+        batch_ids = order[idx]
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, plan.total, cfg)
+        with autocast:
+            batch = ([xs[i] for i in batch_ids] for xs in (examples, feats, token_tensors))
+            loss, acc = _losses(head, lm_d, embed, *batch, cfg, device)
+        value = _optimizer_step(head, opt, loss, cfg.grad_clip)
+        history.append({"step": step + 1, "loss": round(value, 5), "acc": [round(a, 4) for a in acc]})
+        bar.set_postfix(loss=f"{value:.3f}", acc="/".join(f"{a:.2f}" for a in acc))
+        bar.update(1)
+        step += 1
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint(step)
+    bar.close()
+    save_checkpoint(plan.stop)
+    head.eval()
+    if plan.stop == plan.total:
+        head.cfg.training = {
+            "steps": plan.total,
+            "epochs": cfg.epochs,
+            "examples": len(examples),
+            "tokens": sum(lengths),
+            "config": asdict(cfg),
+            "final": history[-1] if history else None,
+            "seconds_this_run": round(time.perf_counter() - plan.t0, 1),
+            "previous": start_head.cfg.training if start_head is not None else None,
+        } | (provenance or {})
+        save_draft_head(head, out)
+    return TrainResult(head, plan.stop, history)
+
+
+def _optimizer_step(head, opt, loss: torch.Tensor, grad_clip: float) -> float:
+    """Back-propagate ``loss``, clip the head's gradients and step; returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), grad_clip)
+    opt.step()
+    return float(loss.detach())
+
+
+def _read_checkpoint(path: Path, fingerprint: str, device: torch.device) -> dict:
+    ckpt = torch.load(path, map_location=device, weights_only=False)
+    if ckpt["fingerprint"] != fingerprint:
+        raise ValueError(f"{path} belongs to another run (data or config differ); remove it or pass --no-resume")
+    return ckpt
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    """Written beside, then moved over the last one: an interrupted save leaves the last checkpoint whole."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def _trainable(examples: Sequence[Example], cfg: TrainConfig) -> list[Example]:
+    """The examples of at least 3 tokens, cut to ``max_seq_len``."""
+    kept = [
         Example(ex.token_ids[: cfg.max_seq_len], min(ex.prompt_len, cfg.max_seq_len))
         for ex in examples
         if len(ex.token_ids) >= 3
     ]
-    if not examples:
+    if not kept:
         raise ValueError("examples: no sequence of at least 3 tokens to train on")
-    fingerprint = _fingerprint(examples, cfg)
-    ckpt_path = out / CHECKPOINT
-    ckpt = torch.load(ckpt_path, map_location=device, weights_only=False) if resume and ckpt_path.exists() else None
-    if ckpt is not None and ckpt["fingerprint"] != fingerprint:
-        raise ValueError(f"{ckpt_path} belongs to another run (data or config differ); remove it or pass --no-resume")
+    return kept
 
+
+def _first_head(model, target_name, target_config, examples, cfg: TrainConfig, ckpt, init_from, eos_token_ids, device):
+    """The head training starts from, on ``device``, with its draft vocabulary: the checkpoint's (its weights
+    loaded later, with the optimizer's), ``init_from``'s (an EAGLE-1 head grown into an EAGLE-3 one where the
+    config asks for that), or a fresh one. Returns the head, the ``init_from`` head (or None) and the vocabulary."""
     vocab = target_config.vocab_size
     start_head = None
     if ckpt is None and init_from is not None:
@@ -395,106 +493,43 @@ def train_draft_head(
         head.load_state_dict(start_head.state_dict())
     elif ckpt is None and cfg.init_from_last_layer:
         _init_from_target(head, model)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    start = 0
-    history: list[dict] = []
-    if ckpt is not None:
-        head.load_state_dict(ckpt["head"])
-        opt.load_state_dict(ckpt["optimizer"])
-        start, history = ckpt["step"], ckpt["history"]
-        logger.info("resuming draft training at step %d", start)
+    return head, start_head, draft_vocab
 
-    feats = target_features(
-        model, [ex.token_ids for ex in examples], device, progress=progress, aux_layers=head.cfg.feature_layers
-    )
-    token_tensors = [torch.tensor(ex.token_ids, device=device) for ex in examples]
-    lm_d = head.lm_weight(target_lm_weight(model)).detach()
-    embed = model.model.embed_tokens
-    lengths = [len(ex.token_ids) for ex in examples]
-    per_epoch = len(_batches(lengths, cfg.batch_tokens, 0))
-    total = planned = per_epoch * cfg.epochs
-    stop = total if max_steps is None else min(total, max_steps)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
-    def save_checkpoint(step: int) -> None:
-        state = {
-            "head": head.state_dict(),
-            "optimizer": opt.state_dict(),
-            "step": step,
-            "history": history,
-            "fingerprint": fingerprint,
-            "draft_vocab": draft_vocab,
-        }
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(ckpt_path)
+class _StepPlan:
+    """How many steps a run takes: every epoch's (``planned``), stopped early at ``max_steps``; with a time
+    limit, the steps that fit it, from the pace of the steps so far. ``total`` is what the learning-rate schedule
+    spans, ``stop`` where this run stops; ``t0`` when it began."""
 
-    bar = tqdm(total=total, initial=start, desc="train draft", unit="step", disable=not progress)
-    t0 = t_pace = time.perf_counter()
-    s_pace = start
-    head.train()
-    step = start
-    order, order_epoch = [], -1
-    while step < stop:
-        if time_limit is not None and step == start + 5:
-            t_pace, s_pace = time.perf_counter(), step  # the first steps pay for kernel warm-up: time from here
-        replan = (step - start) % 50 == 15 or step == stop - 1
-        if time_limit is not None and step > start + 5 and step > s_pace and replan:
-            # Re-planned every 50 steps, and at the planned end, from the pace since the last plan: steps can
-            # keep getting faster long after warm-up (run 8's went from 0.29 s to 0.03 s), and a plan from the
-            # average so far stopped it at 1,512 of several thousand steps that fit. The cosine schedule
-            # follows `total`.
-            now = time.perf_counter()
-            per_step = (now - t_pace) / (step - s_pace)
-            t_pace, s_pace = now, step
-            fit = min(planned, max(step + 1, step + int((time_limit - (now - t0)) / per_step)))
-            if fit != total:
-                logger.info("--train-time-limit: %d of %d steps fit (%.3fs/step)", fit, planned, per_step)
-                total = fit
-                stop = fit if max_steps is None else min(fit, max_steps)
-                bar.total = total
-        epoch, idx = divmod(step, per_epoch)
-        if epoch != order_epoch:
-            order, order_epoch = _batches(lengths, cfg.batch_tokens, cfg.seed * 1000 + epoch), epoch
-        batch_ids = order[idx]
-        for group in opt.param_groups:
-            group["lr"] = _lr(step, total, cfg)
-        with autocast:
-            loss, acc = _losses(
-                head,
-                lm_d,
-                embed,
-                [examples[i] for i in batch_ids],
-                [feats[i] for i in batch_ids],
-                [token_tensors[i] for i in batch_ids],
-                cfg,
-                device,
-            )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
-        value = float(loss.detach())
-        history.append({"step": step + 1, "loss": round(value, 5), "acc": [round(a, 4) for a in acc]})
-        bar.set_postfix(loss=f"{value:.3f}", acc="/".join(f"{a:.2f}" for a in acc))
-        bar.update(1)
-        step += 1
-        if step % cfg.checkpoint_every == 0:
-            save_checkpoint(step)
-    bar.close()
-    save_checkpoint(stop)
-    head.eval()
-    if stop == total:
-        head.cfg.training = {
-            "steps": total,
-            "epochs": cfg.epochs,
-            "examples": len(examples),
-            "tokens": sum(lengths),
-            "config": asdict(cfg),
-            "final": history[-1] if history else None,
-            "seconds_this_run": round(time.perf_counter() - t0, 1),
-            "previous": start_head.cfg.training if start_head is not None else None,
-            **(provenance or {}),
-        }
-        save_draft_head(head, out)
-    return TrainResult(head, stop, history)
+    def __init__(self, planned: int, start: int, max_steps: int | None, time_limit: float | None) -> None:
+        self.planned = self.total = planned
+        self.start = start
+        self.max_steps = max_steps
+        self.stop = planned if max_steps is None else min(planned, max_steps)
+        self.time_limit = time_limit
+        self.t0 = self.t_pace = time.perf_counter()
+        self.s_pace = start
+
+    def replan(self, step: int) -> bool:
+        """Before ``step``: whether the time limit changed the plan. Re-planned every 50 steps, and at the
+        planned end, from the pace since the last plan: steps can keep getting faster long after warm-up (run 8's
+        went from 0.29 s to 0.03 s), and a plan from the average so far stopped it at 1,512 of several thousand
+        steps that fit. The cosine schedule follows `total`."""
+        if self.time_limit is None:
+            return False
+        start = self.start
+        if step == start + 5:
+            self.t_pace, self.s_pace = time.perf_counter(), step  # the first steps pay for kernel warm-up
+        due = (step - start) % 50 == 15 or step == self.stop - 1
+        if not (step > start + 5 and step > self.s_pace and due):
+            return False
+        now = time.perf_counter()
+        per_step = (now - self.t_pace) / (step - self.s_pace)
+        self.t_pace, self.s_pace = now, step
+        fit = min(self.planned, max(step + 1, step + int((self.time_limit - (now - self.t0)) / per_step)))
+        if fit == self.total:
+            return False
+        logger.info("--train-time-limit: %d of %d steps fit (%.3fs/step)", fit, self.planned, per_step)
+        self.total = fit
+        self.stop = fit if self.max_steps is None else min(fit, self.max_steps)
+        return True

@@ -61,12 +61,9 @@ def test_prompt_and_messages_file_are_exclusive(tmp_path, capsys):
 
 
 def _subparser(name: str):
-    import argparse
-
     from sluice.app.commands.cli import build_parser
 
-    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return sub.choices[name]
+    return build_parser().subcommands.choices[name]
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])

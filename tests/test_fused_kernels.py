@@ -380,8 +380,7 @@ def test_attention_layer_with_rope_in_the_decode_kernel_matches_two_kernels(monk
     r.fused_write = lambda *a: rope_kv_calls.append(a[0].shape[0]) or real(*a)
 
     def run(rope_in_decode: bool, seq_lens: list[int], q_lens: list[int]):
-        monkeypatch.setenv("SLUICE_DECODE_ROPE", "1" if rope_in_decode else "0")
-        backend = TritonAttentionBackend()
+        backend = TritonAttentionBackend(rope_in_decode=rope_in_decode)  # the engine's SLUICE_DECODE_ROPE
         assert backend.rope_in_decode == rope_in_decode
         _, cache, meta = random_paged_batch(seq_lens, q_lens, 2, 2, 16, dtype=torch.bfloat16, device=DEVICE, seed=4)
         x = torch.randn(sum(q_lens), 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
@@ -424,12 +423,10 @@ def test_attention_layer_with_rope_and_kv_write_fused_matches_unfused(monkeypatc
     backend = TritonAttentionBackend()
 
     def run(fused_write: bool):
-        if fused_write:  # the default
-            monkeypatch.delenv("SLUICE_FUSED_ROPE_KV", raising=False)
-        else:
-            monkeypatch.setenv("SLUICE_FUSED_ROPE_KV", "0")
         r = RotaryEmbedding(cfg, attn.head_dim, 256).to(DEVICE)
-        assert enable_fused_kernels(r) == 1 and (r.fused_write is not None) == fused_write
+        # the default, or two kernels (the engine's SLUICE_FUSED_ROPE_KV=0)
+        switched = enable_fused_kernels(r) if fused_write else enable_fused_kernels(r, fused_rope_kv=False)
+        assert switched == 1 and (r.fused_write is not None) == fused_write
         c = cache.clone()
         return attn(x, positions, r, ForwardContext(meta, [c], backend)), c
 

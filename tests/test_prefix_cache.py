@@ -99,6 +99,53 @@ def test_a_hit_never_covers_the_whole_prompt():
     assert mgr.get_computed_blocks(FakeReq("c", prompt + [9]))[1] == 2 * BS
 
 
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_a_reservation_pins_the_cached_prefix_and_publishes_the_rest_as_a_prefix_hit(salt):
+    """Disaggregation's decode side (`KVCacheManager.reserve` / `publish` / `release`): the leading blocks cached
+    here are pinned, not shipped; the fresh ones, once published, are found by a later lookup exactly as blocks
+    computed here; releasing drops every pin."""
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    prompt = block(10) + block(40) + block(70)
+    run_alone(mgr, FakeReq("a", block(10) + [1, 2], cache_salt=salt))  # caches the first block only
+    free = mgr.num_free_blocks
+    res = mgr.reserve(prompt, salt)
+    assert res is not None and (len(res.cached), len(res.fresh), res.num_blocks) == (1, 2, 3)
+    assert all(b.ref_cnt == 1 for b in res.cached + res.fresh) and mgr.num_free_blocks == free - 3
+    other = "x" if salt is None else None
+    assert mgr.reserve(prompt, other).cached == []  # another salt: nothing of it is cached
+    assert mgr.get_computed_blocks(FakeReq("b", prompt + [5], cache_salt=salt))[1] == BS  # not published yet
+    mgr.publish(res)
+    hit, num_hit = mgr.get_computed_blocks(FakeReq("c", prompt + [5], cache_salt=salt))
+    assert num_hit == 3 * BS and hit == res.cached + res.fresh
+    mgr.release(res)
+    assert all(b.ref_cnt == 0 for b in hit)
+
+
+def test_a_reservation_the_pool_cannot_hold_holds_nothing():
+    mgr = KVCacheManager(num_blocks=3, block_size=BS)
+    run_alone(mgr, FakeReq("a", block(10) + [1]))
+    free = mgr.num_free_blocks
+    assert mgr.reserve(block(10) + block(40) + block(70) + block(99), None) is None
+    assert mgr.num_free_blocks == free and all(b.ref_cnt == 0 for b in mgr.pool.blocks)
+
+
+def test_pinned_prompt_blocks_outlive_their_table():
+    """Disaggregation's prefill side (`pin_prompt` / `unpin`): the request's full prompt blocks stay held after
+    it is freed, and are freed tail first when unpinned; a table short of them pins nothing."""
+    mgr = KVCacheManager(num_blocks=8, block_size=BS)
+    req = FakeReq("a", block(10) + block(40) + [1, 2])
+    run_alone(mgr, req, free=False)
+    assert mgr.pin_prompt("nobody", len(req.all_token_ids)) is None
+    pinned = mgr.pin_prompt("a", len(req.all_token_ids))
+    assert pinned == mgr.blocks("a")[:2] and [b.ref_cnt for b in pinned] == [2, 2]
+    mgr.free("a")
+    assert [b.ref_cnt for b in pinned] == [1, 1]
+    mgr.unpin(pinned)
+    assert [b.ref_cnt for b in pinned] == [0, 0]
+    assert list(mgr.pool.free_queue)[-2:] == [pinned[1], pinned[0]]  # the prefix is evicted last
+    assert mgr.get_computed_blocks(FakeReq("b", block(10) + block(40) + [3]))[1] == 2 * BS  # still cached
+
+
 def test_disabled_cache_publishes_nothing_and_never_hits():
     mgr = KVCacheManager(num_blocks=32, block_size=BS, enable_prefix_caching=False)
     prompt = block(10) + block(40) + [1]

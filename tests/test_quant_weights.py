@@ -324,17 +324,20 @@ def test_int4_gemv_config_splits_k_only_while_the_grid_is_short():
 
 
 def test_pdl_only_on_a_cuda_gpu_of_compute_capability_9_and_not_when_turned_off(monkeypatch):
-    """The PDL constexprs compile only for sm_90+ (and not in the interpreter); SLUICE_PDL is the A/B switch."""
+    """The PDL constexprs compile only for sm_90+ (and not in the interpreter); `configure` (the engine's
+    SLUICE_PDL, tests/test_envs.py) is the A/B switch."""
+    from sluice.kv.attention import pdl
     from sluice.kv.attention.pdl import pdl_enabled
 
-    monkeypatch.setenv("SLUICE_PDL", "1")
+    pdl.configure(enabled=True)
     pdl_enabled.cache_clear()  # it answers once per device and process; each case below is a new "process"
     assert not pdl_enabled(torch.device("cpu"))
     for capability, expected in (((9, 0), True), ((10, 0), True), ((8, 9), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         pdl_enabled.cache_clear()
         assert pdl_enabled(torch.device("cuda", 0)) is expected
-    monkeypatch.setenv("SLUICE_PDL", "0")
+    pdl.configure(enabled=False)
     pdl_enabled.cache_clear()
     assert not pdl_enabled(torch.device("cuda", 0))
+    pdl.configure(enabled=True)  # the default
     pdl_enabled.cache_clear()  # leave no answer from a faked GPU behind

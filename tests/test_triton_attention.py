@@ -147,13 +147,12 @@ def test_decode_split_heuristic_and_graph_bound(group):
     _check(backend.forward(query, cache, meta, 0.1), query, cache, meta, 0.1)
 
 
-def test_decode_key_tile_from_the_environment(monkeypatch):
-    """SLUICE_DECODE_BLOCK_N sets the decode kernel's keys per tile (128 unless said): both tiles give the
-    reference's output, and the launch takes the backend's tile."""
+def test_decode_key_tile_from_the_backends_switch(monkeypatch):
+    """``decode_block_n`` (the engine's SLUICE_DECODE_BLOCK_N, tests/test_envs.py) sets the decode kernel's keys
+    per tile (128 unless said): both tiles give the reference's output, and the launch takes the backend's tile."""
     query, cache, meta = _build([5, 70, 200], [1] * 3, 2, 2, 64, seed=11)
     assert TritonAttentionBackend().decode_block_n == 128
-    monkeypatch.setenv("SLUICE_DECODE_BLOCK_N", "64")
-    backend = TritonAttentionBackend(decode_num_splits=2)
+    backend = TritonAttentionBackend(decode_num_splits=2, decode_block_n=64)
     tiles = []
     real = tk.paged_decode
     monkeypatch.setattr(tk, "paged_decode", lambda *a, **kw: tiles.append(kw["block_n"]) or real(*a, **kw))

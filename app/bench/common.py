@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from sluice.app.bench.datasets import (
     save_requests,
     summarize,
 )
+from sluice.core import envs
 
 
 def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int = 1000) -> None:
@@ -102,7 +102,7 @@ class EngineRun:
 # A burst's callers are spawned this many at a time, the event loop's turn between (``SLUICE_SUBMIT_CHUNK``; 0:
 # all before any runs). Spawning a task costs the harness ~10 us of the loop's thread, so spawning a thousand
 # before any runs made the engine's first step wait for the harness (docs/benchmarks.md).
-SUBMIT_CHUNK = int(os.environ.get("SLUICE_SUBMIT_CHUNK", "64"))
+SUBMIT_CHUNK = envs.SLUICE_SUBMIT_CHUNK
 
 
 async def drive_engine(

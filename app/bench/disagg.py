@@ -164,10 +164,11 @@ async def bench_split(args, ns, requests, offsets) -> dict:
 def main(ns: argparse.Namespace) -> int:
     import anyio
     from sluice.app.bench.common import release_device_memory
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     requests = workload(ns, tokenizer, source.config.vocab_size)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)

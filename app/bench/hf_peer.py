@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 from sluice.app.bench.datasets import BenchRequest
+from sluice.core import envs
 from sluice.core.frontend.tokenizer import load_tokenizer
 from sluice.core.models.loader import resolve_model
 from sluice.core.models.registry import DEFAULT_MODEL
@@ -49,7 +50,7 @@ def load_hf_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    source = resolve_model(model)
+    source = resolve_model(model, envs.SLUICE_CACHE_DIR)
     if source.weights_dir is None:
         with torch.device(device):
             m = AutoModelForCausalLM.from_config(source.config, dtype=dtype, attn_implementation="sdpa")
@@ -61,7 +62,7 @@ def load_hf_model(model: str = DEFAULT_MODEL, device: str | torch.device = "cpu"
 
 def load_hf_tokenizer(model: str = DEFAULT_MODEL):
     """The tokenizer of `model` (dummy models borrow the default model's)."""
-    return load_tokenizer(resolve_model(model).tokenizer_dir)
+    return load_tokenizer(resolve_model(model, envs.SLUICE_CACHE_DIR).tokenizer_dir)
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -176,11 +177,57 @@ def run_hf_continuous_batching(
     `max_batch_tokens` caps the tokens per forward step (None: transformers sizes it on a GPU, and on a CPU it is
     `CPU_MAX_BATCH_TOKENS`); `num_blocks` defaults to room for every request at once on a CPU (on a GPU, pass it
     to bound the cache)."""
+    if not requests:
+        return PeerResult.build(name, [], [], [], 0.0)
+    manager = _cb_manager(model, requests, max_batch_tokens, num_blocks, page_size, allow_block_sharing)
+    ids = [f"req_{i}" for i in range(len(requests))]
+    index = {rid: i for i, rid in enumerate(ids)}
+    got = _CBResults(len(requests))
+    # No inference mode here: transformers 5.17 runs its generation thread outside it (later versions copy the
+    # caller's mode into the thread), and the thread's first act resets, in place, the batch processor `warmup`
+    # built: tensors made under inference mode cannot be updated outside it.
+    with torch.no_grad():
+        manager.warmup()  # allocates the cache (and captures graphs on GPU) before the clock starts
+        manager.start()
+        try:
+            t0 = time.perf_counter()
+            deadline = t0 + timeout_s
+            for rid, r in zip(ids, requests, strict=True):
+                manager.add_request(
+                    input_ids=list(r.prompt_token_ids),
+                    request_id=rid,
+                    max_new_tokens=r.output_len,
+                    eos_token_id=-1,
+                )
+            got.t_last = t0
+            got.collect(manager, index, deadline)
+            # all done: first add to last result; otherwise (timeout, dead loop) until we gave up
+            elapsed = (got.t_last if not got.remaining else time.perf_counter()) - t0
+            timed_out = bool(got.remaining) and time.perf_counter() >= deadline
+        finally:
+            manager.stop(block=True, timeout=30.0, hard_stop=True)
+            manager.destroy()
+    fatal = getattr(manager.background_thread_status, "fatal_error", None)
+    error = f"{type(fatal).__name__}: {fatal}" if fatal is not None else got.first_error
+    if error is None and got.remaining and not timed_out:
+        error = "the generation loop stopped before every request finished"
+    return PeerResult.build(
+        name, requests, got.output_lens, got.finished, elapsed, error=error, timed_out=timed_out, timeout_s=timeout_s
+    )
+
+
+def _cb_manager(
+    model,
+    requests: Sequence[BenchRequest],
+    max_batch_tokens: int | None,
+    num_blocks: int | None,
+    page_size: int,
+    allow_block_sharing: bool,
+):
+    """transformers' continuous batching manager for ``requests`` (greedy, EOS disabled), not yet started."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
-    if not requests:
-        return PeerResult.build(name, [], [], [], 0.0)
     max_out = max(r.output_len for r in requests)
     gen_cfg = GenerationConfig(max_new_tokens=max_out, eos_token_id=-1, do_sample=False)
     on_cpu = model.device.type == "cpu"
@@ -199,68 +246,47 @@ def run_hf_continuous_batching(
         max_generated_length=max_out,
         num_requests=len(requests),
     )
-    manager = model.init_continuous_batching(
+    return model.init_continuous_batching(
         generation_config=gen_cfg, continuous_batching_config=cb_cfg, workload_hints=hints
     )
-    ids = [f"req_{i}" for i in range(len(requests))]
-    index = {rid: i for i, rid in enumerate(ids)}
-    output_lens = [0] * len(requests)
-    finished = [False] * len(requests)
-    first_error: str | None = None
-    # No inference mode here: transformers 5.17 runs its generation thread outside it (later versions copy the
-    # caller's mode into the thread), and the thread's first act resets, in place, the batch processor `warmup`
-    # built: tensors made under inference mode cannot be updated outside it.
-    with torch.no_grad():
-        manager.warmup()  # allocates the cache (and captures graphs on GPU) before the clock starts
-        manager.start()
-        try:
-            t0 = time.perf_counter()
-            deadline = t0 + timeout_s
-            for rid, r in zip(ids, requests, strict=True):
-                manager.add_request(
-                    input_ids=list(r.prompt_token_ids),
-                    request_id=rid,
-                    max_new_tokens=r.output_len,
-                    eos_token_id=-1,
-                )
-            t_last = t0
-            seen: set[int] = set()
-            remaining = len(requests)
-            while remaining:
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                res = manager.get_result(timeout=min(1.0, left))
-                if res is None:
-                    if not manager.is_running():
-                        break  # generation thread died
-                    continue
-                if not res.is_finished() or res.request_id not in index:
-                    continue
-                i = index[res.request_id]
-                if i in seen:
-                    continue
-                seen.add(i)
-                remaining -= 1
-                t_last = time.perf_counter()
-                if res.error is None:
-                    finished[i] = True
-                    output_lens[i] = len(res.generated_tokens)
-                elif first_error is None:
-                    first_error = str(res.error)
-            # all done: first add to last result; otherwise (timeout, dead loop) until we gave up
-            elapsed = (t_last if not remaining else time.perf_counter()) - t0
-            timed_out = bool(remaining) and time.perf_counter() >= deadline
-        finally:
-            manager.stop(block=True, timeout=30.0, hard_stop=True)
-            manager.destroy()
-    fatal = getattr(manager.background_thread_status, "fatal_error", None)
-    error = f"{type(fatal).__name__}: {fatal}" if fatal is not None else first_error
-    if error is None and remaining and not timed_out:
-        error = "the generation loop stopped before every request finished"
-    return PeerResult.build(
-        name, requests, output_lens, finished, elapsed, error=error, timed_out=timed_out, timeout_s=timeout_s
-    )
+
+
+class _CBResults:
+    """The continuous batching manager's results as they come: per request, finished or not and its output
+    length; the first error; how many are still out and when the last one came."""
+
+    def __init__(self, n: int) -> None:
+        self.output_lens = [0] * n
+        self.finished = [False] * n
+        self.first_error: str | None = None
+        self.remaining = n
+        self.t_last = 0.0  # set to the clock's start when the requests go in
+
+    def collect(self, manager, index: dict[str, int], deadline: float) -> None:
+        """Take results until every request has one, the deadline passes or the generation thread dies."""
+        seen: set[int] = set()
+        while self.remaining:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            res = manager.get_result(timeout=min(1.0, left))
+            if res is None:
+                if not manager.is_running():
+                    break  # generation thread died
+                continue
+            if not res.is_finished() or res.request_id not in index:
+                continue
+            i = index[res.request_id]
+            if i in seen:
+                continue
+            seen.add(i)
+            self.remaining -= 1
+            self.t_last = time.perf_counter()
+            if res.error is None:
+                self.finished[i] = True
+                self.output_lens[i] = len(res.generated_tokens)
+            elif self.first_error is None:
+                self.first_error = str(res.error)
 
 
 def run_hf_generate(

@@ -118,11 +118,12 @@ def peer_latency(ns: argparse.Namespace, model: str, device, dtype, vocab: int) 
 
 
 def main(ns: argparse.Namespace) -> int:
+    from sluice.core import envs
     from sluice.core.models.loader import resolve_model
 
     if min(ns.batch_size, ns.input_len, ns.output_len, ns.num_iters) < 1:
         raise ValueError("batch_size, input_len, output_len and num_iters must be >= 1")
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     cfg = source.config
     args = engine_args_for(ns, ns.batch_size, ns.input_len + ns.output_len)
     device = args.resolve_device()

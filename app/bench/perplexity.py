@@ -127,7 +127,7 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
         "weights_gib": weight_bytes(runner.model) / 1024**3,
-        "kv_bytes_per_token": runner._bytes_per_block() // runner.block_size,
+        "kv_bytes_per_token": sum(kv.nbytes for kv in runner.kv_caches) // (runner.num_kv_blocks * runner.block_size),
         "nll_per_token": nll / count,
         "perplexity": math.exp(nll / count),
         "scored_tokens": count,
@@ -142,6 +142,7 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 def main(ns: argparse.Namespace) -> int:
     from sluice.app.bench.common import print_figures
     from sluice.app.bench.results import command_line, machine_line, print_table, write_result
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
@@ -152,7 +153,7 @@ def main(ns: argparse.Namespace) -> int:
     if "base" in names:
         names.remove("base")
     names.insert(0, "base")
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     windows = heldout_windows(tokenizer, ns.num_tokens, ns.seq_len)
     dataset = {

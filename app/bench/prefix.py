@@ -197,11 +197,12 @@ def cmd_bench_prefix(ns: argparse.Namespace) -> int:
     from sluice.app.bench.results import command_line, machine_info, print_table, versions, write_result
     from sluice.app.bench.workloads import build_workload, shared_prefix_optimum
     from sluice.app.commands.cli import engine_args_from
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
     args = engine_args_from(ns)
-    source = resolve_model(args.model)
+    source = resolve_model(args.model, envs.SLUICE_CACHE_DIR)
     workload = build_workload(ns, lambda: load_tokenizer(source.tokenizer_dir), source.config.vocab_size)
     summary = workload.summary()
     m, v = machine_info(), versions()

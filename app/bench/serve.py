@@ -201,6 +201,7 @@ def _server_model(base_url: str) -> str:
 
 def main(ns: argparse.Namespace) -> int:
     import anyio
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
     from sluice.core.models.registry import DEFAULT_MODEL
@@ -210,7 +211,7 @@ def main(ns: argparse.Namespace) -> int:
         requests, dataset = load_bench_requests(ns, tokenizer=None, vocab_size=0)
         prompts: list[str | list[int]] = [r.prompt_text or r.prompt_token_ids for r in requests]
     else:
-        tokenizer = load_tokenizer(resolve_model(ns.tokenizer or DEFAULT_MODEL).tokenizer_dir)
+        tokenizer = load_tokenizer(resolve_model(ns.tokenizer or DEFAULT_MODEL, envs.SLUICE_CACHE_DIR).tokenizer_dir)
         requests, dataset = load_bench_requests(ns, tokenizer, len(tokenizer))
         prompts = [r.prompt_text or tokenizer.decode(r.prompt_token_ids) for r in requests]
     print(

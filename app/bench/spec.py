@@ -111,7 +111,7 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
 
 def main(argv: list[str] | None = None) -> dict:
     from sluice.app.commands.train_draft import chat_pairs, load_conversations
-    from sluice.core import EngineArgs, SamplingParams
+    from sluice.core import EngineArgs, SamplingParams, envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
     from sluice.core.models.registry import DEFAULT_MODEL
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
     args = ap.parse_args(argv)
 
-    source = resolve_model(args.model)
+    source = resolve_model(args.model, envs.SLUICE_CACHE_DIR)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     convs = load_conversations(args.data, args.split)
     n = args.num_prompts * args.rounds

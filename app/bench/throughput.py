@@ -274,10 +274,11 @@ def run_peer(model: str, device, dtype, requests: list[BenchRequest], timeout_s:
 
 
 def main(ns: argparse.Namespace) -> int:
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     requests, dataset = load_bench_requests(ns, tokenizer, source.config.vocab_size)
     if ns.only_save_requests:

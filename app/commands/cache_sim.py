@@ -92,71 +92,95 @@ def simulate(workload: Workload, cfg: SimConfig, trace: str | None = None, model
     """Replay ``workload`` through a fresh `Scheduler` + `KVCacheManager` configured by ``cfg``; with ``trace``,
     write the inspector's step records (on the virtual clock) and final KV snapshot there."""
     t0 = time.perf_counter()
-    kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
-    sched = Scheduler(
-        SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, max_waiting_requests=1 << 62),
-        kv,
-    )
-    limits = RequestLimits(cfg.max_model_len, 1 << 62, cfg.num_kv_blocks * cfg.block_size)
-    reqs = workload.requests
-    dependents: dict[int, list[int]] = {}
-    ready: list[tuple[float, int]] = []  # (time it may start, index), the earliest first
-    for i, r in enumerate(reqs):
-        if r.after is None:
-            ready.append((r.arrival_time, i))
-        else:
-            dependents.setdefault(r.after, []).append(i)
-    heapq.heapify(ready)
-    limit = cfg.max_concurrency or math.inf
-    index_of: dict[str, int] = {}
-    replies: dict[str, list[int]] = {}
-    in_flight = finished = rejected = computed = 0
-    admitted: dict[int, Request] = {}
-    refused: set[int] = set()
-    clock = 0.0
-    recorder = writer = None
+    replay = Replay(workload, cfg)
     if trace is not None:
+        replay.trace_to(trace, model)
+    while True:
+        replay.admit_ready()
+        if not replay.sched.has_work():
+            if not replay.ready:
+                break
+            replay.clock = max(replay.clock, replay.ready[0][0])
+            continue
+        replay.step()
+    return replay.result(t0)
+
+
+class Replay:
+    """One replay of a workload on a virtual clock: requests start when they arrive (a conversation's next turn
+    once the one before it is over, up to ``max_concurrency`` at once), each step takes ``step_s`` plus
+    ``token_s`` per token, and sampled tokens are the recorded replies where there are some."""
+
+    def __init__(self, workload: Workload, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.kv = KVCacheManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.sched = Scheduler(
+            SchedulerConfig(
+                cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, max_waiting_requests=1 << 62
+            ),
+            self.kv,
+        )
+        self.limits = RequestLimits(cfg.max_model_len, 1 << 62, cfg.num_kv_blocks * cfg.block_size)
+        self.reqs = reqs = workload.requests
+        self.dependents: dict[int, list[int]] = {}
+        self.ready: list[tuple[float, int]] = []  # (time it may start, index), the earliest first
+        for i, r in enumerate(reqs):
+            if r.after is None:
+                self.ready.append((r.arrival_time, i))
+            else:
+                self.dependents.setdefault(r.after, []).append(i)
+        heapq.heapify(self.ready)
+        self.limit = cfg.max_concurrency or math.inf
+        self.index_of: dict[str, int] = {}
+        self.replies: dict[str, list[int]] = {}
+        self.in_flight = self.finished = self.rejected = self.computed = 0
+        self.admitted: dict[int, Request] = {}
+        self.refused: set[int] = set()
+        self.clock = 0.0
+        self.recorder = self.writer = None
+
+    def trace_to(self, trace: str, model: str) -> None:
         from sluice.app.inspector.trace import TraceWriter
         from sluice.core.engine_core.inspector import StepRecorder
 
-        writer = TraceWriter(trace, "cache-sim", model, cfg.block_size, cfg.num_kv_blocks)
-        recorder = StepRecorder(sched, max_steps=1, clock=lambda: clock)
-        recorder.keep_requests()  # the trace replays in `cache-sim --trace` too
+        self.writer = TraceWriter(trace, "cache-sim", model, self.cfg.block_size, self.cfg.num_kv_blocks)
+        self.recorder = StepRecorder(self.sched, max_steps=1, clock=lambda: self.clock)
+        self.recorder.keep_requests()  # the trace replays in `cache-sim --trace` too
 
-    def settle(i: int, ok: bool) -> None:
-        nonlocal finished, rejected
-        finished += ok
-        rejected += not ok
+    def settle(self, i: int, ok: bool) -> None:
+        self.finished += ok
+        self.rejected += not ok
         if not ok:
-            refused.add(i)
-        for j in dependents.pop(i, ()):  # the next turn starts once this one is over
-            heapq.heappush(ready, (max(reqs[j].arrival_time, clock), j))
+            self.refused.add(i)
+        for j in self.dependents.pop(i, ()):  # the next turn starts once this one is over
+            heapq.heappush(self.ready, (max(self.reqs[j].arrival_time, self.clock), j))
 
-    while True:
-        while ready and ready[0][0] <= clock and in_flight < limit:
+    def admit_ready(self) -> None:
+        """Queue every request that may start by now (the engine's refusals refused here too)."""
+        ready = self.ready
+        while ready and ready[0][0] <= self.clock and self.in_flight < self.limit:
             _, i = heapq.heappop(ready)
-            r = reqs[i]
+            r = self.reqs[i]
             rid = f"sim-{i}"
             params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, cache_salt=r.cache_salt)
             try:
-                (req,) = make_requests(rid, r.prompt_token_ids, params, (), limits)
+                (req,) = make_requests(rid, r.prompt_token_ids, params, (), self.limits)
             except InvalidRequestError:  # the engine refuses it too (longer than the pool or max_model_len)
-                settle(i, ok=False)
+                self.settle(i, ok=False)
                 continue
-            index_of[rid] = i
-            admitted[i] = req
-            if recorder is not None:
-                req.arrival_time = clock
-                recorder.admitted([req])
-            if cfg.recorded_replies and r.reply_token_ids:
-                replies[rid] = r.reply_token_ids
-            sched.add_request(req)
-            in_flight += 1
-        if not sched.has_work():
-            if not ready:
-                break
-            clock = max(clock, ready[0][0])
-            continue
+            self.index_of[rid] = i
+            self.admitted[i] = req
+            if self.recorder is not None:
+                req.arrival_time = self.clock
+                self.recorder.admitted([req])
+            if self.cfg.recorded_replies and r.reply_token_ids:
+                self.replies[rid] = r.reply_token_ids
+            self.sched.add_request(req)
+            self.in_flight += 1
+
+    def step(self) -> None:
+        """One scheduler step on the virtual clock, its sampled tokens made up (or replayed)."""
+        sched, recorder = self.sched, self.recorder
         if recorder is not None:
             mark = recorder.begin()
         so = sched.schedule()
@@ -164,59 +188,63 @@ def simulate(workload: Workload, cfg: SimConfig, trace: str | None = None, model
             # As the engine does: the head request can never fit, even in an empty pool.
             head: Request = sched.waiting[0]
             sched.abort(head.request_id)
-            in_flight -= 1
-            settle(index_of.pop(head.request_id), ok=False)
-            continue
+            self.in_flight -= 1
+            self.settle(self.index_of.pop(head.request_id), ok=False)
+            return
         out = ModelOutput(so.step_id)
-        computed += so.num_tokens
+        self.computed += so.num_tokens
         for rid, sample in zip(so.req_ids, so.samples):
             if sample:
                 for x in (rid, *so.forks.get(rid, ())):
-                    reply = replies.get(x)
+                    reply = self.replies.get(x)
                     n = sched.requests[x].num_output_tokens
                     out.req_ids.append(x)
                     out.token_ids.append(reply[n] if reply is not None and n < len(reply) else FILLER_TOKEN)
-        clock += cfg.step_s + cfg.token_s * so.num_tokens
+        self.clock += self.cfg.step_s + self.cfg.token_s * so.num_tokens
         events = sched.update_from_output(so, out)
         if recorder is not None:
-            steps = writer.step_lines([recorder.record(mark, so, out, events)])
-            writer.write(steps + writer.request_lines(recorder.take_ended_requests()))
+            steps = self.writer.step_lines([recorder.record(mark, so, out, events)])
+            self.writer.write(steps + self.writer.request_lines(recorder.take_ended_requests()))
         for ev in events:
             if ev.finish_reason is not None:
-                replies.pop(ev.request_id, None)
-                in_flight -= 1
-                settle(index_of.pop(ev.request_id), ok=True)
-    if writer is not None:
-        writer.close(recorder.kv_snapshot())
-    q, h = kv.prefix_cache_queries, kv.prefix_cache_hits
-    tenants: dict[str, TenantResult] = {}
-    for i, r in enumerate(reqs):
-        t = tenants.setdefault(r.cache_salt or "", TenantResult())
-        t.num_requests += 1
-        t.prompt_tokens += len(r.prompt_token_ids)
-        if i in refused or i not in admitted:
-            t.num_rejected += 1
-        else:
-            t.hit_tokens += max(admitted[i].num_cached_tokens, 0)
-    rejected_tokens = sum(len(reqs[i].prompt_token_ids) for i in refused)
-    return SimResult(
-        block_size=cfg.block_size,
-        num_kv_blocks=cfg.num_kv_blocks,
-        pool_tokens=cfg.num_kv_blocks * cfg.block_size,
-        prefix_cache_queries=q,
-        prefix_cache_hits=h,
-        hit_rate=h / (q + rejected_tokens) if q + rejected_tokens else 0.0,
-        num_requests=len(reqs),
-        num_finished=finished,
-        num_rejected=rejected,
-        rejected_prompt_tokens=rejected_tokens,
-        num_preemptions=sched.num_preemptions,
-        num_steps=sched.step_id,
-        computed_tokens=computed,
-        virtual_s=clock,
-        wall_s=time.perf_counter() - t0,
-        tenants=dict(sorted(tenants.items())),
-    )
+                self.replies.pop(ev.request_id, None)
+                self.in_flight -= 1
+                self.settle(self.index_of.pop(ev.request_id), ok=True)
+
+    def result(self, t0: float) -> SimResult:
+        """The replay's figures (``t0``: when it began, on the wall clock)."""
+        if self.writer is not None:
+            self.writer.close(self.recorder.kv_snapshot())
+        cfg, kv, reqs = self.cfg, self.kv, self.reqs
+        q, h = kv.prefix_cache_queries, kv.prefix_cache_hits
+        tenants: dict[str, TenantResult] = {}
+        for i, r in enumerate(reqs):
+            t = tenants.setdefault(r.cache_salt or "", TenantResult())
+            t.num_requests += 1
+            t.prompt_tokens += len(r.prompt_token_ids)
+            if i in self.refused or i not in self.admitted:
+                t.num_rejected += 1
+            else:
+                t.hit_tokens += max(self.admitted[i].num_cached_tokens, 0)
+        rejected_tokens = sum(len(reqs[i].prompt_token_ids) for i in self.refused)
+        return SimResult(
+            block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks,
+            pool_tokens=cfg.num_kv_blocks * cfg.block_size,
+            prefix_cache_queries=q,
+            prefix_cache_hits=h,
+            hit_rate=h / (q + rejected_tokens) if q + rejected_tokens else 0.0,
+            num_requests=len(reqs),
+            num_finished=self.finished,
+            num_rejected=self.rejected,
+            rejected_prompt_tokens=rejected_tokens,
+            num_preemptions=self.sched.num_preemptions,
+            num_steps=self.sched.step_id,
+            computed_tokens=self.computed,
+            virtual_s=self.clock,
+            wall_s=time.perf_counter() - t0,
+            tenants=dict(sorted(tenants.items())),
+        )
 
 
 def default_pool_sizes(workload: Workload, block_size: int, points: int = 8) -> list[int]:
@@ -338,13 +366,14 @@ def _pct(x: float | None) -> str:
 def cmd_cache_sim(ns: argparse.Namespace) -> int:
     from sluice.app.bench.results import command_line, print_table, write_result
     from sluice.app.bench.workloads import build_workload
+    from sluice.core import envs
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
     if ns.kv_memory and ns.pool_blocks:
         raise ValueError("give --pool-blocks or --kv-memory, not both")
     t = time.perf_counter()
-    source = resolve_model(ns.model)
+    source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     workload = build_workload(ns, lambda: load_tokenizer(source.tokenizer_dir), source.config.vocab_size)
     print(f"{workload.name}: {workload.summary()} (built in {time.perf_counter() - t:.1f}s)")
     pool_blocks = ns.pool_blocks

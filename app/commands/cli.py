@@ -71,8 +71,19 @@ def _read_messages(path: str) -> list:
         raise InvalidRequestError(f"messages_file: cannot read {path}: {e}", param="messages_file") from None
 
 
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser that keeps its subcommands' action (`subcommands`), so that ``--debug`` can reach every
+    subcommand's parser. Subcommand parsers are of the same class (argparse's default ``parser_class``)."""
+
+    subcommands: argparse.Action | None = None
+
+    def add_subparsers(self, **kwargs):
+        self.subcommands = super().add_subparsers(**kwargs)
+        return self.subcommands
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
+    parser = CommandParser(prog="sluice", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt or one conversation")
@@ -133,10 +144,10 @@ def _add_debug_flag(parser: argparse.ArgumentParser, top: bool = True) -> None:
         default=False if top else argparse.SUPPRESS,  # a subcommand must not reset ``sluice --debug serve``
         help="show the full traceback of an error",
     )
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                _add_debug_flag(sub, top=False)
+    subcommands = getattr(parser, "subcommands", None)
+    if subcommands is not None:
+        for sub in subcommands.choices.values():
+            _add_debug_flag(sub, top=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ engine stops in the lifespan's exit, and the process exits 0.
 from __future__ import annotations
 
 import argparse
-import os
+
+from sluice.core import envs
 
 
 def register(subparsers) -> None:
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("SLUICE_API_KEY"),
+        default=envs.SLUICE_API_KEY,
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SLUICE_API_KEY; unset = no key)",
     )
     p.add_argument(
@@ -113,7 +114,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     # A wrong device or model path ends the command with one line here, not with a traceback from inside the
     # server's startup (a GGUF is converted now, once; the engine then finds it in the cache).
     args.resolve_device()
-    resolve_model(args.model)
+    resolve_model(args.model, envs.SLUICE_CACHE_DIR)
     if ns.api_server_count > 1:
         from sluice.app.server.api_servers import serve_api_servers
 

@@ -146,10 +146,12 @@ class _FrontEnd:
 def serve_api_servers(ns: argparse.Namespace, args: EngineArgs) -> int:
     """Run the server as N front ends and a core; the exit status (0: stopped on request, 1: a front end
     failed)."""
+    from sluice.core import envs
     from sluice.core.models.loader import resolve_model
 
     count = ns.api_server_count
-    max_model_len = max_model_len_for(args, resolve_model(args.model).config)  # the core needs it first
+    # the core needs it first
+    max_model_len = max_model_len_for(args, resolve_model(args.model, envs.SLUICE_CACHE_DIR).config)
     sock = _bind(ns.host, ns.port)
     url = _url(ns.host, sock.getsockname()[1])
     run_dir = tempfile.mkdtemp(prefix="sluice-serve-")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections import deque
 
 import anyio
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from sluice.core import envs
 from sluice.core.args import EngineArgs
 from sluice.core.host_profile import HostProfile
 from sluice.core.models.loader import ModelSource
@@ -46,7 +46,7 @@ class ExecutorActor:
         self._last_ready = None  # the last launched step's end event on the device (for `HostProfile.gpu_idle`)
         # SLUICE_STEP_TRACE=F: every collected step's shape and device time, written to F as JSON when `run` ends
         # (`scripts/step_mix.py --trace F` reads it: where a run's device time goes, by batch size)
-        self._trace_path = os.environ.get("SLUICE_STEP_TRACE")
+        self._trace_path = envs.SLUICE_STEP_TRACE
         # (rows computing one token, the other rows' tokens (prompt chunks, verified drafts), eager, device s,
         # device idle s before it, host s from the first traced launch to its launch, host s its launch took,
         # bytes the device's caching allocator holds after it, host s of the launch until its inputs were

@@ -124,9 +124,10 @@ def run_core_process(spec: CoreProcessSpec) -> None:
         ctx.term()
 
     try:
+        from sluice.core import envs
         from sluice.core.models.loader import resolve_model
 
-        core = EngineCore.build(spec.args, resolve_model(spec.args.model), spec.max_model_len)
+        core = EngineCore.build(spec.args, resolve_model(spec.args.model, envs.SLUICE_CACHE_DIR), spec.max_model_len)
     except BaseException as e:
         logger.debug("building the engine core failed", exc_info=True)
         failed = wire.core_encoder.encode(wire.CoreFailed(wire.error_to_wire(e)))

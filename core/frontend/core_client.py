@@ -93,7 +93,7 @@ class CoreClient:
             self._pidfd = _open_pidfd(self.pid)
             await self._answer_of_start()
             return
-        from sluice.core.worker.tp.runner import check_main_guard
+        from sluice.core.main_guard import check_main_guard
 
         check_main_guard("engine_core_process starts the engine core")
         self._dir = tempfile.mkdtemp(prefix="sluice-core-")

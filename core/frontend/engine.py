@@ -10,13 +10,13 @@ presents the same streams. The actors share nothing mutable and talk only over b
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+from sluice.core import envs
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
 from sluice.core.engine_core.core import EngineCore
 from sluice.core.engine_core.inspector import StepRecorder
@@ -74,7 +74,7 @@ class AsyncEngine:
         self._gate = AdmissionGate(self.args.max_num_seqs + self.args.max_waiting_requests)
         # A burst's callers reach the scheduler this many at a time (`run_request`'s ``admitting``);
         # SLUICE_ADMITTING=0 sends them all at once (for comparison).
-        at_once = int(os.environ.get("SLUICE_ADMITTING", ADMITTING_AT_ONCE))
+        at_once = ADMITTING_AT_ONCE if envs.SLUICE_ADMITTING is None else envs.SLUICE_ADMITTING
         self._admitting = AdmissionGate(at_once) if at_once > 0 else None
         self._request_ended = anyio.Event()
         # the executor's launch thread beside the event loop's (in the core's process when it has its own)
@@ -137,7 +137,7 @@ class AsyncEngine:
                 "sluice serve --prefill-device ... --decode-device ...)",
                 param="kv_role",
             )
-        source: ModelSource = resolve_model(self.args.model)
+        source: ModelSource = resolve_model(self.args.model, envs.SLUICE_CACHE_DIR)
         self.source = source
         self.model_name = self.args.served_model_name or source.name
         self.tokenizer = load_tokenizer(source.tokenizer_dir)

@@ -16,7 +16,7 @@ become resident while the kernel before them (a fused norm, SiLU-and-mul, attent
 
 The kernels beside a projection at these sizes (the RMSNorm before it, the SiLU-and-mul after the gate/up one) are
 latency-bound launches of their own on the step's critical path; `gemv_rmsnorm` folds the norm into the GEMV's
-loads of x, `gemv_silu` the SiLU-and-mul into the gate/up GEMV's epilogue (``SLUICE_GEMV_FOLD``; off: on the H200
+loads of x, `gemv_silu` the SiLU-and-mul into the gate/up GEMV's epilogue (`configure`'s ``folds``; off: on the H200
 the folded steps were slower, up to twice as slow in CUDA graphs, for reasons not yet found: docs/benchmarks.md).
 
 Accumulation is fp32 like cuBLAS's; the sums run in another order, so outputs agree with ``F.linear`` to
@@ -26,7 +26,6 @@ the rounding of the output dtype, not bit for bit.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +35,7 @@ import triton.language as tl
 from sluice.kv.attention.pdl import pdl_launch
 
 # Rows of x one launch serves; more rows go to cuBLAS, which was faster at 96 and 128 rows on the H200
-# (docs/benchmarks.md). ``SLUICE_GEMV_ROWS`` lowers it (to 32 or 16, the earlier limits, for timing).
+# (docs/benchmarks.md). `configure`'s ``rows`` lowers it (to 32 or 16, the earlier limits, for timing).
 MAX_ROWS = 64
 # The kernel itself takes up to 128 rows (a 128-row tile of x), for timing past `MAX_ROWS`.
 KERNEL_MAX_ROWS = 128
@@ -183,29 +182,42 @@ def block_m(m: int) -> int:
 FOLD_NORM_ROWS = 16
 
 
-@functools.cache  # asked at every decoder layer; fixed for a process
+# `configure`'s switches; the functions below answer them cached, as they are asked at every decoder layer and
+# few-row linear call
+_fold_norm_rows = 0
+_fold_silu_rows = 0
+_max_rows = MAX_ROWS
+
+
+def configure(rows: int | None = None, folds: frozenset[str] | set[str] = frozenset()) -> None:
+    """This process's GEMV switches (the engine sets them from ``SLUICE_GEMV_ROWS`` and ``SLUICE_GEMV_FOLD``,
+    `core/envs.py`): ``rows``, up to which `linear` takes the GEMV (at most `MAX_ROWS`; None: `MAX_ROWS`), and
+    the kernels folded into a GEMV (``norm``: into the one after it, ``silu``: into the gate/up one before it;
+    none by default: on the H200 slower than their own kernels, `scripts/gpu_engine_bench.sh fold`)."""
+    global _fold_norm_rows, _fold_silu_rows, _max_rows
+    _fold_norm_rows = FOLD_NORM_ROWS if "norm" in folds else 0
+    _fold_silu_rows = FOLD_NORM_ROWS if "silu" in folds else 0
+    _max_rows = MAX_ROWS if rows is None else min(MAX_ROWS, rows)
+    for f in (fold_norm_rows, fold_silu_rows, max_rows):
+        f.cache_clear()
+
+
+@functools.cache
 def fold_norm_rows() -> int:
-    """Rows up to which `gemv_rmsnorm` serves: none unless ``SLUICE_GEMV_FOLD`` names ``norm`` (off: slower on the
-    H200 than the norm's own kernel, `scripts/gpu_engine_bench.sh fold`)."""
-    return FOLD_NORM_ROWS if "norm" in _folds() else 0
+    """Rows up to which `gemv_rmsnorm` serves: none unless `configure` folds ``norm``."""
+    return _fold_norm_rows
 
 
 @functools.cache
 def fold_silu_rows() -> int:
-    """Rows up to which `gemv_silu` serves: none unless ``SLUICE_GEMV_FOLD`` names ``silu`` (as `fold_norm_rows`)."""
-    return FOLD_NORM_ROWS if "silu" in _folds() else 0
+    """Rows up to which `gemv_silu` serves: none unless `configure` folds ``silu``."""
+    return _fold_silu_rows
 
 
-def _folds() -> set[str]:
-    """``SLUICE_GEMV_FOLD``: comma-separated kernels folded into a GEMV (``norm``: into the one after it, ``silu``:
-    into the gate/up one before it)."""
-    return {f.strip() for f in os.environ.get("SLUICE_GEMV_FOLD", "").split(",") if f.strip()}
-
-
-@functools.cache  # asked at every few-row linear call; fixed for a process
+@functools.cache
 def max_rows() -> int:
-    """Rows up to which `linear` takes the GEMV (`MAX_ROWS`, or less with ``SLUICE_GEMV_ROWS``)."""
-    return min(MAX_ROWS, int(os.environ.get("SLUICE_GEMV_ROWS", MAX_ROWS)))
+    """Rows up to which `linear` takes the GEMV (`MAX_ROWS`, or fewer by `configure`)."""
+    return _max_rows
 
 
 def gemv_config(n: int, k: int, num_sms: int, m: int = 1) -> GemvConfig:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +152,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
         self.fused = None
         # the rotation and the KV write in one kernel (`fused.rope_and_write_kv_`), set by `enable_fused_kernels`
-        # (SLUICE_FUSED_ROPE_KV=0: two kernels, for side-by-side timing)
+        # (``fused_rope_kv=False``: two kernels, for side-by-side timing)
         self.fused_write = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
@@ -167,17 +166,20 @@ class RotaryEmbedding(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def enable_fused_kernels(model: nn.Module) -> int:
+def enable_fused_kernels(model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True) -> int:
     """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
     shapes allow (rotary needs ``head_dim / 2`` a power of two), and its 16-bit linear layers to the few-row
-    GEMV; returns how many modules switched."""
-    from sluice.core.models import fused, gemv
+    GEMV; returns how many modules switched. ``gemv=False`` keeps cuBLAS for every linear layer,
+    ``fused_rope_kv=False`` RoPE and the KV write in two kernels (switches for side-by-side timing: the engine
+    sets them from ``SLUICE_GEMV`` and ``SLUICE_FUSED_ROPE_KV``, `core/envs.py`)."""
+    from sluice.core.models import fused
+    from sluice.core.models import gemv as gemv_kernels
 
     kernels = {
         RMSNorm: fused.add_rmsnorm,
         SiluAndMul: fused.silu_and_mul,
         RotaryEmbedding: fused.rope_,
-        Linear: gemv.linear,
+        Linear: gemv_kernels.linear,
     }
     n = 0
     for m in model.modules():
@@ -188,15 +190,14 @@ def enable_fused_kernels(model: nn.Module) -> int:
             half = m.cos.shape[-1] // 2
             if half & (half - 1):
                 continue
-            if os.environ.get("SLUICE_FUSED_ROPE_KV", "1") != "0":
+            if fused_rope_kv:
                 m.fused_write = fused.rope_and_write_kv_
         if isinstance(m, Linear):
-            # SLUICE_GEMV=0 keeps cuBLAS for every linear layer (for side-by-side timing)
-            if m.weight.dtype not in (torch.float16, torch.bfloat16) or os.environ.get("SLUICE_GEMV", "1") == "0":
+            if m.weight.dtype not in (torch.float16, torch.bfloat16) or not gemv:
                 continue
-            if m.weight.numel() * m.weight.element_size() < gemv.MIN_WEIGHT_BYTES:
+            if m.weight.numel() * m.weight.element_size() < gemv_kernels.MIN_WEIGHT_BYTES:
                 continue
-            tiles = -(-m.out_features // gemv.MIN_BLOCK_N)
+            tiles = -(-m.out_features // gemv_kernels.MIN_BLOCK_N)
             m.counters = torch.zeros(tiles, dtype=torch.int32, device=m.weight.device)
         m.fused = kernel
         n += 1

@@ -40,8 +40,8 @@ class ModelSource:
     text_vocab_size: int | None = None
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice"))
+# where converted models go unless the caller says (the engine passes ``SLUICE_CACHE_DIR``, `core/envs.py`)
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sluice"
 
 
 def _packaged_file(dist: str, suffix: str) -> str:
@@ -58,17 +58,20 @@ def _packaged_file(dist: str, suffix: str) -> str:
     raise ModelLoadError(f"package {dist!r} holds no {suffix} file")
 
 
-def resolve_model(model: str) -> ModelSource:
+def resolve_model(model: str, cache_dir: Path | None = None) -> ModelSource:
+    """What ``model`` names; a GGUF file is read through its Hugging Face folder, converted once into
+    ``cache_dir`` (default `DEFAULT_CACHE_DIR`)."""
+    cache_dir = DEFAULT_CACHE_DIR if cache_dir is None else Path(cache_dir)
     if model in ALIASES:
         gguf = _packaged_file(*ALIASES[model])
-        return replace(_from_hf_dir(gguf_to_hf_dir(gguf), name=model), gguf_file=gguf)
+        return replace(_from_hf_dir(gguf_to_hf_dir(gguf, cache_dir), name=model), gguf_file=gguf)
     if model.startswith("dummy:"):
         return _dummy(model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {model}")
-        return replace(_from_hf_dir(gguf_to_hf_dir(str(path)), name=path.stem), gguf_file=str(path))
+        return replace(_from_hf_dir(gguf_to_hf_dir(str(path), cache_dir), name=path.stem), gguf_file=str(path))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model directory {model} has no config.json")
@@ -127,11 +130,11 @@ def default_tokenizer_dir() -> str:
     return str(Path(__file__).resolve().parent / "smollm2-tokenizer")
 
 
-def gguf_to_hf_dir(gguf_path: str) -> str:
-    """Convert a GGUF file into a cached Hugging Face directory (once) and return its path."""
+def gguf_to_hf_dir(gguf_path: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str:
+    """Convert a GGUF file into a cached Hugging Face directory under ``cache_dir`` (once) and return its path."""
     st = os.stat(gguf_path)
     key = hashlib.sha256(f"{os.path.abspath(gguf_path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_dir() / "gguf" / f"{Path(gguf_path).stem}-{key}"
+    out = cache_dir / "gguf" / f"{Path(gguf_path).stem}-{key}"
     if (out / "model.safetensors").is_file():
         return str(out)
     from safetensors.torch import save_file

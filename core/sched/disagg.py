@@ -35,8 +35,8 @@ from sluice.core.messages import TokenEvent
 from sluice.core.request import Request, RequestStatus
 from sluice.core.sched.scheduler import Scheduler
 from sluice.core.step import ModelOutput, SchedulerOutput
-from sluice.kv.block_pool import ROOT_KEY, KVBlock
-from sluice.kv.prefix_cache import block_hashes
+from sluice.kv.block_pool import KVBlock
+from sluice.kv.manager import KVReservation
 
 
 # -- messages (front end -> an engine's scheduler actor) --------------------------------------------------
@@ -88,16 +88,6 @@ class ReleaseBlocks(KVOp):
     """Decode side: the request will not arrive: drop the pins of its reserved blocks."""
 
 
-@dataclass(slots=True)
-class _Reservation:
-    local: list[KVBlock]  # cached here already
-    fresh: list[KVBlock]  # receive the shipped KV
-    hashes: list[bytes]
-    token_ids: list[int]
-    cache_salt: str | None
-    arrived: bool = False  # the request was added: the pins go once it is admitted
-
-
 # -- the role schedulers -----------------------------------------------------------------------------------
 class PrefillScheduler(Scheduler):
     """Pins each request's full prompt blocks in the step that samples its first token (see the module)."""
@@ -109,20 +99,19 @@ class PrefillScheduler(Scheduler):
     def update_from_output(self, so: SchedulerOutput, out: ModelOutput) -> list[TokenEvent]:
         pinned: dict[str, list[KVBlock]] = {}
         if out.error is None:
-            bs = self.kv.block_size
             failed = out.failed or {}
             for rid in out.req_ids:
                 req = self.requests.get(rid)
                 if req is None or rid in failed or req.output_token_ids or rid in self.shipments:
                     continue  # gone, failed, or not its first token
-                blocks = self.kv.blocks(rid)[: req.num_prompt_tokens // bs]
-                if blocks and len(blocks) == req.num_prompt_tokens // bs:
-                    self.kv.pool.touch(blocks)  # the request's own reference goes when it finishes below
+                # pinned: the request's own reference goes when it finishes below
+                blocks = self.kv.pin_prompt(rid, req.num_prompt_tokens)
+                if blocks is not None:
                     pinned[rid] = blocks
         events = super().update_from_output(so, out)
         for rid, blocks in pinned.items():
             if rid in self.requests:  # not finished by its first token: no shipment (a prefill engine used alone)
-                self.kv.pool.free_blocks(reversed(blocks))
+                self.kv.unpin(blocks)
             else:
                 self.shipments[rid] = blocks
         return events
@@ -134,7 +123,7 @@ class PrefillScheduler(Scheduler):
         if isinstance(op, ReleaseShipment):
             blocks = self.shipments.pop(op.request_id, None)
             if blocks is not None:
-                self.kv.pool.free_blocks(reversed(blocks))  # tail first: the prefix is evicted last
+                self.kv.unpin(blocks)  # they stay cached here until evicted
             return None
         raise TypeError(f"a prefill engine does not take {type(op).__name__}")
 
@@ -148,16 +137,22 @@ class DecodeScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.reservations: dict[str, _Reservation] = {}
+        self.reservations: dict[str, KVReservation] = {}
+        self._arrived: set[str] = set()  # requests added with a reservation: its pins go once they are admitted
 
     def kv_op(self, op: KVOp) -> object:
         if isinstance(op, ReserveBlocks):
-            return self._reserve(op)
+            self._release(op.request_id)  # an earlier reservation under this id (never the case in the pair)
+            res = self.kv.reserve(op.token_ids, op.cache_salt)
+            if res is None:
+                return None
+            self.reservations[op.request_id] = res
+            return len(res.cached), [b.block_id for b in res.fresh]
         if isinstance(op, CommitBlocks):
             res = self.reservations.get(op.request_id)
             if res is not None:
                 if op.ok:
-                    self._publish(res)
+                    self.kv.publish(res)
                 else:
                     self._release(op.request_id)
             return None
@@ -166,66 +161,24 @@ class DecodeScheduler(Scheduler):
             return None
         raise TypeError(f"a decode engine does not take {type(op).__name__}")
 
-    def _reserve(self, op: ReserveBlocks) -> tuple[int, list[int]] | None:
-        self._release(op.request_id)  # an earlier reservation under this id (never the case in the pair)
-        bs = self.kv.block_size
-        pool = self.kv.pool
-        tokens = op.token_ids
-        hashes = block_hashes(tokens, bs, op.cache_salt)
-        local: list[KVBlock] = []
-        parent_key = ROOT_KEY
-        if self.kv.enable_prefix_caching:
-            for i, h in enumerate(hashes):  # the lookup `KVCacheManager.get_computed_blocks` does
-                block = pool.get_cached_block(
-                    h, tuple(tokens[i * bs : (i + 1) * bs]), parent_key, op.cache_salt if i == 0 else None
-                )
-                if block is None:
-                    break
-                local.append(block)
-                parent_key = block.cache_key
-        pool.touch(local)
-        num_fresh = len(hashes) - len(local)
-        if num_fresh > pool.free_queue.num_free:
-            pool.free_blocks(reversed(local))
-            return None
-        fresh = pool.get_new_blocks(num_fresh)
-        self.reservations[op.request_id] = _Reservation(local, fresh, hashes, list(tokens), op.cache_salt)
-        return len(local), [b.block_id for b in fresh]
-
-    def _publish(self, res: _Reservation) -> None:
-        """The shipped blocks hold their KV now: hash them into the prefix cache, chained after the local ones."""
-        if not self.kv.enable_prefix_caching:
-            return  # without a prefix cache the request cannot find them: it recomputes (correct, slower)
-        bs = self.kv.block_size
-        blocks = res.local + res.fresh
-        for i in range(len(res.local), len(blocks)):
-            parent_key = blocks[i - 1].cache_key if i > 0 else ROOT_KEY
-            self.kv.pool.cache_full_block(
-                blocks[i],
-                res.hashes[i],
-                tuple(res.token_ids[i * bs : (i + 1) * bs]),
-                parent_key,
-                res.cache_salt if i == 0 else None,
-            )
-
     def _release(self, request_id: str) -> None:
         res = self.reservations.pop(request_id, None)
+        self._arrived.discard(request_id)
         if res is not None:
-            self.kv.pool.free_blocks(reversed(res.local + res.fresh))
+            self.kv.release(res)
 
     # -- the request's side: pins go once it is admitted (it holds its own references then) or ends --------
     def add_request(self, req: Request, forks: Any = ()) -> None:
-        res = self.reservations.get(req.request_id)
-        if res is not None:
-            res.arrived = True
+        if req.request_id in self.reservations:
+            self._arrived.add(req.request_id)
         super().add_request(req, forks)
 
     def schedule(self) -> SchedulerOutput:
         so = super().schedule()
-        if self.reservations:
-            for rid, res in list(self.reservations.items()):
+        if self._arrived:
+            for rid in [rid for rid in self.reservations if rid in self._arrived]:  # in reservation order
                 req = self.requests.get(rid)
-                if res.arrived and (req is None or req.status is not RequestStatus.WAITING):
+                if req is None or req.status is not RequestStatus.WAITING:
                     self._release(rid)
         return so
 
@@ -235,7 +188,7 @@ class DecodeScheduler(Scheduler):
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(r.local) + len(r.fresh) for r in self.reservations.values())
+        return sum(r.num_blocks for r in self.reservations.values())
 
 
 def scheduler_class(kv_role: str) -> type[Scheduler]:

@@ -189,94 +189,118 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step. One without rows (nothing can run now) changes nothing the executor must know: the
         requests dropped meanwhile wait for the next step that has rows."""
-        budget = self.config.max_num_batched_tokens
         so = SchedulerOutput(self.step_id + 1)
         k = self.config.num_speculative_tokens
         spec_on = k > 0 and len(self.running) + len(self.waiting) <= self.config.speculative_disable_batch_size
-        max_len = self.config.max_model_len
         forked: list[Request] = []  # siblings forked this step; they run from the next step on
-        # 1. running requests, oldest first
+        budget = self._schedule_running(so, self.config.max_num_batched_tokens, spec_on, forked)
+        self._schedule_waiting(so, budget, spec_on, forked)
+        self.running.extend(forked)
+        if so.req_ids:
+            if k and self._is_uniform(so):
+                so.uniform = True
+                for rid in so.req_ids:
+                    self.requests[rid].num_uniform_inflight += 1
+            self.step_id += 1
+            so.finished_request_ids, self._finished_ids = self._finished_ids, []
+            so.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
+        return so
+
+    def _schedule_running(self, so: SchedulerOutput, budget: int, spec_on: bool, forked: list[Request]) -> int:
+        """Running requests, oldest first, within ``budget`` tokens; returns what is left of it.
+
+        The common row, a decode into its request's own last block that the executor already has, is taken
+        inline: its row is recorded here and its request advanced by `_advance` with the other inline rows
+        before the next row that is not (`_close_inline`), by the rule every row follows (`_scheduled`)."""
         running = self.running
+        max_len = self.config.max_model_len
         req_blocks = self.kv.req_blocks
         bs = self.kv.block_size
         pending_forks = self._pending_forks
         row_ids, row_starts = so.req_ids, so.num_computed_tokens
-
-        def fill() -> None:
-            """Lengths and samples of the inline decode rows so far (one token each, sampled)."""
-            pad = len(row_ids) - len(so.samples)
-            if pad:
-                so.num_scheduled_tokens.extend([1] * pad)
-                so.samples.extend([True] * pad)
-
+        inline: list[Request] = []
         i = 0
         end = len(running)
         while i < end and budget > 0:
             req = running[i]
+            i += 1
             if req.num_uniform_inflight and spec_on:  # `needs_sync` let this step go before that row's output
-                fill()
+                self._close_inline(so, inline)
                 budget -= self._schedule_device_fed(so, req, budget, forked)
-                i += 1
                 continue
-            pending = req.num_pending
-            known = len(req.all_token_ids) + pending
+            known = len(req.all_token_ids) + req.num_pending
             start = req.num_computed_tokens
             n = known - start
             if n > budget:
                 n = budget
             # nothing to compute yet, or every further token would be past the request's end
             if n <= 0 or known >= req.token_limit or known >= max_len:
-                i += 1
                 continue
             if n == 1 and not spec_on and req.in_batch:
-                # The common case, inline: a decode into its own last block, which the executor already has
                 rid = req.request_id
                 blocks = req_blocks[rid]
+                # no new block, no copy-on-write, nothing of its table unsent, no siblings to fork
                 if (
                     start < len(blocks) * bs
                     and blocks[start // bs].ref_cnt == 1
                     and len(blocks) == req.num_blocks_sent
                     and rid not in pending_forks
                 ):
-                    row_ids.append(rid)  # its length (1) and sample (True) are filled in below
+                    row_ids.append(rid)  # its length (1) and sample (True) are filled in by `_close_inline`
                     row_starts.append(start)
-                    req.num_computed_tokens = start + 1
-                    req.num_pending = pending + 1
-                    req.draft_synced = False
-                    if req.spec_token_ids:
-                        req.spec_token_ids = []
+                    inline.append(req)
                     budget -= 1
-                    i += 1
                     continue
-            fill()
-            if spec_on and req.draft_synced:
-                drafts = self._drafts_to_verify(req, n, budget)
-                reaches_end = req.num_computed_tokens + n == req.num_tokens
-                got = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=k - 1 if reaches_end else 0)
-                if got is not None:
-                    so.block_copies.extend(got)
-                    self._scheduled(so, req, n, forked, drafts, spec=True, cow=bool(got))
-                    budget -= n + len(drafts)
-                    i += 1
-                    continue
-                # short of blocks: this step goes without speculation (and may preempt, below)
-            while True:
-                got = self.kv.allocate_slots(req, n)
-                if got is not None:
-                    break
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if got is None:
+            self._close_inline(so, inline)
+            taken = self._schedule_running_row(so, req, n, budget, spec_on, forked)
+            if taken is None:
                 break  # req itself was preempted: nothing after it is left either
-            so.block_copies.extend(got)
-            self._scheduled(so, req, n, forked, cow=bool(got))
-            budget -= n
-            i += 1
+            budget -= taken
             end = len(running)  # preemption took requests off the end
-        fill()
-        # 2. waiting requests, in arrival order (preempted ones were put back at the front)
+        self._close_inline(so, inline)
+        return budget
+
+    def _close_inline(self, so: SchedulerOutput, inline: list[Request]) -> None:
+        """The inline decode rows so far: one token each, sampled; their requests advanced as `_scheduled` would."""
+        if inline:
+            pad = len(inline)
+            so.num_scheduled_tokens.extend([1] * pad)
+            so.samples.extend([True] * pad)
+            self._advance(inline, 1, False, True)
+            inline.clear()
+
+    def _schedule_running_row(
+        self, so: SchedulerOutput, req: Request, n: int, budget: int, spec_on: bool, forked: list[Request]
+    ) -> int | None:
+        """A running request's row that needs the KV manager: with its drafts to verify where it speculates and
+        the blocks allow, else without; short of blocks, the newest running requests are preempted. Returns the
+        tokens it takes of the budget, or None where ``req`` itself was preempted."""
+        if spec_on and req.draft_synced:
+            k = self.config.num_speculative_tokens
+            drafts = self._drafts_to_verify(req, n, budget)
+            reaches_end = req.num_computed_tokens + n == req.num_tokens
+            got = self.kv.allocate_slots(req, n + len(drafts), num_lookahead_tokens=k - 1 if reaches_end else 0)
+            if got is not None:
+                so.block_copies.extend(got)
+                self._scheduled(so, req, n, forked, drafts, spec=True, cow=bool(got))
+                return n + len(drafts)
+            # short of blocks: this step goes without speculation (and may preempt, below)
+        while True:
+            got = self.kv.allocate_slots(req, n)
+            if got is not None:
+                break
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return None
+        so.block_copies.extend(got)
+        self._scheduled(so, req, n, forked, cow=bool(got))
+        return n
+
+    def _schedule_waiting(self, so: SchedulerOutput, budget: int, spec_on: bool, forked: list[Request]) -> None:
+        """Waiting requests, in arrival order (preempted ones were put back at the front), while the budget and
+        the sequence cap allow; a request that cannot start yet keeps its place for the next step."""
+        k = self.config.num_speculative_tokens
         deferred: list[Request] = []
         max_seqs = self.config.max_num_seqs
         while self.waiting and budget > 0 and (seats := self._num_seats() + len(forked)) < max_seqs:
@@ -312,16 +336,6 @@ class Scheduler:
             self._scheduled(so, req, n, forked, spec=spec)
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        self.running.extend(forked)
-        if so.req_ids:
-            if k and self._is_uniform(so):
-                so.uniform = True
-                for rid in so.req_ids:
-                    self.requests[rid].num_uniform_inflight += 1
-            self.step_id += 1
-            so.finished_request_ids, self._finished_ids = self._finished_ids, []
-            so.preempted_request_ids, self._preempted_ids = self._preempted_ids, []
-        return so
 
     def _schedule_device_fed(self, so: SchedulerOutput, req: Request, budget: int, forked: list[Request]) -> int:
         """A row fed from the device, after ``req``'s uniform row in flight: its last token and k drafts are
@@ -394,14 +408,8 @@ class Scheduler:
             so.num_draft_tokens[rid] = len(drafts)
         if spec:
             so.drafting.add(rid)
-        else:
-            req.draft_synced = False  # positions computed without the draft head: its KV has a gap now
-        req.num_computed_tokens = start + n + len(drafts)  # optimistic: the executor computes them this step
-        req.spec_token_ids = []
-        if not sample:
-            return
-        req.num_pending += 1
-        if rid in self._pending_forks:
+        self._advance((req,), n + len(drafts), spec, sample)
+        if sample and rid in self._pending_forks:
             siblings = self._pending_forks.pop(rid)
             so.forks[rid] = [sib.request_id for sib in siblings]
             for sib in siblings:
@@ -412,6 +420,21 @@ class Scheduler:
                 sib.num_pending = 1  # its first token is sampled from the parent's row this step
                 self._sync_blocks(so, sib)
                 forked.append(sib)
+
+    @staticmethod
+    def _advance(reqs: Sequence[Request], n: int, spec: bool, sample: bool) -> None:
+        """What scheduling a row does to its request, the one rule for every row (`_scheduled` applies it to one,
+        `_schedule_running` to its inline decode rows at once): ``n`` more tokens computed (optimistic: the
+        executor computes them this step), its drafts taken (verified now, or never), a gap in the draft head's
+        KV where the row does not speculate, and a token pending where it samples."""
+        for req in reqs:
+            req.num_computed_tokens += n
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            if not spec:
+                req.draft_synced = False  # positions computed without the draft head: its KV has a gap now
+            if sample:
+                req.num_pending += 1
 
     def _sync_blocks(self, so: SchedulerOutput, req: Request, replaced: bool = False) -> None:
         """Tell the executor what it lacks of ``req``: all of it the first time, else the blocks its table

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from sluice.core import envs
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
 from sluice.core.models.loader import ModelSource
 from sluice.core.step import ModelOutput, SchedulerOutput
@@ -55,7 +56,7 @@ class Drafter:
             path, source.config, source.name, runner.max_model_len + 2 * self.k + 1, runner.device, runner.dtype
         )
         if runner.fused_kernels:
-            enable_fused_kernels(self.head)
+            enable_fused_kernels(self.head, **envs.fused_kernel_options())
         self.feature_layers = tuple(self.head.cfg.feature_layers)  # () = the final hidden state (EAGLE-1)
         self.proposer: EagleProposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]

@@ -17,12 +17,12 @@ step, the speculative ones and the memory profile included.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from sluice.core import envs
 from sluice.core.args import EngineArgs
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
@@ -84,6 +84,7 @@ class ModelRunner:
     broadcasts the tokens, so every rank's persistent batch knows them."""
 
     def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
+        envs.configure_kernels()  # the kernels' process-wide switches, before anything launches one
         self.args = args
         self.tp = tp
         self.device = args.resolve_device()
@@ -106,7 +107,7 @@ class ModelRunner:
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
-        self.backend = get_attention_backend(backend)
+        self.backend = get_attention_backend(backend, **envs.attention_backend_options())
         self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if fp8.is_fp8(self.kv_dtype):
             from sluice.core.models.quant import calibrate_kv_scales
@@ -121,7 +122,8 @@ class ModelRunner:
         self.fused_kernels = fused == "on"  # the draft head follows the target
         if fused == "on":
             logger.info(
-                "fused kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules", enable_fused_kernels(self.model)
+                "fused kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules",
+                enable_fused_kernels(self.model, **envs.fused_kernel_options()),
             )
         self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
@@ -152,7 +154,7 @@ class ModelRunner:
         self._host_bufs = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._host_turn = 0
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
-        self._pad_head_rows = os.environ.get("SLUICE_PAD_HEAD_ROWS") != "0"  # `_head_rows`
+        self._pad_head_rows = envs.SLUICE_PAD_HEAD_ROWS  # `_head_rows`
         self._event_turn = 0
         self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
         if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
@@ -194,7 +196,7 @@ class ModelRunner:
                         if mixed is not None:
                             mixed.capture(pool)
                     self.graphs, self.mixed_graphs = graphs, mixed
-                    if os.environ.get("SLUICE_GRAPH_ROUTES") != "0":  # 0: each step in its smallest graph
+                    if envs.SLUICE_GRAPH_ROUTES:  # off: each step in its smallest graph
                         self._route_graphs()
                     if self.drafter is not None:
                         self.drafter.capture_graphs()
@@ -209,7 +211,7 @@ class ModelRunner:
             else:
                 logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
         self.warm_up_eager()
-        if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
+        if self.device.type == "cuda" and envs.SLUICE_SYNC_DEBUG:
             # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
             torch.cuda.set_sync_debug_mode("warn")
 
@@ -348,8 +350,8 @@ class ModelRunner:
         needs and keeps it. Otherwise the first burst of prompts pays for both inside its first steps, while the
         device waits (allocating device memory may wait for the device, too). Its KV goes to the first blocks of
         the pool, free at start-up. ``SLUICE_EAGER_WARMUP=0`` skips it; ``=1`` runs it on the CPU too (tests)."""
-        flag = os.environ.get("SLUICE_EAGER_WARMUP")
-        if flag == "0" or (flag != "1" and self.device.type != "cuda"):
+        flag = envs.SLUICE_EAGER_WARMUP
+        if flag is False or (flag is None and self.device.type != "cuda"):
             return
         if self._largest_step_blocks() > self.num_kv_blocks:  # a pool smaller than one largest step: nothing to warm
             return

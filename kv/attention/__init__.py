@@ -8,13 +8,15 @@ from sluice.kv.attention.base import AttentionBackend, AttentionMetadata, alloca
 from sluice.kv.attention.torch_ref import TorchAttentionBackend
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def get_attention_backend(name: str, **triton_options) -> AttentionBackend:
+    """The backend called ``name``; ``triton_options`` are the Triton backend's switches (its constructor's
+    keywords), which the torch reference has none of."""
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
         from sluice.kv.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(**triton_options)
     raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'triton')")
 
 

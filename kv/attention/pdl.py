@@ -23,24 +23,34 @@ the one before it. A kernel whose predecessor does not release early (cuBLAS, to
 it ends, as without PDL.
 
 Both calls are no-ops on a GPU without PDL support, but they do not compile for the CPU interpreter and need
-sm_90, so every kernel takes them behind a constexpr that `pdl_enabled` sets. ``SLUICE_PDL=0`` turns them off
-(for side-by-side timing).
+sm_90, so every kernel takes them behind a constexpr that `pdl_enabled` sets. ``configure(enabled=False)`` turns
+them off (for side-by-side timing; the engine sets it from ``SLUICE_PDL``, `core/envs.py`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+# PDL where the device has it, unless switched off (`configure`)
+_enabled = True
 
-@functools.cache  # asked at every kernel launch; the answer is fixed for a device and a process
+
+def configure(enabled: bool) -> None:
+    """Turn PDL on (where the device has it) or off for this process's later launches."""
+    global _enabled
+    if enabled != _enabled:
+        _enabled = enabled
+        pdl_enabled.cache_clear()
+
+
+@functools.cache  # asked at every kernel launch; the answer is fixed for a device and a configuration
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` use programmatic dependent launch (CUDA, compute capability >= 9.0)."""
-    if device.type != "cuda" or os.environ.get("SLUICE_PDL", "1") == "0":
+    if device.type != "cuda" or not _enabled:
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -12,8 +12,6 @@ only stops being the best one. Query row ``i`` of a decode batch is read at ``qu
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from sluice.kv.attention import triton_kernels as tk
@@ -35,21 +33,23 @@ class TritonAttentionBackend(AttentionBackend):
         min_tokens_per_split: int = 256,
         max_splits: int = 32,
         num_sms: int | None = None,
-        fused_reduce: bool | None = None,
+        fused_reduce: bool = True,
+        decode_block_n: int = 128,
+        rope_in_decode: bool = True,
     ) -> None:
+        """The last three are switches for side-by-side timing (the engine sets them from ``SLUICE_FUSED_REDUCE``,
+        ``SLUICE_DECODE_BLOCK_N`` and ``SLUICE_DECODE_ROPE``, `core/envs.py`)."""
         self.decode_num_splits = decode_num_splits  # fixed split count; None = heuristic below
-        # the decode splits merged by their last program, not a reduce kernel (SLUICE_FUSED_REDUCE=0: the kernel)
-        if fused_reduce is None:
-            fused_reduce = os.environ.get("SLUICE_FUSED_REDUCE", "1") != "0"
+        # the decode splits merged by their last program, not a reduce kernel (False: the kernel)
         self.fused_reduce = fused_reduce
         self._counters: torch.Tensor | None = None
-        # keys per tile of the decode kernel (`paged_decode`'s default, 128, unless SLUICE_DECODE_BLOCK_N says: the
-        # attention sweep timed the tiles at 64 and 128 sequences, before the fused reduce; this times them again)
-        self.decode_block_n = int(os.environ.get("SLUICE_DECODE_BLOCK_N", 128))
-        # a decode step's RoPE and KV write done by the decode kernel (`forward`'s ``rope``; SLUICE_DECODE_ROPE=0:
-        # their own kernel before it) for steps of at most `DECODE_ROPE_MAX_SEQS` sequences: one launch fewer per
+        # keys per tile of the decode kernel (`paged_decode`'s default, 128: the attention sweep timed the tiles
+        # at 64 and 128 sequences, before the fused reduce; other values time them again)
+        self.decode_block_n = decode_block_n
+        # a decode step's RoPE and KV write done by the decode kernel (`forward`'s ``rope``; False: their own
+        # kernel before it) for steps of at most `DECODE_ROPE_MAX_SEQS` sequences: one launch fewer per
         # layer and step (on the H200 it paid at 1-16 running and cost at 32-256: docs/benchmarks.md)
-        self.rope_in_decode = os.environ.get("SLUICE_DECODE_ROPE", "1") != "0"
+        self.rope_in_decode = rope_in_decode
         self.min_tokens_per_split = min_tokens_per_split
         self.max_splits = max_splits
         self._num_sms = num_sms

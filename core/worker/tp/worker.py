@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
+from sluice.core import envs
 from sluice.core.args import EngineArgs
 from sluice.core.errors import InvalidRequestError
 
@@ -60,7 +61,7 @@ def run_worker(spec: WorkerSpec, conn=None) -> None:
         if device_type != spec.device_type:
             raise InvalidRequestError(f"device: rank 0 runs on {device_type}, rank {spec.rank} on {spec.device_type}")
         args = replace(args, device=str(device))
-        runner = ModelRunner(args, resolve_model(args.model), max_model_len, tp)
+        runner = ModelRunner(args, resolve_model(args.model, envs.SLUICE_CACHE_DIR), max_model_len, tp)
     except BaseException as e:
         if conn is not None:
             _send(conn, ("error", _picklable(e)))
@@ -133,7 +134,7 @@ def main() -> int:
         master_addr=env["MASTER_ADDR"],
         master_port=int(env["MASTER_PORT"]),
         # as the engine's --device: auto = cuda where there is a GPU
-        device_type=env.get("SLUICE_TP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"),
+        device_type=envs.SLUICE_TP_DEVICE or ("cuda" if torch.cuda.is_available() else "cpu"),
     )
     run_worker(spec)
     return 0

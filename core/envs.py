@@ -1,0 +1,206 @@
+"""Every ``SLUICE_*`` environment variable the engine reads, declared, typed and documented in one place.
+
+Most are switches for side-by-side timing (a kernel against its predecessor), a few are for debugging or
+deployment. Each is read when its attribute is asked for (``envs.SLUICE_STEP_TRACE``), not at import, so a
+variable set before that point (a test's ``monkeypatch.setenv``) counts, as it did where it was read before.
+Nothing else in app/, core/, kv/ or spec/ reads a ``SLUICE_*`` variable (`tests/test_structure.py`).
+
+`kv/` and `core/models/` sit below this floor: their switches are parameters (the Triton attention backend's
+constructor, `enable_fused_kernels`) or a configure call (PDL, the GEMV's rows and folds), which the model runner
+sets from here: `attention_backend_options`, `fused_kernel_options`, `configure_kernels`.
+
+The shape of vLLM's ``envs.py``: a table of readers, a module ``__getattr__``, and the typed names for checkers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    SLUICE_API_KEY: str | None = None
+    SLUICE_CACHE_DIR: Path = Path.home() / ".cache" / "sluice"
+    SLUICE_ADMITTING: int | None = None
+    SLUICE_STEP_TRACE: str | None = None
+    SLUICE_TP_DEVICE: str | None = None
+    SLUICE_EAGER_WARMUP: bool | None = None
+    SLUICE_SYNC_DEBUG: bool = False
+    SLUICE_PAD_HEAD_ROWS: bool = True
+    SLUICE_GRAPH_ROUTES: bool = True
+    SLUICE_PDL: bool = True
+    SLUICE_FUSED_REDUCE: bool = True
+    SLUICE_DECODE_BLOCK_N: int = 128
+    SLUICE_DECODE_ROPE: bool = True
+    SLUICE_FUSED_ROPE_KV: bool = True
+    SLUICE_GEMV: bool = True
+    SLUICE_GEMV_ROWS: int | None = None
+    SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
+    SLUICE_SUBMIT_CHUNK: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Variable:
+    """One variable: how its value is read (with its default) and what it does."""
+
+    read: Callable[[], Any]
+    doc: str
+
+
+def _str(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name)
+
+
+def _on_unless_zero(name: str) -> Callable[[], bool]:
+    """On by default; ``0`` turns it off (any other value leaves it on)."""
+    return lambda: os.environ.get(name, "1") != "0"
+
+
+def _on_if_one(name: str) -> Callable[[], bool]:
+    """Off by default; only ``1`` turns it on."""
+    return lambda: os.environ.get(name) == "1"
+
+
+def _int(name: str, default: int | None) -> Callable[[], int | None]:
+    def read() -> int | None:
+        value = os.environ.get(name)
+        return default if value is None else int(value)
+
+    return read
+
+
+def _tristate(name: str) -> Callable[[], bool | None]:
+    """``1``: True, ``0``: False, anything else (unset): None, the engine decides."""
+    return lambda: {"1": True, "0": False}.get(os.environ.get(name, ""))
+
+
+def _names(name: str) -> Callable[[], frozenset[str]]:
+    """A comma-separated list of names (empty by default)."""
+    return lambda: frozenset(f.strip() for f in os.environ.get(name, "").split(",") if f.strip())
+
+
+environment_variables: dict[str, Variable] = {
+    # -- deployment -------------------------------------------------------------------------------------
+    "SLUICE_API_KEY": Variable(
+        _str("SLUICE_API_KEY"),
+        "`sluice serve --api-key`'s default: require 'Authorization: Bearer KEY' on /v1/* (unset: no key).",
+    ),
+    "SLUICE_CACHE_DIR": Variable(
+        lambda: Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")),
+        "The folder of converted models (a GGUF file as a Hugging Face folder); default ~/.cache/sluice.",
+    ),
+    "SLUICE_TP_DEVICE": Variable(
+        _str("SLUICE_TP_DEVICE"),
+        "A tensor-parallel rank started on another host (`python -m sluice.core.worker.tp.worker`): its device "
+        "type, as the engine's --device (unset: cuda where there is a GPU, else cpu).",
+    ),
+    # -- the engine's pacing and tracing ---------------------------------------------------------------
+    "SLUICE_ADMITTING": Variable(
+        _int("SLUICE_ADMITTING", None),
+        "How many of a burst's requests reach the scheduler at a time (unset: `ADMITTING_AT_ONCE` of "
+        "core/frontend/engine.py); 0 sends them all at once (for comparison).",
+    ),
+    "SLUICE_STEP_TRACE": Variable(
+        _str("SLUICE_STEP_TRACE"),
+        "A file: every collected step's shape and device time, written there as JSON when the executor ends "
+        "(`scripts/step_mix.py --trace FILE` reads it).",
+    ),
+    "SLUICE_SUBMIT_CHUNK": Variable(
+        _int("SLUICE_SUBMIT_CHUNK", 64),
+        "Benchmarks: a burst's callers are spawned this many at a time, the event loop's turn between "
+        "(default 64; 0: all at once).",
+    ),
+    # -- the model runner -------------------------------------------------------------------------------
+    "SLUICE_EAGER_WARMUP": Variable(
+        _tristate("SLUICE_EAGER_WARMUP"),
+        "The largest eager step run once at start-up: 0 skips it, 1 runs it on the CPU too (tests); unset: on "
+        "CUDA only.",
+    ),
+    "SLUICE_SYNC_DEBUG": Variable(
+        _on_if_one("SLUICE_SYNC_DEBUG"),
+        "1: torch's sync debug mode on CUDA after start-up, a warning (with where) at each call that makes the "
+        "host wait for the device.",
+    ),
+    "SLUICE_PAD_HEAD_ROWS": Variable(
+        _on_unless_zero("SLUICE_PAD_HEAD_ROWS"),
+        "The LM head's rows padded to a few fixed counts (default); 0 computes the rows as they are "
+        "(launches that wait for the device).",
+    ),
+    "SLUICE_GRAPH_ROUTES": Variable(
+        _on_unless_zero("SLUICE_GRAPH_ROUTES"),
+        "Each step replays the CUDA graph timed fastest for its size (default); 0: its smallest graph.",
+    ),
+    # -- kernels (side-by-side timing) -----------------------------------------------------------------
+    "SLUICE_PDL": Variable(
+        _on_unless_zero("SLUICE_PDL"),
+        "Programmatic dependent launch on sm_90+ (default, kv/attention/pdl.py); 0 turns it off.",
+    ),
+    "SLUICE_FUSED_REDUCE": Variable(
+        _on_unless_zero("SLUICE_FUSED_REDUCE"),
+        "Decode attention's splits merged by their last program (default); 0: a reduce kernel.",
+    ),
+    "SLUICE_DECODE_BLOCK_N": Variable(
+        _int("SLUICE_DECODE_BLOCK_N", 128),
+        "Keys per tile of the decode attention kernel (default 128).",
+    ),
+    "SLUICE_DECODE_ROPE": Variable(
+        _on_unless_zero("SLUICE_DECODE_ROPE"),
+        "A small decode step's RoPE and KV write done by the decode attention kernel (default); 0: their own "
+        "kernel before it.",
+    ),
+    "SLUICE_FUSED_ROPE_KV": Variable(
+        _on_unless_zero("SLUICE_FUSED_ROPE_KV"),
+        "RoPE and the KV write in one kernel (default); 0: two kernels.",
+    ),
+    "SLUICE_GEMV": Variable(
+        _on_unless_zero("SLUICE_GEMV"),
+        "The few-row GEMV for 16-bit linear layers (default, core/models/gemv.py); 0 keeps cuBLAS for all.",
+    ),
+    "SLUICE_GEMV_ROWS": Variable(
+        _int("SLUICE_GEMV_ROWS", None),
+        "Rows up to which a linear layer takes the GEMV, at most its `MAX_ROWS` (unset: `MAX_ROWS`).",
+    ),
+    "SLUICE_GEMV_FOLD": Variable(
+        _names("SLUICE_GEMV_FOLD"),
+        "Comma-separated kernels folded into a GEMV: norm (into the one after it), silu (into the gate/up one "
+        "before it); default none.",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    variable = environment_variables.get(name)
+    if variable is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return variable.read()
+
+
+def __dir__() -> list[str]:
+    return [*globals(), *environment_variables]
+
+
+# -- the switches of the floors below, as they take them ---------------------------------------------------
+def attention_backend_options() -> dict[str, Any]:
+    """The Triton attention backend's constructor switches (`get_attention_backend`'s options)."""
+    return {
+        "fused_reduce": __getattr__("SLUICE_FUSED_REDUCE"),
+        "decode_block_n": __getattr__("SLUICE_DECODE_BLOCK_N"),
+        "rope_in_decode": __getattr__("SLUICE_DECODE_ROPE"),
+    }
+
+
+def fused_kernel_options() -> dict[str, Any]:
+    """`enable_fused_kernels`' switches."""
+    return {"gemv": __getattr__("SLUICE_GEMV"), "fused_rope_kv": __getattr__("SLUICE_FUSED_ROPE_KV")}
+
+
+def configure_kernels() -> None:
+    """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, and the GEMV's
+    rows and folds. The model runner calls it before it builds anything that launches them."""
+    from sluice.core.models import gemv
+    from sluice.kv.attention import pdl
+
+    pdl.configure(enabled=__getattr__("SLUICE_PDL"))
+    gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))
