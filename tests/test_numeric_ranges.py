@@ -57,7 +57,7 @@ def test_stop_token_ids_past_int64_are_refused():
     assert e.value.param == "stop_token_ids" and str(2**64) in str(e.value)
 
 
-def _numeric_fields(model) -> dict[str, bool]:
+def numeric_fields(model) -> dict[str, bool]:
     """Every field of a pydantic request model that holds a number, or a list of numbers (True), from its
     annotation: a new numeric field is found without a list to update."""
     import typing
@@ -88,7 +88,7 @@ def test_every_numeric_field_of_the_http_schema_is_bounded_within_the_wire():
 
     defs = openapi_schema()["components"]["schemas"]
     for model in (S.ChatCompletionRequest, S.CompletionRequest):
-        fields = _numeric_fields(model)
+        fields = numeric_fields(model)
         assert {"max_tokens", "min_tokens", "n", "seed", "temperature", "stop_token_ids"} <= set(fields)
         for name in fields:
             prop = defs[model.__name__]["properties"][name]
