@@ -12,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from sluice.app.server import schemas as S
 from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs
 
-from tests.server_helpers import ServerThread
-
-pytestmark = pytest.mark.slow
+from tests.server_helpers import ServerThread, assert_openai_error
 
 KEY = "fuzz-key"
 # Fuzzing examples per operation (the coverage phase adds its own ~650 cases): ~900 requests in all, most
@@ -43,6 +43,7 @@ def server():
     srv.stop()
 
 
+@pytest.mark.slow
 def test_no_server_error_and_every_response_as_documented(server, tmp_path: Path):
     st = shutil.which("schemathesis", path=str(Path(sys.executable).parent)) or "schemathesis"
     report = tmp_path / "report"
@@ -67,3 +68,33 @@ def test_no_server_error_and_every_response_as_documented(server, tmp_path: Path
     assert done and done.group(1) == done.group(2), out[-3000:]
     assert int(done.group(1)) >= MIN_CASES, out[-3000:]
     print(out[-1500:])
+
+
+# Values of the unsupported fields that the document must not list, as the server refuses them.
+UNDOCUMENTED = [True, False, 2, 0, "auto", "", {"name": "f"}, {}, [{"name": "f"}], []]
+
+
+def test_unsupported_fields_document_exactly_the_values_they_accept(server):
+    """The two mismatches schemathesis found (`function_call`, `best_of`) and their kind: a field the server
+    does not implement was documented as taking any value, and `best_of: true` was taken as 1. Now the document
+    lists each one's harmless values, every one of them is answered 200, and every other value 400 naming it."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    doc = httpx.get(server.url + "/openapi.json", headers=auth).json()["components"]["schemas"]
+    routes = {
+        "/v1/chat/completions": ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "Hi"}]}),
+        "/v1/completions": ("CompletionRequest", {"prompt": "Hi"}),
+    }
+    with httpx.Client(base_url=server.url, headers=auth, timeout=60) as c:
+        for path, (model, base) in routes.items():
+            props = doc[model]["properties"]
+            for name in (n for n in S._HARMLESS if n in props):
+                documented = [s["const"] if "const" in s else None for s in props[name]["anyOf"]]
+                assert None in documented and len(documented) >= 2, (name, props[name])
+                for value in documented:
+                    resp = c.post(path, json={**base, "max_tokens": 1, name: value})
+                    assert resp.status_code == 200, (name, value, resp.text)
+                for value in UNDOCUMENTED:
+                    if any(value == d and isinstance(value, bool) == isinstance(d, bool) for d in documented):
+                        continue
+                    resp = c.post(path, json={**base, "max_tokens": 1, name: value})
+                    assert_openai_error(resp, 400, name)

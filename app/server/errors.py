@@ -50,8 +50,11 @@ def internal_error() -> APIError:
 
 def engine_error(e: SluiceError, prompt_param: str = "prompt", retry_after_seconds: int = 1) -> APIError:
     """The HTTP answer to an engine error: 400 for bad input (``param`` named as the client sent it: for chat
-    the prompt is the messages), 503 while the engine cannot serve (with ``Retry-After`` when overloaded; code
-    ``server_shutting_down`` once it stops), 500 for a request that failed inside the engine."""
+    the prompt is the messages), 503 while the engine cannot serve, 500 for a request that failed inside the
+    engine. The code says what happened, for a client's retry logic: ``engine_overloaded`` (with
+    ``Retry-After``: retry here), ``server_shutting_down`` (a deliberate stop, `EngineStoppedError`: retry
+    elsewhere), ``engine_dead`` (the engine failed: retry elsewhere, this server needs a restart),
+    ``request_failed`` (this request only)."""
     if isinstance(e, InvalidRequestError):
         param = e.param
         if param == "prompt":

@@ -10,11 +10,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from sluice.core.sampling_params import FLOAT32_MAX, MAX_LOGPROBS, SEED_MAX, SEED_MIN, TOP_K_MAX, SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from sluice.core.param_ranges import PARAM_RANGES
+from sluice.core.sampling_params import SamplingParams
 
 # A cap on n: each choice is a sequence in the engine, so an unbounded n is a denial of service.
 MAX_N = 128
+# OpenAI's own span for temperature, narrower than what the engine carries (`SamplingParams` takes up to 3.4e38).
+MAX_TEMPERATURE = 2
+
+
+def _in_range(param: str, hi: int | float | None = None) -> dict:
+    """The bounds of a numeric field: its row of the one range table (`sluice.core.param_ranges`), so every value
+    the schema lets through can be carried by every layer behind it; ``hi`` narrows it to this API's cap."""
+    return PARAM_RANGES[param].bounds(hi)
+
+
+# An item of a list of token ids (stop_token_ids, a prompt given as ids).
+TokenId = Annotated[int, Field(**_in_range("token_id"))]
 
 
 class _Request(BaseModel):
@@ -48,16 +61,49 @@ class StreamOptions(BaseModel):
 
 _UNSUPPORTED = "Not supported: a request that sets it is refused (400) rather than answered as if it were unset."
 
+# Fields a client sets to change the answer (JSON output, a tool call, biased tokens, several candidates) that
+# this server does not implement, with the values that ask for nothing (accepted as if unset). Any other value is
+# refused naming the field, rather than silently ignored (a 200 with prose instead).
+_HARMLESS: dict[str, tuple] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
 
-def _refuse_unsupported(req: BaseModel, allowed: dict[str, tuple]) -> None:
-    """Fields a client sets to change the answer (JSON output, a tool call, biased tokens) that this server does
-    not implement: refused, naming the field, rather than silently ignored (a 200 with prose instead)."""
+
+def _only_harmless(name: str) -> Any:
+    """The field's type: any JSON value (so the refusal names the field as unsupported, not as mistyped), while
+    the OpenAPI document lists exactly its harmless values, so the document and the behaviour agree."""
+    values = [{"type": "null"} if v is None else {"const": v} for v in _HARMLESS[name]]
+    return Annotated[Any, WithJsonSchema({"anyOf": values})]
+
+
+def _is_harmless(value: Any, harmless: tuple) -> bool:
+    # Equal and of the same JSON kind: true == 1 in Python, but a JSON true is not the number 1.
+    return any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless)
+
+
+def _refuse_unsupported(req: BaseModel, names: tuple[str, ...]) -> None:
     from sluice.core.errors import InvalidRequestError
 
-    for name, harmless in allowed.items():
-        value = getattr(req, name)
-        if value not in harmless:
+    for name in names:
+        if not _is_harmless(getattr(req, name), _HARMLESS[name]):
             raise InvalidRequestError(f"{name}: not supported by this server", param=name)
+
+
+Tools = _only_harmless("tools")
+ToolChoice = _only_harmless("tool_choice")
+ResponseFormat = _only_harmless("response_format")
+Functions = _only_harmless("functions")
+FunctionCall = _only_harmless("function_call")
+LogitBias = _only_harmless("logit_bias")
+Suffix = _only_harmless("suffix")
+BestOf = _only_harmless("best_of")
 
 
 class _SamplingFields(_Request):
@@ -66,23 +112,23 @@ class _SamplingFields(_Request):
     model: str | None = Field(None, description="The served model name; omitted means the served model.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(None, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX, description="-1 disables top-k")
-    min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="A 64-bit seed.")
+    n: int | None = Field(None, **_in_range("n", MAX_N))
+    max_tokens: int | None = Field(None, **_in_range("max_tokens"))
+    min_tokens: int | None = Field(None, **_in_range("min_tokens"))
+    temperature: float | None = Field(None, **_in_range("temperature", MAX_TEMPERATURE))
+    top_p: float | None = Field(None, **_in_range("top_p"))
+    top_k: int | None = Field(None, **_in_range("top_k"), description="-1 disables top-k")
+    min_p: float | None = Field(None, **_in_range("min_p"))
+    seed: int | None = Field(None, **_in_range("seed"), description="A 64-bit seed.")
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = False
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=FLOAT32_MAX)
+    presence_penalty: float | None = Field(None, **_in_range("presence_penalty"))
+    frequency_penalty: float | None = Field(None, **_in_range("frequency_penalty"))
+    repetition_penalty: float | None = Field(None, **_in_range("repetition_penalty"))
     cache_salt: str | None = Field(None, min_length=1, description="Prefix-cache isolation key (per tenant).")
     user: str | None = None
-    logit_bias: Any = Field(None, description=_UNSUPPORTED)
+    logit_bias: LogitBias = Field(None, description=_UNSUPPORTED)
 
     @property
     def include_usage(self) -> bool:
@@ -116,28 +162,24 @@ class _SamplingFields(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
+    max_completion_tokens: int | None = Field(
+        None, **_in_range("max_tokens"), description="Takes precedence over max_tokens."
+    )
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: Any = Field(None, description=_UNSUPPORTED)
-    tool_choice: Any = Field(None, description='Only "none" (or unset): tools are not supported.')
-    response_format: Any = Field(None, description='Only {"type": "text"} (or unset): no JSON mode or schema.')
-    functions: Any = Field(None, description=_UNSUPPORTED)
-    function_call: Any = Field(None, description=_UNSUPPORTED)
+    top_logprobs: int | None = Field(None, **_in_range("logprobs"))
+    tools: Tools = Field(None, description=_UNSUPPORTED)
+    tool_choice: ToolChoice = Field(None, description='Only "none" (or unset): tools are not supported.')
+    response_format: ResponseFormat = Field(
+        None, description='Only {"type": "text"} (or unset): no JSON mode or schema.'
+    )
+    functions: Functions = Field(None, description=_UNSUPPORTED)
+    function_call: FunctionCall = Field(None, description='Only "none" (or unset): functions are not supported.')
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
         _refuse_unsupported(
-            self,
-            {
-                "tools": (None, []),
-                "tool_choice": (None, "none"),
-                "response_format": (None, {"type": "text"}),
-                "functions": (None, []),
-                "function_call": (None, "none"),
-                "logit_bias": (None, {}),
-            },
+            self, ("tools", "tool_choice", "response_format", "functions", "function_call", "logit_bias")
         )
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
@@ -150,17 +192,17 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[Annotated[int, Field(ge=0)]] = Field(description="A string or a list of token ids.")
-    max_tokens: int | None = Field(None, ge=1, description="Defaults to 16, as OpenAI does.")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top logprobs per token.")
+    prompt: str | list[TokenId] = Field(description="A string or a list of token ids.")
+    max_tokens: int | None = Field(None, **_in_range("max_tokens"), description="Defaults to 16, as OpenAI does.")
+    logprobs: int | None = Field(None, **_in_range("logprobs"), description="Top logprobs per token.")
     echo: bool | None = Field(False, description="Not supported; true is rejected.")
-    suffix: Any = Field(None, description=_UNSUPPORTED)
-    best_of: Any = Field(None, description="Only 1 (or unset).")
+    suffix: Suffix = Field(None, description=_UNSUPPORTED)
+    best_of: BestOf = Field(None, description="Only 1 (or unset): one candidate per choice.")
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
-        _refuse_unsupported(self, {"suffix": (None, ""), "best_of": (None, 1), "logit_bias": (None, {})})
+        _refuse_unsupported(self, ("suffix", "best_of", "logit_bias"))
         if self.echo:
             raise InvalidRequestError("echo: not supported", param="echo")
         if isinstance(self.prompt, list) and not self.prompt:

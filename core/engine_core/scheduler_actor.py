@@ -74,6 +74,10 @@ class SchedulerActor:
                 tg.start_soon(self._inbox_loop, inbox)
                 await self._step_loop(steps, results)
                 tg.cancel_scope.cancel()
+        except Exception as e:  # a failure, not a stop: its requests end with EngineDeadError (engine_dead)
+            self.dead = e
+            self._end_all(EngineDeadError(f"the engine failed: {e!r}"))
+            raise
         finally:
             self._end_all(EngineStoppedError("the engine stopped before the request finished"))
 

@@ -39,7 +39,7 @@ import zmq
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process
-from sluice.core.errors import EngineDeadError, EngineStoppedError
+from sluice.core.errors import EngineDeadError, EngineStoppedError, RequestFailedError
 from sluice.core.ipc import wire, zmq_io
 from sluice.core.messages import AddRequest, EndAllRequests, TokenEvent, refuse_queued, reply
 from sluice.core.stats import EngineStats
@@ -190,6 +190,11 @@ class CoreClient:
                         tg.start_soon(self._watch_death)
                         tg.start_soon(self._receive_steps)
                         await self._forward(inbox)
+                except Exception as e:
+                    # The bridge itself failed: its requests end as the engine's failure (engine_dead), not as
+                    # a stop (server_shutting_down), which a client would retry elsewhere as a planned restart.
+                    self._die(EngineDeadError(f"the engine's bridge to its core failed: {e!r}"))
+                    raise
                 finally:
                     refuse_queued(inbox)
         finally:
@@ -211,7 +216,7 @@ class CoreClient:
                     batch.append(inbox.receive_nowait())
                 except (anyio.WouldBlock, anyio.EndOfStream):
                     break
-            out = []
+            out, sent = [], []  # the wire messages, and what each was made of
             for m in batch:
                 if isinstance(m, AddRequest):
                     refusal = self.dead or self._closed
@@ -229,13 +234,42 @@ class CoreClient:
                         self._end_all(m.error)
                         continue
                 out.append(wire.front_to_wire(m, self._prefix))
+                sent.append(m)
             if not out or self.dead is not None:
                 continue
             try:
-                zmq_io.send(self._out, encode(wire.FrontBatch(out)))
+                data = encode(wire.FrontBatch(out))
+            except Exception:  # noqa: BLE001 - whatever the codec raises fails the message that caused it only
+                data = encode(wire.FrontBatch(self._encodable(out, sent)))
+            try:
+                zmq_io.send(self._out, data)
             except zmq.Again:
                 # No peer: the core has gone, its death watch is about to say so.
                 self._die(EngineDeadError("the engine core process is gone"))
+
+    def _encodable(self, out: list, sent: list) -> list:
+        """The messages of a batch that failed to encode, less those that cannot be: each of those ends its own
+        request with `RequestFailedError` (the range rule at the edge should leave none; this keeps one request
+        the codec cannot carry from stopping every other)."""
+        keep = []
+        for w, m in zip(out, sent, strict=True):
+            try:
+                wire.front_encoder.encode(w)
+            except Exception as e:  # noqa: BLE001
+                logger.exception("a message to the engine core could not be encoded: %s", type(m).__name__)
+                if isinstance(m, AddRequest):
+                    self._fail_unsent(m, e)
+                continue
+            keep.append(w)
+        return keep
+
+    def _fail_unsent(self, m: AddRequest, error: Exception) -> None:
+        ids = [r.request_id for r in m.requests]
+        for rid in ids:
+            self._streams.pop(rid, None)
+        self._admitting.pop(ids[0], None)
+        failed = RequestFailedError(f"request {ids[0]} could not be sent to the engine core: {error!r}")
+        reply(m.events, TokenEvent(ids[0], [], finish_reason="abort", error=failed))
 
     async def _receive_steps(self) -> None:
         decode = wire.core_decoder.decode

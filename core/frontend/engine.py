@@ -164,6 +164,7 @@ class AsyncEngine:
             self.source.config.vocab_size,
             num_kv_blocks * self.args.block_size,
             self.args.max_waiting_requests,
+            self.args.max_num_seqs,
         )
 
     # -- requests ----------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class RequestLimits:
     vocab_size: int
     max_kv_tokens: int  # the whole pool: a request longer than this could never run
     max_waiting_requests: int = 1 << 62  # the overload guard counts each of n sequences: more never fit
+    max_num_seqs: int = 1 << 62  # a step's buffers hold this many rows: a wider group never runs
 
 
 def make_requests(
@@ -93,6 +94,12 @@ def check_row_params(params: SamplingParams, limits: RequestLimits) -> None:
         raise InvalidRequestError(
             f"n: {params.n} sequences can never be admitted: the engine queues at most {limits.max_waiting_requests} "
             "(max_waiting_requests)",
+            param="n",
+        )
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequestError(
+            f"n: {params.n} sequences can never run together: a step holds at most {limits.max_num_seqs} "
+            "(max_num_seqs)",
             param="n",
         )
 
