@@ -97,7 +97,7 @@ def assert_no_block_held(pair: DisaggEngine) -> None:
 
 
 def payload_bytes(pair: DisaggEngine, num_blocks: int) -> int:
-    return num_blocks * kv_transfer.block_bytes(pair._kv_caches(pair.prefill))
+    return num_blocks * kv_transfer.block_bytes(pair.prefill.kv_caches)
 
 
 async def test_pair_equals_one_engine_solo_and_32_concurrent(single, pair):

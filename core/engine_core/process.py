@@ -14,7 +14,7 @@ of front end i hands it collector i, so the scheduler actor's ``stream.send_nowa
 right front end's next message. That is why each front end has a socket pair of its own (a PUSH/PULL pair, as
 with one front end) rather than one ROUTER socket: the owner of a request is known by the socket it came in
 on, and no message needs an identity frame or a lookup. Request ids are unique across front ends because each
-front end prefixes its own on the wire (`core_client.SharedCore`).
+front end prefixes its own on the wire (`core/request_ids.py`).
 
 Its life is its parent's: Ctrl-C and SIGTERM reach a terminal's whole process group, so the core ignores
 them and stops once every front end has said so (`ShutdownMsg`); a thread watches its parent (the front end,

@@ -7,7 +7,11 @@
   order (`AdmissionGate`). The queue can still be found full (the batch is short of KV blocks, or an HTTP server
   shares the engine); the caller then retries as it drains (`Room.retry_after`).
 * **The admitting window** (`Admission.window`): a burst's callers reach the scheduler a few at a time; each
-  holds a unit from before its validation until the scheduler has answered its admission (`run_request`).
+  holds a unit from before its validation until the scheduler has answered its admission (`run_request`). The
+  event loop runs ready tasks first come first served, and the scheduler is woken by the first request sent to
+  it, so without a limit a burst of a thousand callers would all be validated and sent before the scheduler
+  could take the first, the device idle all that time. With one, the callers past the limit wait (cheaply) and
+  the scheduler's turn comes after the first few: the first step runs while the rest of the burst is admitted.
 * **The answer** (`request_admission`): an `AddRequest` is answered `Admitted`, or refused with the reason.
 """
 

@@ -126,12 +126,8 @@ async def run_request(
     """Run one caller request: yield its outputs as tokens arrive, or with ``final_only`` one final output per
     sequence (stop strings still need the text token by token, so such requests stream internally).
 
-    ``admitting`` paces a burst (`Admission.window`): the request holds one of its units from before its
-    validation until the scheduler has answered its admission. The event loop runs ready tasks first come first
-    served, and the scheduler is woken by the first request sent to it, so without a limit a burst of a thousand
-    callers would all be validated and sent before the scheduler could take the first, the device idle all that
-    time. With one, the callers past the limit wait (cheaply) and the scheduler's turn comes after the first few:
-    the first step runs while the rest of the burst is admitted."""
+    ``admitting`` paces a burst (`Admission.window`, `core/frontend/admission.py` says why): the request holds
+    one of its units from before its validation until the scheduler has answered its admission."""
     if admitting is not None:
         await admitting.acquire(1)
     unfinished: set[str] = set()
