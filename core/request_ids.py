@@ -1,4 +1,7 @@
-"""Request ids: the one scheme by which the engine derives ids from a caller's.
+"""Request ids: the one scheme by which the engine names requests and derives ids from a caller's.
+
+A caller may name its request (the server's ``chatcmpl-...``, the offline `LLM`'s ``llm-N``); a request it does
+not name gets `new_request_id`'s ``req-<16 hex>``.
 
 The scheduler keys every request by its id, so every id it holds must be unique. Two derived forms exist, and
 compose (``"1:chatcmpl-abc#2"`` is sequence 2 of front end 1's ``chatcmpl-abc``):
@@ -14,8 +17,15 @@ compose (``"1:chatcmpl-abc#2"`` is sequence 2 of front end 1's ``chatcmpl-abc``)
 
 from __future__ import annotations
 
+import uuid
+
 SEQUENCE_SEP = "#"
 FRONT_END_SEP = ":"
+
+
+def new_request_id() -> str:
+    """An id for a request whose caller gave none."""
+    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 def sequence_id(request_id: str, index: int) -> str:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -60,6 +59,7 @@ from sluice.core.frontend.request_actor import run_request
 from sluice.core.messages import AbortRequest, AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, reply
 from sluice.core.outputs import RequestOutput
 from sluice.core.request import Request
+from sluice.core.request_ids import new_request_id
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.sched.disagg import (
     CommitBlocks,
@@ -267,7 +267,7 @@ class DisaggEngine:
         params = params or SamplingParams()
         engine = self.decode
         prompt_ids = await engine.tokenize_off_loop(prompt)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        request_id = request_id or new_request_id()
         if request_id in self._live_ids:
             raise InvalidRequestError(
                 f"request_id: {request_id!r} is already in use by a running request", param="request_id"

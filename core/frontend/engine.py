@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from sluice.core.host_profile import HostProfile
 from sluice.core.messages import AbortRequest, EndAllRequests, submit_to
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import RequestOutput
+from sluice.core.request_ids import new_request_id
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.stats import EngineStats
 
@@ -228,7 +228,7 @@ class AsyncEngine:
 
     def _claim_id(self, request_id: str | None) -> str:
         """The request's id (a new one if none is given), refused while a running request holds it."""
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        request_id = request_id or new_request_id()
         if request_id in self._live_ids:
             raise InvalidRequestError(
                 f"request_id: {request_id!r} is already in use by a running request", param="request_id"
