@@ -86,10 +86,9 @@ class AsyncEngine:
             self._entered = False
             raise
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
-        args = self.args
-        self._admission = Admission(
-            args.max_num_seqs + args.max_waiting_requests, self._room_in_queue, admitting_window()
-        )
+        # Library callers wait for room (back-pressure) instead of being refused: core/frontend/admission.py.
+        room = self.args.max_num_seqs + self.args.max_waiting_requests
+        self._admission = Admission(room, self._room_in_queue, admitting_window())
         self._request_ended = anyio.Event()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
