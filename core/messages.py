@@ -1,5 +1,6 @@
-"""What crosses the engine's inbox and comes back: `AddRequest` / `AbortRequest` / `EndAllRequests` in,
-`TokenEvent`s out to each request's own stream."""
+"""What crosses the engine's inbox and comes back: `AddRequest` / `AbortRequest` / `EndAllRequests` in; out to
+each request's own stream, first the answer to its admission (`Admitted`, or a refusal: a finished `TokenEvent`
+with the error), then its `TokenEvent`s."""
 
 from __future__ import annotations
 
@@ -26,12 +27,19 @@ class TokenEvent:
 
 
 @dataclass(slots=True)
+class Admitted:
+    """Scheduler -> request actor: the request (every sequence of it) was added; its `TokenEvent`s follow."""
+
+    request_id: str  # the first sequence's
+
+
+@dataclass(slots=True)
 class AddRequest:
     """Admit ``requests`` (the n sequences of one caller request); their events go to ``events``.
-    The first event answers admission: empty and unfinished if admitted, else an error."""
+    The first message answers admission: `Admitted`, else a refusal (`refusal`: the error, nothing added)."""
 
     requests: list[Request]
-    events: Any  # ObjectSendStream[TokenEvent]
+    events: Any  # ObjectSendStream[Admitted | TokenEvent]
     # Hold each sequence's tokens until it ends, then send them as one event: an offline batch wakes its
     # request actors once per sequence instead of once per token (the event loop's main cost at large batches).
     final_only: bool = False
@@ -52,12 +60,26 @@ class EndAllRequests:
 _GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock)
 
 
-def reply(events: Any, ev: TokenEvent) -> bool:
+def refusal(request_id: str, error: Exception) -> TokenEvent:
+    """The answer to a request that is not (or no longer) served: it ends, with ``error``."""
+    return TokenEvent(request_id, [], finish_reason="abort", error=error)
+
+
+def reply(events: Any, ev: TokenEvent | Admitted) -> bool:
     """Send ``ev`` to a caller's event stream without waiting; False if the caller is gone (its abort is on the
     way)."""
     try:
         events.send_nowait(ev)
     except _GONE:
+        return False
+    return True
+
+
+async def submit_to(inbox: Any, msg: object) -> bool:
+    """Put ``msg`` on an engine's inbox (waiting for room in it); False once the inbox is closed (stopped)."""
+    try:
+        await inbox.send(msg)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
         return False
     return True
 
@@ -74,4 +96,4 @@ def refuse_queued(inbox: Any) -> None:
             return
         if isinstance(msg, AddRequest):
             error = EngineStoppedError("the engine stopped before the request was admitted")
-            reply(msg.events, TokenEvent(msg.requests[0].request_id, [], finish_reason="abort", error=error))
+            reply(msg.events, refusal(msg.requests[0].request_id, error))

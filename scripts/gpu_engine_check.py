@@ -65,7 +65,7 @@ def equality(ns: argparse.Namespace) -> dict:
     release_device_memory()
 
     fast = LLM(model=ns.model, max_model_len=1024, gpu_memory_utilization=0.5)
-    runner = fast.engine._executor.runner
+    runner = fast.engine.local_core.executor.runner
     t = time.perf_counter()
     fast_out = fast.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), False)
     fast_s = time.perf_counter() - t

@@ -72,7 +72,7 @@ def main() -> None:
     try:
         prompt = [(7 * i) % 1000 + 10 for i in range(args.context)]
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-        runner = llm.engine._executor.runner
+        runner = llm.engine.local_core.executor.runner
         k = args.num_speculative_tokens
         res = {
             "context": args.context,

@@ -29,11 +29,10 @@ import anyio
 import httpx
 import openai
 import pytest
-from sluice.app.server.api_servers import SharedCoreEngine
-from sluice.core import EngineArgs, SamplingParams
+from sluice.core import AsyncEngine, EngineArgs, SamplingParams
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineStoppedError
-from sluice.core.frontend.core_client import SharedCore
+from sluice.core.frontend.engine_core_client import SharedCore
 
 from tests.server_helpers import assert_openai_error, free_port, metric_value, wait_gone
 
@@ -241,7 +240,7 @@ async def test_front_ends_on_one_core_keep_their_requests_apart():
     core = mp.get_context("spawn").Process(target=run_core_process, args=(spec,))
     core.start()
     try:
-        a, b = (SharedCoreEngine(args, SharedCore(i, bridges[i], core.pid)) for i in range(2))
+        a, b = (AsyncEngine(args, shared_core=SharedCore(i, bridges[i], core.pid)) for i in range(2))
         greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
         async def run(engine, prompt: list[int], params: SamplingParams, request_id: str) -> list[int]:

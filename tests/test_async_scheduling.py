@@ -21,7 +21,7 @@ def _roughen(llm: LLM) -> LLM:
     here) make its greedy text vary, so a token fed from the wrong step would show."""
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in llm.engine._executor.runner.model.parameters():
+        for p in llm.engine.local_core.executor.runner.model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.1, generator=g)
     return llm

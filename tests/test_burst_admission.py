@@ -9,7 +9,7 @@ import sys
 
 import anyio
 import pytest
-import sluice.core.frontend.engine as engine_module
+import sluice.core.frontend.admission as admission_module
 from sluice.core import AsyncEngine, InvalidRequestError, SamplingParams
 from sluice.core.sched.scheduler import Scheduler
 
@@ -45,12 +45,12 @@ async def run_burst(monkeypatch, at_once: int, batch: list[list[int]]) -> tuple[
         return schedule(self)
 
     monkeypatch.setattr(Scheduler, "schedule", recording)
-    monkeypatch.setattr(engine_module, "ADMITTING_AT_ONCE", at_once)
+    monkeypatch.setattr(admission_module, "ADMITTING_AT_ONCE", at_once)
     monkeypatch.delenv("SLUICE_ADMITTING", raising=False)
     async with AsyncEngine(**TINY) as engine:
         outs = await burst(engine, batch)
-        if engine._admitting is not None:
-            assert engine._admitting.free == at_once
+        if engine._admission.window is not None:
+            assert engine._admission.window.free == at_once
     return outs, held
 
 
@@ -66,7 +66,7 @@ async def test_first_step_runs_before_the_whole_burst_is_admitted(monkeypatch):
 
 
 async def test_every_unit_comes_back_from_refused_and_cancelled_requests(monkeypatch):
-    monkeypatch.setattr(engine_module, "ADMITTING_AT_ONCE", 2)
+    monkeypatch.setattr(admission_module, "ADMITTING_AT_ONCE", 2)
     monkeypatch.delenv("SLUICE_ADMITTING", raising=False)
     async with AsyncEngine(**TINY) as engine:
         vocab = engine.source.config.vocab_size
@@ -91,9 +91,9 @@ async def test_every_unit_comes_back_from_refused_and_cancelled_requests(monkeyp
                     tg.start_soon(bad, i)
                     tg.start_soon(cancelled, i)
         assert refused == 6
-        assert engine._admitting.free == 2
+        assert engine._admission.window.free == 2
         assert [len(t) for t in await burst(engine, prompts(8))] == [3] * 8  # and the engine serves on
-        assert engine._admitting.free == 2
+        assert engine._admission.window.free == 2
 
 
 SWITCH_CHECK = """

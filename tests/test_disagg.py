@@ -88,7 +88,7 @@ async def quiesce(pair: DisaggEngine) -> None:
 
 def assert_no_block_held(pair: DisaggEngine) -> None:
     for engine in (pair.prefill, pair.decode):
-        sched = engine._scheduler_actor.scheduler
+        sched = engine.local_core.scheduler_actor.scheduler
         assert sched.num_pinned_blocks == 0
         assert not sched.kv.req_blocks
         held = [b.block_id for b in sched.kv.pool.blocks if b.ref_cnt]
@@ -97,7 +97,7 @@ def assert_no_block_held(pair: DisaggEngine) -> None:
 
 
 def payload_bytes(pair: DisaggEngine, num_blocks: int) -> int:
-    return num_blocks * kv_transfer.block_bytes(pair._kv_caches(pair.prefill))
+    return num_blocks * kv_transfer.block_bytes(pair.prefill.kv_caches)
 
 
 async def test_pair_equals_one_engine_solo_and_32_concurrent(single, pair):
@@ -178,7 +178,7 @@ async def test_wrong_kv_would_be_caught(single, pair, monkeypatch):
     finally:
         monkeypatch.undo()
         # the zeroed blocks are published in the decode engine's prefix cache: drop them
-        pair.decode._scheduler_actor.scheduler.kv.pool.reset_prefix_cache()
+        pair.decode.local_core.scheduler_actor.scheduler.kv.pool.reset_prefix_cache()
     assert got != ref
 
 
@@ -249,7 +249,7 @@ async def test_a_dead_engine_fails_its_requests_and_health():
             def broken(so):
                 raise RuntimeError("CUDA error: the decode device is gone")
 
-            pair.decode._executor.runner.launch = broken
+            pair.decode.local_core.executor.runner.launch = broken
             with pytest.raises(Exception) as info:
                 await tokens(pair, list(range(500, 540)), SamplingParams(max_tokens=4, temperature=0))
             assert "CUDA error" in str(info.value)

@@ -302,7 +302,7 @@ async def test_final_only_yields_each_sequences_streamed_final_output(engine, st
         assert o.delta_text == o.text and o.delta_token_ids == o.token_ids
     if stop:
         assert {o.finish_reason for o in finals} == {"stop"}
-    actor = engine._scheduler_actor
+    actor = engine.local_core.scheduler_actor
     for _ in range(100):  # a stop string's Abort reaches the engine's inbox a moment after the caller returns
         if not actor.streams and not actor.scheduler.requests:
             break

@@ -141,7 +141,7 @@ def test_layer_features_are_transformers_hidden_states(arch, engines, tiny_check
     (training) and the model's forward (serving) return them, are transformers' decoder-layer outputs."""
     from sluice.spec.train import target_features
 
-    model = engines[arch].engine._executor.runner.model
+    model = engines[arch].engine.local_core.executor.runner.model
     _, ref = tiny_checkpoints[arch]
     layers = [0, ref.config.num_hidden_layers - 1]
     p = prompts[-1]

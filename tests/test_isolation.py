@@ -128,7 +128,7 @@ async def test_a_step_that_fails_because_of_one_request_fails_only_that_one(engi
     """A failure the checks did not foresee: the runner raises whenever the offender is in the step. The
     runner re-runs the step's rows without it; the innocent streams end exactly as they do alone."""
     expected, _ = await run_batch(engine)
-    runner = engine._executor.runner
+    runner = engine.local_core.executor.runner
     real = runner._launch_rows
     calls = []
 
@@ -154,7 +154,7 @@ async def test_a_step_that_fails_because_of_one_request_fails_only_that_one(engi
 
 async def test_a_failure_that_does_not_come_back_fails_nobody(engine, monkeypatch):
     expected, _ = await run_batch(engine)
-    runner = engine._executor.runner
+    runner = engine.local_core.executor.runner
     real = runner._launch_rows
     failed = []
 

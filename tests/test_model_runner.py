@@ -144,7 +144,7 @@ def test_decode_through_the_graph_path_matches_eager():
     with LLM(**kw) as llm:
         eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(**kw) as llm:
-        runner = llm.engine._executor.runner
+        runner = llm.engine.local_core.executor.runner
         graphs = EagerReplay(runner._decode_forward, runner.buffers, [1, 2, 4], runner.max_model_len)
         graphs.capture()
         runner.graphs = graphs
@@ -175,7 +175,7 @@ def test_rope_in_the_decode_kernel_gives_the_engines_tokens(monkeypatch):
         """Eager, then through graph stand-ins (planned for the longest context: other split counts)."""
         monkeypatch.setenv("SLUICE_DECODE_ROPE", "1" if rope_in_decode else "0")
         with LLM(**kw) as llm:
-            runner = llm.engine._executor.runner
+            runner = llm.engine.local_core.executor.runner
             assert runner.backend.rope_in_decode == rope_in_decode and runner.model.rotary.fused_write is not None
             got = []
             for graphed in (False, True):
@@ -229,7 +229,7 @@ def test_steps_with_prefill_rows_through_the_mixed_graph_path_match_eager(routed
     with LLM(**kw) as llm:
         eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     with LLM(**kw) as llm:
-        runner = llm.engine._executor.runner
+        runner = llm.engine.local_core.executor.runner
         runner.graphs = EagerReplay(runner._decode_forward, runner.buffers, [1, 2, 4, 8], runner.max_model_len)
         runner.mixed_graphs = EagerMixedReplay(runner._forward, runner.buffers, [16, 32, 64, 100], runner.max_model_len)
         for g in (runner.graphs, runner.mixed_graphs):
@@ -328,11 +328,11 @@ def test_the_eager_warm_up_fills_the_first_blocks_and_leaves_outputs_as_they_wer
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     monkeypatch.setenv("SLUICE_EAGER_WARMUP", "0")
     with LLM(**kw) as llm:
-        assert not any(bool(c.any()) for c in llm.engine._executor.runner.kv_caches)
+        assert not any(bool(c.any()) for c in llm.engine.local_core.executor.runner.kv_caches)
         cold = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("SLUICE_EAGER_WARMUP", "1")
     with LLM(**kw) as llm:
-        runner = llm.engine._executor.runner
+        runner = llm.engine.local_core.executor.runner
         blocks = runner._largest_step_blocks()
         assert blocks == 256 // runner.block_size
         assert all(bool(c[:, :blocks].flatten(2).any(2).all()) for c in runner.kv_caches)  # K and V of each block

@@ -313,7 +313,7 @@ def test_openai_client_against_dummy(dummy_server):
 def test_failure_mid_stream_sends_error_event(one_process_server, monkeypatch):
     dummy_server = one_process_server
     client = httpx.Client(base_url=dummy_server.url, headers=AUTH, timeout=60)
-    runner = dummy_server.engine._executor.runner
+    runner = dummy_server.engine.local_core.executor.runner
     real_launch = runner.launch
     fail = threading.Event()
 
@@ -428,7 +428,7 @@ async def test_dead_engine_fails_requests_and_health():
         def broken(so):
             raise RuntimeError("CUDA error: secret device detail")
 
-        engine._executor.runner.launch = broken
+        engine.local_core.executor.runner.launch = broken
         app = build_app(engine)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             resp = await c.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 3})

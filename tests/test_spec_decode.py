@@ -42,7 +42,7 @@ def _roughen(llm: LLM | AsyncEngine) -> LLM | AsyncEngine:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         engine = llm.engine if isinstance(llm, LLM) else llm
-        for p in engine._executor.runner.model.parameters():
+        for p in engine.local_core.executor.runner.model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.1, generator=g)
     return llm
@@ -180,8 +180,8 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
     kw, params, mixed = UNIFORM_KW, UNIFORM_PARAMS, UNIFORM_MIXED
     prompts, expected, ref = uniform_plain_outputs
     with _roughen(LLM(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **kw)) as llm:
-        spec = llm.engine._executor.runner.drafter
-        sched = llm.engine._scheduler_actor.scheduler
+        spec = llm.engine.local_core.executor.runner.drafter
+        sched = llm.engine.local_core.scheduler_actor.scheduler
         assert sched.config.max_uniform_batch == spec.max_uniform_batch > 0
         sched.config.max_uniform_batch = 0  # first every step through the general path
         s0 = llm.engine.stats()
@@ -213,7 +213,7 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
         else:
             # steps that draft after a prompt replay the mixed-step graphs, which keep the head's features beside
             # the target's hidden states
-            runner = llm.engine._executor.runner
+            runner = llm.engine.local_core.executor.runner
             runner.mixed_graphs = steps = EagerMixedReplay(runner.mixed_forward, runner.buffers, [16, 48], 512)
             steps.capture()
             assert _ids(llm, prompts, params) == expected
@@ -244,7 +244,7 @@ def test_aborts_and_cancellations_under_steps_fed_from_the_device(tmp_path, tiny
     async def main():
         async with AsyncEngine(args) as engine:
             _roughen(engine)
-            sched = engine._scheduler_actor.scheduler
+            sched = engine.local_core.scheduler_actor.scheduler
             fed = _count_calls(sched, "_schedule_device_fed")
             limiter = anyio.CapacityLimiter(3)
 
@@ -400,7 +400,7 @@ def test_no_leaks_after_cancellations_and_cached_blocks_hold_verified_kv(copy_he
 
             await _run_all(engine, one, 200, timeout=20)
             await anyio.sleep(0.05)
-            return engine.stats(), engine._executor.runner, engine._scheduler_actor.scheduler.kv
+            return engine.stats(), engine.local_core.executor.runner, engine.local_core.scheduler_actor.scheduler.kv
 
     stats, runner, kv = anyio.run(main)
     assert stats.kv_blocks_free == stats.kv_blocks_total

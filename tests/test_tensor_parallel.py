@@ -178,7 +178,7 @@ def test_two_ranks_give_the_tokens_of_one(name, tiny_dirs, prompts):
     with LLM(model=tiny_dirs[name], **ENGINE) as one:
         ref = _greedy(one, prompts)
     two = LLM(model=tiny_dirs[name], tensor_parallel_size=2, **ENGINE)
-    pids = two.engine._executor.runner.worker_pids
+    pids = two.engine.local_core.executor.runner.worker_pids
     try:
         assert len(pids) == 2 and os.getpid() not in pids
         assert _greedy(two, prompts) == ref
@@ -205,7 +205,7 @@ def test_a_rank_from_another_host_joins_through_the_rendezvous(tiny_dirs, prompt
         monkeypatch.setenv("MASTER_PORT", str(port))
         name = "llama-8kv"
         with LLM(model=tiny_dirs[name], tensor_parallel_size=2, tensor_parallel_local_size=1, **ENGINE) as two:
-            assert len(two.engine._executor.runner.worker_pids) == 1
+            assert len(two.engine.local_core.executor.runner.worker_pids) == 1
             got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
         assert remote.wait(timeout=30) == 0, remote.stderr.read()[-2000:]
     finally:
@@ -226,7 +226,7 @@ async def test_a_killed_worker_fails_the_request_in_flight_and_the_engine():
     args = EngineArgs(model="dummy:tiny", tensor_parallel_size=2, **ENGINE)
     long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     async with AsyncEngine(args) as engine:
-        pids = engine._executor.runner.worker_pids
+        pids = engine.local_core.executor.runner.worker_pids
         got = 0
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) died: killed by SIGKILL") as err:
@@ -236,7 +236,7 @@ async def test_a_killed_worker_fails_the_request_in_flight_and_the_engine():
                 got += len(out.delta_token_ids)
         assert time.monotonic() - t0 < 30  # failed, not hung until a timeout
         assert 0 < got < 200
-        assert isinstance(engine._executor.failure, WorkerDiedError)
+        assert isinstance(engine.local_core.executor.failure, WorkerDiedError)
         assert not engine.is_healthy and not engine.stats().healthy
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t") as c:
             assert (await c.get("/health")).status_code == 503
@@ -250,7 +250,7 @@ async def test_a_killed_worker_fails_the_request_in_flight_and_the_engine():
 async def test_a_worker_that_dies_between_steps_makes_the_engine_unhealthy():
     args = EngineArgs(model="dummy:tiny", tensor_parallel_size=2, **ENGINE)
     async with AsyncEngine(args) as engine:
-        pids = engine._executor.runner.worker_pids
+        pids = engine.local_core.executor.runner.worker_pids
         async for _ in engine.generate([5, 6, 7], SamplingParams(max_tokens=2)):
             pass
         assert engine.is_healthy
@@ -299,7 +299,7 @@ def test_default_model_two_ranks_give_the_tokens_of_one(default_llm, default_tok
     ps.append(apply_chat_template(default_tokenizer, [{"role": "user", "content": "Name three rivers."}]))
     ref = [o.outputs[0].token_ids for o in default_llm.generate(ps, GREEDY, use_tqdm=False)]
     two = LLM(model="smollm2-135m-instruct", device="cpu", tensor_parallel_size=2, num_kv_blocks=64, max_model_len=512)
-    pids = two.engine._executor.runner.worker_pids
+    pids = two.engine.local_core.executor.runner.worker_pids
     try:
         assert [o.outputs[0].token_ids for o in two.generate(ps, GREEDY, use_tqdm=False)] == ref
     finally:

@@ -177,10 +177,10 @@ def release_device_memory() -> None:
 def graph_replays(engine) -> tuple[int, int] | None:
     """CUDA-graph replays so far of the engine's (one-process) model runner: decode steps, mixed steps. None
     when the engine core runs in a process of its own (``engine_core_process``): its counters live there."""
-    executor = getattr(engine, "_executor", None)
-    if executor is None:
+    core = engine.local_core
+    if core is None:
         return None
-    runner = executor.runner  # a tensor-parallel runner captures none
+    runner = core.executor.runner  # a tensor-parallel runner captures none
     graphs = (getattr(runner, "graphs", None), getattr(runner, "mixed_graphs", None))
     return tuple(g.num_replays if g is not None else 0 for g in graphs)
 

@@ -40,7 +40,7 @@ async def _serve(engine, prompts: list[list[int]], params, concurrency: int) -> 
 
 def _graph_replays(engine) -> tuple[int, int]:
     """CUDA-graph replays so far of the plain decode graphs and of the speculative ones (0 without)."""
-    runner = engine._executor.runner
+    runner = engine.local_core.executor.runner
     spec = runner.drafter.graphs if runner.drafter is not None else None
     return tuple(g.num_replays if g is not None else 0 for g in (runner.graphs, spec))
 

@@ -280,7 +280,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             logger.info("%d examples with the data's own replies added to %d", len(extra), len(examples))
             examples += extra
         t_data = time.perf_counter() - t0
-        runner = llm.engine._executor.runner
+        runner = llm.engine.local_core.executor.runner
         cfg = TrainConfig(
             epochs=ns.epochs,
             batch_tokens=ns.batch_tokens,

@@ -41,8 +41,9 @@ from typing import Any
 from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process, watch_parent
 from sluice.core.errors import InvalidRequestError
-from sluice.core.frontend.core_client import STOP_TIMEOUT_S, CoreClient, SharedCore, exit_status
+from sluice.core.frontend.core_client import STOP_TIMEOUT_S, exit_status
 from sluice.core.frontend.engine import AsyncEngine, max_model_len_for
+from sluice.core.frontend.engine_core_client import SharedCore
 
 logger = logging.getLogger("sluice")
 
@@ -86,18 +87,6 @@ class ApiServerSpec:
     ready: Any  # a multiprocessing Connection: the front end sends its index once it serves
 
 
-class SharedCoreEngine(AsyncEngine):
-    """An `AsyncEngine` whose core runs in a process the supervisor started, shared with the other front ends:
-    it attaches to it instead of starting one (the rest, request actors included, is `AsyncEngine`'s)."""
-
-    def __init__(self, args: EngineArgs, core: SharedCore) -> None:
-        super().__init__(args)
-        self._shared = core
-
-    def _core_client(self) -> CoreClient:
-        return CoreClient(self.args, self.max_model_len, shared=self._shared)
-
-
 def run_api_server(spec: ApiServerSpec) -> None:
     """A front end's whole life (the target of its spawned process): `sluice serve`'s server on the shared
     socket, until SIGTERM (from the supervisor)."""
@@ -120,7 +109,7 @@ def run_api_server(spec: ApiServerSpec) -> None:
         spec.ready.send(spec.index)
         spec.ready.close()
 
-    engine = SharedCoreEngine(spec.args, spec.core)
+    engine = AsyncEngine(spec.args, shared_core=spec.core)  # attaches to the supervisor's core
     server = build_server(spec.ns, engine, log_config=_tagged_log_config(tag), on_started=started)
     server.run(sockets=[spec.sock])  # a failed start exits non-zero inside (uvicorn)
 

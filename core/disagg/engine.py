@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -54,12 +53,13 @@ from sluice.core.errors import (
     InvalidRequestError,
     SluiceError,
 )
-from sluice.core.frontend.admission import AdmissionGate
-from sluice.core.frontend.engine import OFF_LOOP_CHARS, AsyncEngine, Prompt, _text_chars
+from sluice.core.frontend.admission import Admission, request_admission, request_admission_until_room
+from sluice.core.frontend.engine import AsyncEngine, Prompt
 from sluice.core.frontend.request_actor import run_request
-from sluice.core.messages import AbortRequest, AddRequest, EndAllRequests, TokenEvent, reply
+from sluice.core.messages import AbortRequest, AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, reply
 from sluice.core.outputs import RequestOutput
 from sluice.core.request import Request
+from sluice.core.request_ids import new_request_id
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.sched.disagg import (
     CommitBlocks,
@@ -134,7 +134,8 @@ class DisaggEngine:
                 kv_role="prefill",
                 device=prefill_device or self.args.device,
                 **{**one_process, **(prefill_args or {})},
-            )
+            ),
+            paired=True,  # each is half of this pair (AsyncEngine refuses alone)
         )
         self.decode = AsyncEngine(
             replace(
@@ -142,9 +143,9 @@ class DisaggEngine:
                 kv_role="decode",
                 device=decode_device or self.args.device,
                 **{**one_process, **(decode_args or {})},
-            )
+            ),
+            paired=True,
         )
-        self.prefill.paired = self.decode.paired = True  # each is half of this pair (AsyncEngine refuses alone)
         self.pair_stats = PairStats()
         self.transport: KVTransport | None = None
         self._routes: dict[str, _Route] = {}
@@ -161,10 +162,11 @@ class DisaggEngine:
             await stack.enter_async_context(self.prefill)
             await stack.enter_async_context(self.decode)
             self._check_layouts()
-            p, d = self._kv_caches(self.prefill), self._kv_caches(self.decode)
+            p, d = self.prefill.kv_caches, self.decode.kv_caches
             self.transport = KVTransport(p[0].device, d[0].device, self.args.kv_transfer_timeout)
             self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
-            self._gate = AdmissionGate(self.args.max_num_seqs + self.args.max_waiting_requests)
+            # no burst window: the router stands between the callers and the schedulers
+            self._admission = Admission(self.args.max_num_seqs + self.args.max_waiting_requests, _moment)
             # transfers one at a time (the transport is one ordered lane); the staging copies are made in it too
             self._lane = anyio.CapacityLimiter(1)
             self._tg = await stack.enter_async_context(anyio.create_task_group())
@@ -184,13 +186,9 @@ class DisaggEngine:
         await stack.aclose()
         return None
 
-    @staticmethod
-    def _kv_caches(engine: AsyncEngine) -> list[torch.Tensor]:
-        # The transfer reads and writes the pools where the executors keep them (both in this process).
-        return engine._executor.runner.kv_caches
-
     def _check_layouts(self) -> None:
-        p, d = self._kv_caches(self.prefill), self._kv_caches(self.decode)
+        # The transfer reads and writes the pools where the executors keep them (both in this process).
+        p, d = self.prefill.kv_caches, self.decode.kv_caches
         if len(p) != len(d) or payload_shape(p, 1) != payload_shape(d, 1) or payload_dtype(p) != payload_dtype(d):
             raise InvalidRequestError(
                 f"the prefill and decode engines' KV layouts differ ({len(p)} x {tuple(p[0].shape[2:])} {p[0].dtype} "
@@ -230,8 +228,7 @@ class DisaggEngine:
     def _dead(self) -> str | None:
         for name, engine in (("prefill", self.prefill), ("decode", self.decode)):
             if engine.is_running and not engine.is_healthy:
-                actor = engine._scheduler_actor
-                return f"the {name} engine is dead: {actor.dead or engine._executor.failure}"
+                return f"the {name} engine is dead: {engine.health_error()}"
         return None
 
     def stats(self) -> EngineStats:
@@ -269,47 +266,36 @@ class DisaggEngine:
             raise EngineDeadError(dead)
         params = params or SamplingParams()
         engine = self.decode
-        if _text_chars(prompt) > OFF_LOOP_CHARS:
-            prompt_ids = await anyio.to_thread.run_sync(engine.tokenize_prompt, prompt)
-        else:
-            prompt_ids = engine.tokenize_prompt(prompt)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        prompt_ids = await engine.tokenize_off_loop(prompt)
+        request_id = request_id or new_request_id()
         if request_id in self._live_ids:
             raise InvalidRequestError(
                 f"request_id: {request_id!r} is already in use by a running request", param="request_id"
             )
         self._live_ids.add(request_id)
-
         # a request must fit both pools
-        room = min(self.prefill._limits.max_kv_tokens, engine._limits.max_kv_tokens)
-        limits = replace(engine._limits, max_kv_tokens=room)
-
-        def run() -> AsyncIterator[RequestOutput]:
-            return run_request(
-                request_id,
-                prompt_ids,
-                params,
-                engine._eos,
-                limits,
-                engine.tokenizer,
-                self._inbox_send,
-                final_only,
-                arrival_time=arrival,
-            )
-
+        limits = replace(
+            engine.limits, max_kv_tokens=min(self.prefill.limits.max_kv_tokens, engine.limits.max_kv_tokens)
+        )
         try:
-            if not wait_for_room:
-                async for out in run():
-                    yield out
-                return
-            async with self._gate.hold(params.n):
+            async with self._admission.room(params.n, wait_for_room) as room:
                 while True:
                     try:
-                        async for out in run():
+                        async for out in run_request(
+                            request_id,
+                            prompt_ids,
+                            params,
+                            engine.eos_token_ids,
+                            limits,
+                            engine.tokenizer,
+                            self._inbox_send,
+                            final_only,
+                            arrival_time=arrival,
+                        ):
                             yield out
                         return
-                    except EngineOverloaded:  # refused at admission (nothing yielded): wait for room
-                        await anyio.sleep(0.05)
+                    except EngineOverloaded as e:
+                        await room.retry_after(e)
         finally:
             self._live_ids.discard(request_id)
 
@@ -336,8 +322,7 @@ class DisaggEngine:
                 except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                     break
                 if isinstance(msg, AddRequest):
-                    rid = msg.requests[0].request_id
-                    reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
+                    reply(msg.events, refusal(msg.requests[0].request_id, stopped))
 
     async def _serve_inbox(self, inbox, tg) -> None:
         async for msg in inbox:
@@ -349,10 +334,10 @@ class DisaggEngine:
                     route.aborted = True  # checked between the stages
                 # wherever it is now: an abort for an id an engine does not hold is ignored there
                 for engine in (self.prefill, self.decode):
-                    await _send(engine, AbortRequest(msg.request_id))
+                    await engine.submit(AbortRequest(msg.request_id))
             elif isinstance(msg, EndAllRequests):
                 for engine in (self.prefill, self.decode):
-                    await _send(engine, msg)
+                    await engine.submit(msg)
 
     async def _route(self, msg: AddRequest) -> None:
         req = msg.requests[0]
@@ -360,7 +345,7 @@ class DisaggEngine:
         self.pair_stats.prompt_tokens += req.num_prompt_tokens
         if len(msg.requests) > 1 or req.num_prompt_tokens < self.args.block_size:
             self.pair_stats.num_direct += 1
-            if not await _send(self.decode, msg):
+            if not await self.decode.submit(msg):
                 reply(msg.events, _refused(rid, "the decode engine has stopped"))
             return
         route = self._routes[rid] = _Route(rid)
@@ -369,45 +354,24 @@ class DisaggEngine:
         except anyio.get_cancelled_exc_class():
             # the pair stops: the caller's loop ends with an error, as each engine ends its own requests
             stopped = EngineStoppedError("the engine pair stopped before the request finished")
-            reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=stopped))
+            reply(msg.events, refusal(rid, stopped))
             raise
         finally:
             del self._routes[rid]
 
     async def _split(self, msg: AddRequest, req: Request, route: _Route) -> None:
-        rid, caller = req.request_id, msg.events
+        rid = req.request_id
         self.pair_stats.num_split += 1
         # 1. prefill: the prompt and its first token
-        first_req = Request(rid, list(req.prompt_token_ids), req.sampling_params, 1, req.eos_token_ids)
-        send, recv = anyio.create_memory_object_stream[TokenEvent](4)
-        if not await _send(self.prefill, AddRequest([first_req], send)):
-            reply(caller, _refused(rid, "the prefill engine has stopped"))
-            return
-        async with recv:
-            admitted = await recv.receive()
-            if admitted.error is not None:  # refused: overloaded, dead, shutting down
-                reply(caller, admitted)
-                return
-            reply(caller, TokenEvent(rid, []))
-            if route.aborted:  # its abort may have reached the prefill engine before the request did
-                await _send(self.prefill, AbortRequest(rid))
-            ev = await recv.receive()
-        if ev.error is not None or ev.finish_reason == "abort" or not ev.token_ids:
-            await _ask(self.prefill, ReleaseShipment(rid))
-            reply(caller, ev)
-            return
+        first = await self._first_token(req, msg.events, route)
+        if first is None:
+            return  # refused, failed, or its first token ended it: the caller has its answer
         first_token_time = time.time()
-        num_cached = ev.num_cached_tokens
-        n_prompt = req.num_prompt_tokens
-        if ev.finish_reason == "stop" or req.max_tokens <= 1 or n_prompt + 1 >= self.max_model_len:
-            # the first token ends it, as it would on one engine
-            self.pair_stats.num_ended_at_prefill += 1
-            await _ask(self.prefill, ReleaseShipment(rid))
-            ev.finish_reason = ev.finish_reason if ev.finish_reason == "stop" else "length"
-            reply(caller, ev)
-            return
         if not msg.final_only:
-            reply(caller, TokenEvent(rid, list(ev.token_ids), ev.logprobs, num_cached_tokens=num_cached))
+            reply(
+                msg.events,
+                TokenEvent(rid, list(first.token_ids), first.logprobs, num_cached_tokens=first.num_cached_tokens),
+            )
         # 2. the prompt's KV to the decode engine
         reserved = await self._ship(rid, req, route)
         if route.aborted:
@@ -416,6 +380,42 @@ class DisaggEngine:
                 await _ask(self.decode, ReleaseBlocks(rid))
             return
         # 3. decode, from the known first token on
+        await self._decode(msg, req, route, first, first_token_time, reserved)
+
+    async def _first_token(self, req: Request, caller: Any, route: _Route) -> TokenEvent | None:
+        """Run the prompt on the prefill engine for its first token, answering the caller's admission on the way.
+        None when the request goes no further (the caller then has its last event)."""
+        rid = req.request_id
+        first_req = Request(rid, list(req.prompt_token_ids), req.sampling_params, 1, req.eos_token_ids)
+        send, recv = anyio.create_memory_object_stream[Admitted | TokenEvent](4)
+        async with recv:
+            stopped = EngineDeadError("the prefill engine has stopped")
+            refused = await request_admission(self.prefill.submit, AddRequest([first_req], send), recv, stopped)
+            if refused is not None:  # overloaded, dead, shutting down
+                reply(caller, refusal(rid, refused))
+                return None
+            reply(caller, Admitted(rid))
+            if route.aborted:  # its abort may have reached the prefill engine before the request did
+                await self.prefill.submit(AbortRequest(rid))
+            ev = await recv.receive()
+        if ev.error is not None or ev.finish_reason == "abort" or not ev.token_ids:
+            await _ask(self.prefill, ReleaseShipment(rid))
+            reply(caller, ev)
+            return None
+        if ev.finish_reason == "stop" or req.max_tokens <= 1 or req.num_prompt_tokens + 1 >= self.max_model_len:
+            # the first token ends it, as it would on one engine
+            self.pair_stats.num_ended_at_prefill += 1
+            await _ask(self.prefill, ReleaseShipment(rid))
+            ev.finish_reason = ev.finish_reason if ev.finish_reason == "stop" else "length"
+            reply(caller, ev)
+            return None
+        return ev
+
+    async def _decode(
+        self, msg: AddRequest, req: Request, route: _Route, first: TokenEvent, first_token_time: float, reserved: bool
+    ) -> None:
+        """Admit the request to the decode engine with its first token known, and relay its tokens."""
+        rid, caller = req.request_id, msg.events
         rest = Request(
             rid,
             list(req.prompt_token_ids),
@@ -423,31 +423,31 @@ class DisaggEngine:
             req.max_tokens,
             req.eos_token_ids,
             arrival_time=req.arrival_time,
-            output_token_ids=list(ev.token_ids),
+            output_token_ids=list(first.token_ids),
         )
         if msg.final_only:  # its one final event carries the first token too (it is an output token already)
             rest.first_token_time = first_token_time
-            rest.output_logprobs = list(ev.logprobs) if ev.logprobs else None
-        send, recv = anyio.create_memory_object_stream[TokenEvent](req.max_tokens + 4)
+            rest.output_logprobs = list(first.logprobs) if first.logprobs else None
+        send, recv = anyio.create_memory_object_stream[Admitted | TokenEvent](req.max_tokens + 4)
         async with recv:
-            while True:
-                if not await _send(self.decode, AddRequest([rest], send, final_only=msg.final_only)):
-                    admitted = _refused(rid, "the decode engine has stopped")
-                else:
-                    admitted = await recv.receive()
-                if not isinstance(admitted.error, EngineOverloaded) or route.aborted:
-                    break
-                await anyio.sleep(0.01)  # the caller has its first token: wait for room, do not fail it
-            if admitted.error is not None:
+            # the caller has its first token: wait for room, do not fail it
+            refused = await request_admission_until_room(
+                self.decode.submit,
+                AddRequest([rest], send, final_only=msg.final_only),
+                recv,
+                EngineDeadError("the decode engine has stopped"),
+                gave_up=lambda: route.aborted,
+            )
+            if refused is not None:
                 if reserved:
                     await _ask(self.decode, ReleaseBlocks(rid))
                 if not route.aborted:
-                    reply(caller, admitted)
+                    reply(caller, refusal(rid, refused))
                 return
             if route.aborted:  # as above, on the decode engine
-                await _send(self.decode, AbortRequest(rid))
+                await self.decode.submit(AbortRequest(rid))
             async for ev in recv:
-                ev.num_cached_tokens = num_cached  # the prefill engine's prefix-cache hit, not the shipped blocks
+                ev.num_cached_tokens = first.num_cached_tokens  # the prefill's prefix-cache hit, not the shipped blocks
                 reply(caller, ev)
                 if ev.finish_reason is not None:
                     return
@@ -498,7 +498,7 @@ class DisaggEngine:
     def _gather(self, block_ids: list[int]) -> torch.Tensor:
         """The blocks' staging copy, complete (on a GPU, on a side stream, synchronized) before the blocks are
         released: the prefill engine's steps never write full prompt blocks, so it runs beside them."""
-        kv = self._kv_caches(self.prefill)
+        kv = self.prefill.kv_caches
         if kv[0].device.type != "cuda":
             return gather_blocks(kv, block_ids)
         stream = torch.cuda.Stream(kv[0].device)
@@ -511,7 +511,7 @@ class DisaggEngine:
         """Ship the payload and write it into the reserved blocks (nobody reads them before `CommitBlocks`)."""
         assert self.transport is not None
         received = self.transport.transfer(payload)
-        kv = self._kv_caches(self.decode)
+        kv = self.decode.kv_caches
         if kv[0].device.type != "cuda":
             scatter_blocks(kv, dst, received)
             return
@@ -522,21 +522,12 @@ class DisaggEngine:
 
 
 # -- talking to an engine's scheduler actor -------------------------------------------------------------------
-async def _send(engine: AsyncEngine, msg: object) -> bool:
-    """Into the engine's scheduler inbox; False once the engine has stopped."""
-    try:
-        await engine._inbox_send.send(msg)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, AttributeError):
-        return False
-    return True
-
-
 async def _ask(engine: AsyncEngine, op: KVOp) -> Any:
     """A block hand-over's answer (None when the engine has stopped)."""
     send, recv = anyio.create_memory_object_stream[object](1)
     op.reply = send
     async with recv:
-        if not await _send(engine, op):
+        if not await engine.submit(op):
             return None
         # the inbox answers at once, even mid-step; an engine stopping with the op unread never answers
         with anyio.move_on_after(60):
@@ -544,5 +535,10 @@ async def _ask(engine: AsyncEngine, op: KVOp) -> Any:
     return None
 
 
+async def _moment(num_seqs: int) -> None:
+    """What a caller refused as overloaded waits before it tries again."""
+    await anyio.sleep(0.05)
+
+
 def _refused(rid: str, why: str) -> TokenEvent:
-    return TokenEvent(rid, [], finish_reason="abort", error=EngineDeadError(why))
+    return refusal(rid, EngineDeadError(why))

@@ -14,7 +14,7 @@ of front end i hands it collector i, so the scheduler actor's ``stream.send_nowa
 right front end's next message. That is why each front end has a socket pair of its own (a PUSH/PULL pair, as
 with one front end) rather than one ROUTER socket: the owner of a request is known by the socket it came in
 on, and no message needs an identity frame or a lookup. Request ids are unique across front ends because each
-front end prefixes its own on the wire (`core_client.SharedCore`).
+front end prefixes its own on the wire (`core/request_ids.py`).
 
 Its life is its parent's: Ctrl-C and SIGTERM reach a terminal's whole process group, so the core ignores
 them and stops once every front end has said so (`ShutdownMsg`); a thread watches its parent (the front end,
@@ -40,7 +40,7 @@ from sluice.core.engine_core.core import EngineCore
 from sluice.core.engine_core.runtime import freeze_heap, shorten_switch_interval
 from sluice.core.engine_core.scheduler_actor import SchedulerActor
 from sluice.core.ipc import wire, zmq_io
-from sluice.core.messages import AbortRequest, EndAllRequests, TokenEvent
+from sluice.core.messages import AbortRequest, Admitted, EndAllRequests, TokenEvent
 
 logger = logging.getLogger("sluice")
 
@@ -74,24 +74,32 @@ class StepCollector:
     here, and the outbound bridge takes the lot once the step (or admission) that produced them is done. It
     never refuses an event: a request whose caller is gone is aborted by the front end's `AbortRequest`."""
 
-    __slots__ = ("events", "_ready")
+    __slots__ = ("events", "admitted", "_ready")
 
     def __init__(self) -> None:
         self.events: list[TokenEvent] = []
+        self.admitted: list[str] = []  # `Admitted`'s ids: they travel apart from the events (`wire.CoreStep`)
         self._ready = anyio.Event()
 
-    def send_nowait(self, ev: TokenEvent) -> None:
-        self.events.append(ev)
+    def send_nowait(self, ev: TokenEvent | Admitted) -> None:
+        if ev.__class__ is Admitted:
+            self.admitted.append(ev.request_id)
+        else:
+            self.events.append(ev)
         self._ready.set()
 
     def wake(self) -> None:
         self._ready.set()
 
-    async def take(self) -> list[TokenEvent]:
+    async def take(self) -> tuple[list[str], list[TokenEvent]]:
+        """The ids admitted and the events since the last take (once there is something, or new counters)."""
         await self._ready.wait()
         self._ready = anyio.Event()
-        events, self.events = self.events, []
-        return events
+        admitted, events = self.admitted, self.events
+        if admitted:
+            self.admitted = []
+        self.events = []
+        return admitted, events
 
 
 @dataclass(slots=True)
@@ -197,13 +205,13 @@ async def _send_steps(collector: StepCollector, actor: SchedulerActor, sock: zmq
     to_wire = wire.event_to_wire
     last = actor.stats
     while True:
-        events = await collector.take()
+        admitted, events = await collector.take()
         stats = actor.stats
-        if not events and stats == last:
+        if not events and not admitted and stats == last:
             continue  # published again, unchanged (the step loop going idle)
         last = stats
         try:
-            zmq_io.send(sock, encode(wire.CoreStep([to_wire(e) for e in events], stats)))
+            zmq_io.send(sock, encode(wire.CoreStep([to_wire(e) for e in events], stats, admitted)))
         except zmq.Again:
             return  # the front end is gone; the parent watch ends this process
 

@@ -23,8 +23,18 @@ from sluice.core.engine_core.executor import FLUSH
 from sluice.core.engine_core.inspector import StepRecorder
 from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedError
 from sluice.core.host_profile import HostProfile
-from sluice.core.messages import AbortRequest, AddRequest, EndAllRequests, TokenEvent, refuse_queued, reply
+from sluice.core.messages import (
+    AbortRequest,
+    AddRequest,
+    Admitted,
+    EndAllRequests,
+    TokenEvent,
+    refusal,
+    refuse_queued,
+    reply,
+)
 from sluice.core.request import Request
+from sluice.core.request_ids import sequence_prefix
 from sluice.core.sched.disagg import KVOp
 from sluice.core.sched.scheduler import Scheduler
 from sluice.core.stats import EngineStats
@@ -85,7 +95,7 @@ class SchedulerActor:
         """The engine stops: every open request ends with ``error``, so no caller waits for tokens forever."""
         for rid in list(self.streams):
             self.scheduler.abort(rid)
-            self._deliver(TokenEvent(rid, [], finish_reason="abort", error=error))
+            self._deliver(refusal(rid, error))
         self._publish()
 
     # -- inbox -------------------------------------------------------------------------------------
@@ -118,37 +128,12 @@ class SchedulerActor:
             self._end_all(msg.error)
 
     def _add(self, msg: AddRequest) -> None:
-        s = self.scheduler
-        if self.closed is not None:
-            rid = msg.requests[0].request_id
-            reply(msg.events, TokenEvent(rid, [], finish_reason="abort", error=self.closed))
+        rid = msg.requests[0].request_id
+        refused = self._refusal(len(msg.requests))
+        if refused is not None:
+            reply(msg.events, refusal(rid, refused))
             return
-        if self.dead is not None:
-            reply(
-                msg.events,
-                TokenEvent(
-                    msg.requests[0].request_id,
-                    [],
-                    finish_reason="abort",
-                    error=EngineDeadError(f"engine is dead: {self.dead}"),
-                ),
-            )
-            return
-        if len(s.waiting) + len(msg.requests) > s.config.max_waiting_requests:
-            reply(
-                msg.events,
-                TokenEvent(
-                    msg.requests[0].request_id,
-                    [],
-                    finish_reason="abort",
-                    error=EngineOverloaded(
-                        f"engine overloaded: {len(s.waiting)} requests waiting (max_waiting_requests="
-                        f"{s.config.max_waiting_requests})"
-                    ),
-                ),
-            )
-            return
-        if not reply(msg.events, TokenEvent(msg.requests[0].request_id, [])):  # admitted
+        if not reply(msg.events, Admitted(rid)):
             return  # the caller was cancelled before admission: nobody would ever abort its requests
         for req in msg.requests:
             self.streams[req.request_id] = msg.events
@@ -156,12 +141,27 @@ class SchedulerActor:
             self.prompt_tokens += req.num_prompt_tokens
         if self.recorder is not None:
             self.recorder.admitted(msg.requests)
-        s.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
+        self.scheduler.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
         self._wakeup.set()
 
+    def _refusal(self, num_seqs: int) -> Exception | None:
+        """Why a request of ``num_seqs`` sequences cannot be added now (None: it can)."""
+        if self.closed is not None:
+            return self.closed
+        if self.dead is not None:
+            return EngineDeadError(f"engine is dead: {self.dead}")
+        s = self.scheduler
+        if len(s.waiting) + num_seqs > s.config.max_waiting_requests:
+            return EngineOverloaded(
+                f"engine overloaded: {len(s.waiting)} requests waiting (max_waiting_requests="
+                f"{s.config.max_waiting_requests})"
+            )
+        return None
+
     def _abort(self, request_id: str) -> None:
-        """Abort a request; a caller's id also reaches its n > 1 sequences (``id#i``)."""
-        family = [rid for rid in self.streams if rid.startswith(request_id + "#")]
+        """Abort a request; a caller's id also reaches its n > 1 sequences (`sequence_prefix`)."""
+        prefix = sequence_prefix(request_id)
+        family = [rid for rid in self.streams if rid.startswith(prefix)]
         for rid in (request_id, *family):
             req = self.scheduler.abort(rid)
             if req is not None:

@@ -2,9 +2,9 @@
 engine's inbox to it, fans each step's events out to the request actors, and notices when it dies.
 
 To the request actors nothing changes: they put `AddRequest` / `AbortRequest` on the same inbox stream and
-read `TokenEvent`s from their own stream, as in one process. The bridge registers each request's stream by
-id when it forwards the `AddRequest`, and drops it when the request's last event has been routed (or its
-admission was refused: every sequence of it then goes).
+read `Admitted` and `TokenEvent`s from their own stream, as in one process. The bridge registers each request's
+stream by id when it forwards the `AddRequest`, and drops it when the request's last event has been routed (or
+its admission was refused: every sequence of it then goes).
 
 A dead core (killed, out of memory, crashed) shows as its process sentinel becoming readable: every open
 request then ends with `EngineDeadError`, later ones are refused with it, and the engine reports unhealthy.
@@ -14,9 +14,9 @@ server's supervisor) and serves N front ends, each with a `CoreClient` of its ow
 socket pair, watches the core's process through a pidfd (it is not this process's child), and leaves starting
 and stopping the process to its owner. Three things differ from the one front end that owns its core:
 
-* request ids cross the wire prefixed with the front end's number (``"1:chatcmpl-..."``), so two front ends can
-  never put the same id into the one scheduler (it keys requests by id); events come back prefixed and are cut
-  back on arrival;
+* request ids cross the wire prefixed with the front end's number (``"1:chatcmpl-..."``, `core/request_ids.py`),
+  so two front ends can never put the same id into the one scheduler (it keys requests by id); events come back
+  prefixed and are cut back on arrival;
 * `EndAllRequests` (a server's shutdown grace is over) ends this front end's requests only: it is answered
   here and its requests are aborted in the core, where the core's own `EndAllRequests` would end every front
   end's;
@@ -32,7 +32,7 @@ import shutil
 import signal
 import tempfile
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import anyio
 import zmq
@@ -40,8 +40,9 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineDeadError, EngineStoppedError, RequestFailedError
+from sluice.core.frontend.engine_core_client import EngineCoreClient, SharedCore
 from sluice.core.ipc import wire, zmq_io
-from sluice.core.messages import AddRequest, EndAllRequests, TokenEvent, refuse_queued, reply
+from sluice.core.messages import AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, refuse_queued, reply
 from sluice.core.stats import EngineStats
 
 logger = logging.getLogger("sluice")
@@ -51,21 +52,9 @@ STOP_TIMEOUT_S = 30.0  # a step in flight finishes before the core exits; past t
 _STREAM_GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock)
 
 
-@dataclass(slots=True)
-class SharedCore:
-    """An engine core process that serves several front ends, started by their supervisor: this front end's
-    number among them, its socket pair and the core's process id."""
+class CoreClient(EngineCoreClient):
+    """The `EngineCoreClient` of a core in a process of its own (see the module's docstring)."""
 
-    index: int
-    bridge: BridgeAddress
-    pid: int
-
-    @property
-    def id_prefix(self) -> str:
-        return f"{self.index}:"
-
-
-class CoreClient:
     def __init__(self, args: EngineArgs, max_model_len: int, shared: SharedCore | None = None) -> None:
         self.args = args
         self.max_model_len = max_model_len
@@ -76,7 +65,7 @@ class CoreClient:
         self.pid: int | None = None
         self.proc = None
         self._pidfd: int | None = None  # shared: the core's process, readable once it has ended
-        self._prefix = shared.id_prefix if shared is not None else ""
+        self._prefix = shared.id_prefix if shared is not None else ""  # `core/request_ids.py`
         self._streams: dict[str, ObjectSendStream[TokenEvent]] = {}
         self._admitting: dict[str, list[str]] = {}  # first sequence's id -> every sequence id, until answered
         self._closed: Exception | None = None  # EndAllRequests: later requests are refused with it
@@ -179,6 +168,12 @@ class CoreClient:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
 
+    def dead_error(self) -> Exception | None:
+        return self.dead or (None if self.stats.healthy else EngineDeadError("engine failed"))
+
+    def health_error(self) -> Exception | None:
+        return self.dead_error()
+
     # -- bridge --------------------------------------------------------------------------------------------
     async def run(self, inbox: ObjectReceiveStream) -> None:
         """Bridge until cancelled (the engine stops); then every request still open or queued is answered
@@ -219,9 +214,9 @@ class CoreClient:
             out, sent = [], []  # the wire messages, and what each was made of
             for m in batch:
                 if isinstance(m, AddRequest):
-                    refusal = self.dead or self._closed
-                    if refusal is not None:
-                        reply(m.events, TokenEvent(m.requests[0].request_id, [], finish_reason="abort", error=refusal))
+                    refused = self.dead or self._closed
+                    if refused is not None:
+                        reply(m.events, refusal(m.requests[0].request_id, refused))
                         continue
                     ids = [r.request_id for r in m.requests]
                     for rid in ids:
@@ -230,7 +225,9 @@ class CoreClient:
                 elif isinstance(m, EndAllRequests):
                     self._closed = m.error
                     if self.shared is not None:  # this front end's requests only, not the other front ends'
-                        out += [wire.AbortMsg(self._prefix + rid) for rid in self._streams]
+                        aborts = [wire.AbortMsg(self._prefix + rid) for rid in self._streams]
+                        out += aborts
+                        sent += [None] * len(aborts)  # `_encodable` pairs each wire message with its source
                         self._end_all(m.error)
                         continue
                 out.append(wire.front_to_wire(m, self._prefix))
@@ -281,20 +278,29 @@ class CoreClient:
                 continue
             if self.dead is None:
                 self.stats = msg.stats
+            for rid in msg.admitted:  # before the events: a request's admission precedes its events
+                self._admitted(rid[cut:])
             for w in msg.events:
                 if cut:
                     w.request_id = w.request_id[cut:]
                 self._route(from_wire(w))
+
+    def _admitted(self, rid: str) -> None:
+        self._admitting.pop(rid, None)
+        stream = self._streams.get(rid)
+        if stream is not None:
+            reply(stream, Admitted(rid))
 
     def _route(self, ev: TokenEvent) -> None:
         rid = ev.request_id
         stream = self._streams.get(rid)
         if stream is None:
             return
-        family = self._admitting.pop(rid, None)
-        if family is not None and ev.error is not None:  # refused: none of its sequences was added
-            for x in family:
-                self._streams.pop(x, None)
+        if ev.error is not None:
+            family = self._admitting.pop(rid, None)
+            if family is not None:  # refused: none of its sequences was added
+                for x in family:
+                    self._streams.pop(x, None)
         try:
             stream.send_nowait(ev)
         except _STREAM_GONE:
@@ -319,7 +325,7 @@ class CoreClient:
         streams, self._streams = self._streams, {}
         self._admitting.clear()
         for rid, stream in streams.items():
-            reply(stream, TokenEvent(rid, [], finish_reason="abort", error=error))
+            reply(stream, refusal(rid, error))
 
 
 def exit_status(code: int | None) -> str:

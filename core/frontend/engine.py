@@ -2,34 +2,41 @@
 
 `AsyncEngine` is the front end: one RequestActor per `generate()` call (running in the caller's task) puts
 its requests on the engine's inbox and reads its events. Behind the inbox runs the engine core (the
-SchedulerActor and the ExecutorActor, `core/engine_core/core.py`): in this process's task group, or with
-``engine_core_process`` in a process of its own, reached through a bridge (`core/frontend/core_client.py`) that
-presents the same streams. The actors share nothing mutable and talk only over bounded anyio memory streams.
+SchedulerActor and the ExecutorActor, `core/engine_core/core.py`), reached through one `EngineCoreClient`
+(`core/frontend/engine_core_client.py`): in this process's task group, or with ``engine_core_process`` in a
+process of its own, bridged so that it presents the same streams. Admission (room, burst pacing, retries) is
+`core/frontend/admission.py`'s. The actors share nothing mutable and talk only over bounded anyio memory streams.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from sluice.core import envs
 from sluice.core.args import MAX_MODEL_LEN_DEFAULT, EngineArgs
-from sluice.core.engine_core.core import EngineCore
 from sluice.core.engine_core.inspector import StepRecorder
-from sluice.core.engine_core.runtime import freeze_heap, restore_switch_interval, shorten_switch_interval, unfreeze_heap
+from sluice.core.engine_core.runtime import freeze_heap, unfreeze_heap
 from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequestError, SluiceError
-from sluice.core.frontend.admission import AdmissionGate
+from sluice.core.frontend.admission import Admission, admitting_window
+from sluice.core.frontend.engine_core_client import EngineCoreClient, SharedCore
+from sluice.core.frontend.inproc_client import InprocClient
 from sluice.core.frontend.request_actor import RequestLimits, run_request
 from sluice.core.frontend.tokenizer import apply_chat_template, load_tokenizer
 from sluice.core.host_profile import HostProfile
+from sluice.core.messages import AbortRequest, EndAllRequests, submit_to
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import RequestOutput
+from sluice.core.request_ids import new_request_id
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.stats import EngineStats
+
+if TYPE_CHECKING:
+    import torch
+    from sluice.core.engine_core.core import EngineCore
 
 logger = logging.getLogger("sluice")
 
@@ -38,22 +45,33 @@ Prompt = str | list[int] | list[dict]
 # Prompts with more text than this are tokenized in a worker thread (a tokenizer releases the GIL; 1 MB of text
 # takes it ~0.5 s), so the event loop keeps serving; shorter ones cost less than the thread hop.
 OFF_LOOP_CHARS = 16_384
-# Requests validated and sent but not yet answered by the scheduler, at most: `run_request`'s ``admitting``.
-ADMITTING_AT_ONCE = 64
 
 
 class AsyncEngine:
-    """``async with AsyncEngine(EngineArgs(...)) as engine: async for out in engine.generate(...)``."""
+    """``async with AsyncEngine(EngineArgs(...)) as engine: async for out in engine.generate(...)``.
 
-    def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
+    ``shared_core``: attach to an engine core that a supervisor started for several front ends (``sluice serve
+    --api-server-count N``) instead of starting one. ``paired``: this engine is half of a prefill/decode pair
+    (`DisaggEngine`); a ``kv_role`` other than "both" is refused otherwise."""
+
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        *,
+        shared_core: SharedCore | None = None,
+        paired: bool = False,
+        **kwargs: Any,
+    ) -> None:
         self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
+        self.shared_core = shared_core
+        self.paired = paired
         self._tg: anyio.abc.TaskGroup | None = None
         self._tokenizers = anyio.CapacityLimiter(1)  # one thread tokenizes large prompts: the model needs CPU too
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
         self._entered = False  # inside `async with` (starting, running or stopping)
-        self._client = None  # the bridge to the core's own process (engine_core_process), while it runs
+        self._client: EngineCoreClient | None = None  # the engine core, once started
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -64,27 +82,18 @@ class AsyncEngine:
         self._entered = True
         try:
             await anyio.to_thread.run_sync(self._load)
-            if self._split:
-                await self._start_core()
+            await self._start_core()
         except BaseException:
             self._entered = False
             raise
         self._inbox_send, inbox_recv = anyio.create_memory_object_stream(self.args.max_waiting_requests * 4 + 64)
-        # Library callers wait here for room (back-pressure) instead of being refused; see core/frontend/admission.py.
-        self._gate = AdmissionGate(self.args.max_num_seqs + self.args.max_waiting_requests)
-        # A burst's callers reach the scheduler this many at a time (`run_request`'s ``admitting``);
-        # SLUICE_ADMITTING=0 sends them all at once (for comparison).
-        at_once = ADMITTING_AT_ONCE if envs.SLUICE_ADMITTING is None else envs.SLUICE_ADMITTING
-        self._admitting = AdmissionGate(at_once) if at_once > 0 else None
+        # Library callers wait for room (back-pressure) instead of being refused: core/frontend/admission.py.
+        room = self.args.max_num_seqs + self.args.max_waiting_requests
+        self._admission = Admission(room, self._room_in_queue, admitting_window())
         self._request_ended = anyio.Event()
-        # the executor's launch thread beside the event loop's (in the core's process when it has its own)
-        self._switch_held = not self._split and shorten_switch_interval(self.args.gil_switch_interval_ms)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
-        if self._client is not None:
-            self._tg.start_soon(self._client.run, inbox_recv)
-        else:
-            self._tg.start_soon(self._core.run, inbox_recv)
+        self._tg.start_soon(self._client.run, inbox_recv)
         if self.args.gc_freeze:
             freeze_heap()
         return self
@@ -99,26 +108,11 @@ class AsyncEngine:
             self._entered = False
             if self.args.gc_freeze:
                 unfreeze_heap()
-            if self._switch_held:
-                restore_switch_interval()
-            if self._client is not None:
-                with anyio.CancelScope(shield=True):  # also when the caller was cancelled: no orphan process
-                    await anyio.to_thread.run_sync(self._client.close)
-
-    @property
-    def _split(self) -> bool:
-        """The core runs in a process of its own (the inspector reads the recorder live: one process)."""
-        return self.args.engine_core_process and not self.args.enable_inspector
-
-    def _core_client(self):
-        """The bridge to this engine's core process (a front end of several attaches to a shared core instead:
-        `sluice.app.server.api_servers`)."""
-        from sluice.core.frontend.core_client import CoreClient
-
-        return CoreClient(self.args, self.max_model_len)
+            with anyio.CancelScope(shield=True):  # also when the caller was cancelled: no orphan process
+                await anyio.to_thread.run_sync(self._client.close)
 
     async def _start_core(self) -> None:
-        client = self._core_client()
+        client = make_client(self.args, self.source, self.max_model_len, self.shared_core)
         try:
             await client.start()
         except BaseException:
@@ -126,12 +120,18 @@ class AsyncEngine:
                 await anyio.to_thread.run_sync(client.close)
             raise
         self._client = client
-        self._set_limits(client.num_kv_blocks)
+        self.limits = RequestLimits(
+            self.max_model_len,
+            self.source.config.vocab_size,
+            client.num_kv_blocks * self.args.block_size,
+            self.args.max_waiting_requests,
+            self.args.max_num_seqs,
+        )
 
     def _load(self) -> None:
         # prefill/decode disaggregation: alone, a prefill engine would pin every prompt's blocks for a peer that
         # never takes them
-        if self.args.kv_role != "both" and not getattr(self, "paired", False):
+        if self.args.kv_role != "both" and not self.paired:
             raise InvalidRequestError(
                 f"kv_role: a {self.args.kv_role} engine runs only as half of a prefill/decode pair (DisaggEngine, or "
                 "sluice serve --prefill-device ... --decode-device ...)",
@@ -145,27 +145,8 @@ class AsyncEngine:
         # character per byte; special tokens are entries too): a prompt longer than this many per position
         # cannot fit, whatever it tokenizes to.
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
-        cfg = source.config
-        self.max_model_len = max_model_len_for(self.args, cfg)
-        self._eos = tuple(source.eos_token_ids)
-        self._client = None
-        if self._split:
-            return  # the core loads the model in its own process (`_start_core`)
-        if self.args.engine_core_process:
-            logger.warning("engine_core_process: the inspector needs the engine in one process; running in one")
-        self._core = EngineCore.build(self.args, source, self.max_model_len)
-        self._executor = self._core.executor
-        self._scheduler_actor = self._core.scheduler_actor
-        self._set_limits(self._core.num_kv_blocks)
-
-    def _set_limits(self, num_kv_blocks: int) -> None:
-        self._limits = RequestLimits(
-            self.max_model_len,
-            self.source.config.vocab_size,
-            num_kv_blocks * self.args.block_size,
-            self.args.max_waiting_requests,
-            self.args.max_num_seqs,
-        )
+        self.max_model_len = max_model_len_for(self.args, source.config)
+        self.eos_token_ids = tuple(source.eos_token_ids)
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -187,6 +168,12 @@ class AsyncEngine:
             "prompt: must be a string, a list of token ids, or a list of messages", param="prompt"
         )
 
+    async def tokenize_off_loop(self, prompt: Prompt) -> list[int]:
+        """`tokenize_prompt`, in a worker thread for a prompt with much text (the event loop keeps serving)."""
+        if _text_chars(prompt) > OFF_LOOP_CHARS:
+            return await anyio.to_thread.run_sync(self.tokenize_prompt, prompt, limiter=self._tokenizers)
+        return self.tokenize_prompt(prompt)
+
     async def generate(
         self,
         prompt: Prompt,
@@ -204,58 +191,51 @@ class AsyncEngine:
         arrival = time.time()
         if self._tg is None:
             raise SluiceError("engine is not running: use `async with AsyncEngine(...) as engine`")
-        dead = self._dead
+        dead = self._client.dead_error()
         if dead is not None:
             raise dead if isinstance(dead, EngineDeadError) else EngineDeadError(f"engine is dead: {dead}")
         params = params or SamplingParams()
-        if _text_chars(prompt) > OFF_LOOP_CHARS:
-            prompt_ids = await anyio.to_thread.run_sync(self.tokenize_prompt, prompt, limiter=self._tokenizers)
-        else:
-            prompt_ids = self.tokenize_prompt(prompt)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if request_id in self._live_ids:
-            raise InvalidRequestError(
-                f"request_id: {request_id!r} is already in use by a running request", param="request_id"
-            )
-        self._live_ids.add(request_id)
-
-        def run() -> AsyncIterator[RequestOutput]:
-            return run_request(
-                request_id,
-                prompt_ids,
-                params,
-                self._eos,
-                self._limits,
-                self.tokenizer,
-                self._inbox_send,
-                final_only,
-                arrival_time=arrival,
-                admitting=self._admitting,
-            )
-
+        prompt_ids = await self.tokenize_off_loop(prompt)
+        request_id = self._claim_id(request_id)
         try:
             if wait_for_room and params.n > self.args.max_waiting_requests:
                 raise InvalidRequestError(
                     f"n: {params.n} sequences can never fit max_waiting_requests={self.args.max_waiting_requests}",
                     param="n",
                 )
-            if not wait_for_room:
-                async for out in run():
-                    yield out
-                return
-            async with self._gate.hold(params.n):
+            async with self._admission.room(params.n, wait_for_room) as room:
                 while True:
                     try:
-                        async for out in run():
+                        async for out in run_request(
+                            request_id,
+                            prompt_ids,
+                            params,
+                            self.eos_token_ids,
+                            self.limits,
+                            self.tokenizer,
+                            self._inbox_send,
+                            final_only,
+                            arrival_time=arrival,
+                            admitting=self._admission.window,
+                        ):
                             yield out
                         return
-                    except EngineOverloaded:
-                        # Refused at admission, so nothing was yielded: try again once the queue has room.
-                        await self._room_in_queue(params.n)
+                    except EngineOverloaded as e:
+                        await room.retry_after(e)
         finally:
             self._live_ids.discard(request_id)
             self._request_ended.set()
             self._request_ended = anyio.Event()
+
+    def _claim_id(self, request_id: str | None) -> str:
+        """The request's id (a new one if none is given), refused while a running request holds it."""
+        request_id = request_id or new_request_id()
+        if request_id in self._live_ids:
+            raise InvalidRequestError(
+                f"request_id: {request_id!r} is already in use by a running request", param="request_id"
+            )
+        self._live_ids.add(request_id)
+        return request_id
 
     async def _room_in_queue(self, num_seqs: int) -> None:
         """Return once the published stats show room for ``num_seqs`` more waiting sequences. The queue shrinks
@@ -265,54 +245,62 @@ class AsyncEngine:
         while True:
             with anyio.move_on_after(0.5):
                 await self._request_ended.wait()
-            if self.stats().num_waiting + num_seqs <= limit or self._dead is not None:
+            if self.stats().num_waiting + num_seqs <= limit or self._client.dead_error() is not None:
                 return
+
+    async def submit(self, msg: object) -> bool:
+        """Put a message on the engine core's inbox: `AddRequest`, `AbortRequest`, `EndAllRequests`, or a block
+        hand-over of a prefill/decode pair (`core/sched/disagg.py`). False once the engine has stopped."""
+        if self._tg is None:
+            return False
+        return await submit_to(self._inbox_send, msg)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (all its sequences); unknown or finished ids are ignored."""
-        from sluice.core.messages import AbortRequest
-
-        if self._tg is None:
-            return  # not running: nothing to abort
-        await self._inbox_send.send(AbortRequest(request_id))
+        await self.submit(AbortRequest(request_id))
 
     async def end_all_requests(self, error: Exception) -> None:
         """End every request in flight with ``error`` and refuse every later one with it: for a server whose
         shutdown grace is over (each caller gets an error rather than a silently cut stream)."""
-        from sluice.core.messages import EndAllRequests
+        await self.submit(EndAllRequests(error))
 
-        if self._tg is not None:
-            await self._inbox_send.send(EndAllRequests(error))
-
+    # -- the core ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Counters as of the last step (after a stop: as the engine left them). With the core in its own
         process: as of its last message, which follows every step."""
-        client = getattr(self, "_client", None)
-        if client is not None:
-            return client.stats
-        actor = getattr(self, "_scheduler_actor", None)
-        if actor is None:
-            raise SluiceError("the engine has not started: stats() needs `async with AsyncEngine(...)` first")
-        return actor.stats
+        return self._started_client().stats
 
     def host_profile(self) -> HostProfile:
         """Where the steps' host time went so far, by phase (cumulative; `HostProfile.since` for a window).
         Empty with the core in its own process (the profile lives there)."""
-        if getattr(self, "_client", None) is not None:
-            return HostProfile()
-        return self._scheduler_actor.profile.merged(self._executor.profile)
+        return self._started_client().host_profile()
+
+    def _started_client(self) -> EngineCoreClient:
+        if self._client is None:
+            raise SluiceError("the engine has not started: this needs `async with AsyncEngine(...)` first")
+        return self._client
 
     @property
     def core_pid(self) -> int | None:
         """The engine core's process id when it runs in a process of its own (``engine_core_process``)."""
-        client = getattr(self, "_client", None)
-        return client.pid if client is not None else None
+        return self._client.pid if self._client is not None else None
 
     @property
     def inspector(self) -> StepRecorder | None:
         """The step recorder behind the /inspect page; None unless ``enable_inspector`` (or not started)."""
-        actor = getattr(self, "_scheduler_actor", None) if getattr(self, "_client", None) is None else None
-        return actor.recorder if actor is not None else None
+        return self._client.inspector if self._client is not None else None
+
+    @property
+    def local_core(self) -> EngineCore | None:
+        """The engine core when it runs in this process (None otherwise, or not started): for tools that need
+        the model itself (draft training, benchmarks' counters). Requests go through `generate`."""
+        return self._client.local_core if self._client is not None else None
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The KV pool's tensors, with the core in this process (a prefill/decode pair ships blocks between
+        its engines' pools)."""
+        return self._started_client().kv_caches
 
     @property
     def is_running(self) -> bool:
@@ -320,18 +308,26 @@ class AsyncEngine:
         return self._tg is not None
 
     @property
-    def _dead(self) -> Exception | None:
-        if self._client is not None:
-            return self._client.dead or (None if self._client.stats.healthy else EngineDeadError("engine failed"))
-        return self._scheduler_actor.dead
-
-    @property
     def is_healthy(self) -> bool:
-        if self._tg is None:
-            return False
-        if self._client is not None:
-            return self._client.dead is None and self._client.stats.healthy
-        return self._scheduler_actor.dead is None and self._executor.failure is None
+        return self._tg is not None and self._client.health_error() is None
+
+    def health_error(self) -> Exception | None:
+        """Why the engine is unhealthy (None while it is healthy, or not started)."""
+        return self._client.health_error() if self._client is not None else None
+
+
+def make_client(
+    args: EngineArgs, source: ModelSource, max_model_len: int, shared: SharedCore | None = None
+) -> EngineCoreClient:
+    """The engine core's client for ``args``: a core in a process of its own (``engine_core_process``), a shared
+    one (``shared``), or one in this process (the inspector reads the recorder live: one process)."""
+    if shared is not None or (args.engine_core_process and not args.enable_inspector):
+        from sluice.core.frontend.core_client import CoreClient
+
+        return CoreClient(args, max_model_len, shared)
+    if args.engine_core_process:
+        logger.warning("engine_core_process: the inspector needs the engine in one process; running in one")
+    return InprocClient(args, source, max_model_len)
 
 
 def _all_ints(tokens: list | tuple) -> bool:

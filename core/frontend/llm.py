@@ -107,7 +107,7 @@ class LLM:
         # Validate everything first, so bad input raises before any request runs.
         ids = [self.engine.tokenize_prompt(p) for p in prompts]
         for p_ids, params in zip(ids, params_list):
-            make_requests("validate", p_ids, params, self.engine._eos, self.engine._limits)
+            make_requests("validate", p_ids, params, self.engine.eos_token_ids, self.engine.limits)
         # Ids unique across calls: two threads may share this LLM, and the engine keys requests by id.
         request_ids = [f"llm-{next(self._request_ids)}" for _ in prompts]
         finals: list[list[RequestOutput]] = [[] for _ in prompts]

@@ -10,15 +10,17 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio
 from anyio.abc import ObjectSendStream
-from sluice.core.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, SluiceError
-from sluice.core.frontend.admission import AdmissionGate
+from sluice.core.errors import InvalidRequestError, RequestFailedError, SluiceError
+from sluice.core.frontend.admission import AdmissionGate, request_admission
 from sluice.core.frontend.tokenizer import IncrementalDetokenizer
-from sluice.core.messages import AbortRequest, AddRequest, TokenEvent
+from sluice.core.messages import AbortRequest, AddRequest, Admitted, TokenEvent, submit_to
 from sluice.core.outputs import RequestMetrics, RequestOutput, TokenLogprob, Usage
 from sluice.core.request import Request
+from sluice.core.request_ids import sequence_id
 from sluice.core.sampling_params import SEED_MAX, SamplingParams
 
 
@@ -76,7 +78,7 @@ def make_requests(
     out = []
     for i in range(params.n):
         child = params if params.seed is None else _with_seed(params, sibling_seed(params.seed, i))
-        out.append(Request(f"{request_id}#{i}", list(prompt_ids), child, max_tokens, eos))
+        out.append(Request(sequence_id(request_id, i), list(prompt_ids), child, max_tokens, eos))
     return out
 
 
@@ -131,55 +133,35 @@ async def run_request(
     """Run one caller request: yield its outputs as tokens arrive, or with ``final_only`` one final output per
     sequence (stop strings still need the text token by token, so such requests stream internally).
 
-    ``admitting`` paces a burst: the request holds one of its units from before its validation until the
-    scheduler has answered its admission. The event loop runs ready tasks first come first served, and the
-    scheduler is woken by the first request sent to it, so without a limit a burst of a thousand callers would
-    all be validated and sent before the scheduler could take the first, the device idle all that time. With
-    one, the callers past the limit wait (cheaply) and the scheduler's turn comes after the first few: the
-    first step runs while the rest of the burst is admitted."""
+    ``admitting`` paces a burst (`Admission.window`, `core/frontend/admission.py` says why): the request holds
+    one of its units from before its validation until the scheduler has answered its admission."""
     if admitting is not None:
         await admitting.acquire(1)
     unfinished: set[str] = set()
     try:
         requests = make_requests(request_id, prompt_ids, params, eos, limits)
-        seqs = {
-            r.request_id: SequenceState(
-                r.request_id, i, IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-            )
-            for i, r in enumerate(requests)
-        }
-        # Each sequence emits at most max_tokens + 2 events, so this buffer never fills: the scheduler
-        # never waits on a slow caller.
-        send, recv = anyio.create_memory_object_stream[TokenEvent](
-            len(requests) * (requests[0].max_tokens + 4) if requests[0].max_tokens < 1 << 20 else math.inf
-        )
-        stop_hold = max((len(s) for s in params.stop), default=1) - 1
-        num_cached = 0
-        num_output_tokens = 0  # of every sequence, for the usage
+        seqs = _sequence_states(requests, prompt_ids, params, tokenizer)
+        send, recv = _event_stream(requests)
         unfinished = set(seqs)
         metrics = RequestMetrics(arrival_time if arrival_time is not None else time.time())
-        # From here on the scheduler may hold the requests, even if we are cancelled before it answers
-        # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
-        try:
-            await inbox.send(AddRequest(requests, send, final_only=final_only and not params.stop))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            unfinished.clear()
-            raise EngineStoppedError("the engine stopped before the request was admitted") from None
+        num_cached = num_output_tokens = 0  # of every sequence, for the usage
+        stops, stop_hold = params.stop, max((len(s) for s in params.stop), default=1) - 1
         async with recv:
-            first = await recv.receive()
+            # From here on the scheduler may hold the requests, even if we are cancelled before it answers
+            # (or inside the send): the finally aborts them. An Abort for an id it never added is ignored.
+            add = AddRequest(requests, send, final_only=final_only and not stops)
+            refused = await request_admission(partial(submit_to, inbox), add, recv)
             if admitting is not None:  # answered: the next caller of a burst may go
                 admitting.release(1)
                 admitting = None
-            if first.error is not None:
+            if refused is not None:
                 unfinished.clear()  # refused: nothing was added
-                raise first.error
+                raise refused
             while unfinished:
                 ev = await recv.receive()
                 seq = seqs[ev.request_id]
                 if ev.error is not None:
-                    if isinstance(ev.error, SluiceError):
-                        raise ev.error
-                    raise RequestFailedError(f"request {request_id} failed: {ev.error}") from ev.error
+                    raise _request_error(request_id, ev.error)
                 num_cached = max(num_cached, ev.num_cached_tokens)
                 if ev.token_ids and metrics.first_token_time is None:
                     metrics.first_token_time = ev.first_token_time or time.time()
@@ -190,49 +172,23 @@ async def run_request(
                     if seq.logprobs is None:
                         seq.logprobs = []
                     seq.logprobs.extend(new_logprobs)
-                piece = seq.detok.add(new_ids)
+                delta = seq.detok.add(new_ids)
                 finish, stop_reason = ev.finish_reason, ev.stop_reason
-                if not params.stop:
-                    delta = piece
-                else:
-                    held = seq.held + piece
-                    cut = _find_stop(held, params.stop, 0) if finish != "abort" else None
-                    if cut is not None:
-                        pos, stop = cut
-                        delta, held = held[: pos + (len(stop) if params.include_stop_str_in_output else 0)], ""
-                        finish, stop_reason = "stop", stop
+                if stops:
+                    delta, finish, stop_reason, hit = _cut_stop_strings(
+                        seq, delta, finish, stop_reason, params, stop_hold
+                    )
+                    if hit:
                         await _send_abort(inbox, ev.request_id)  # the scheduler may not know yet
-                    elif finish is not None:
-                        delta, held = held, ""
-                    else:  # hold back what may still become a stop string
-                        split = max(0, len(held) - stop_hold)
-                        delta, held = held[:split], held[split:]
-                    seq.held = held
                 seq.pieces.append(delta)
                 seq.finish_reason, seq.stop_reason = finish, stop_reason
                 if finish is not None:
                     unfinished.discard(ev.request_id)
                     metrics.finished_time = time.time()
-                    text = "".join(seq.pieces)
-                    # The final output carries the whole sequence (and, final-only, that is its delta too).
-                    out = RequestOutput(
-                        request_id=request_id,
-                        index=seq.index,
-                        prompt_token_ids=prompt_ids,
-                        text=text,
-                        token_ids=seq.token_ids,
-                        delta_text=text if final_only else delta,
-                        delta_token_ids=seq.token_ids if final_only else new_ids,
-                        finished=True,
-                        finish_reason=finish,
-                        usage=Usage(len(prompt_ids), num_output_tokens, num_cached),
-                        logprobs=seq.logprobs,
-                        delta_logprobs=seq.logprobs if final_only else new_logprobs,
-                        stop_reason=stop_reason,
-                        metrics=metrics,
+                    usage = Usage(len(prompt_ids), num_output_tokens, num_cached)
+                    yield _final_output(
+                        request_id, seq, prompt_ids, (delta, new_ids, new_logprobs), usage, metrics, final_only
                     )
-                    seq.pieces = [text]
-                    yield out
                 elif not final_only:
                     # Streams carry deltas (vLLM's DELTA kind): rebuilding the whole text and lists for every
                     # output would cost time quadratic in the output's length.
@@ -255,9 +211,90 @@ async def run_request(
     finally:
         if admitting is not None:  # never answered: refused by validation, cancelled, or the engine stopped
             admitting.release(1)
-        if unfinished:
-            for rid in unfinished:
-                await _send_abort(inbox, rid)
+        for rid in unfinished:
+            await _send_abort(inbox, rid)
+
+
+def _sequence_states(
+    requests: list[Request], prompt_ids: list[int], params: SamplingParams, tokenizer
+) -> dict[str, SequenceState]:
+    return {
+        r.request_id: SequenceState(
+            r.request_id, i, IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
+        )
+        for i, r in enumerate(requests)
+    }
+
+
+def _event_stream(requests: list[Request]):
+    """The request's own event stream. Each sequence emits at most max_tokens + 2 events, so its buffer never
+    fills: the scheduler never waits on a slow caller."""
+    max_tokens = requests[0].max_tokens
+    size = len(requests) * (max_tokens + 4) if max_tokens < 1 << 20 else math.inf
+    return anyio.create_memory_object_stream[Admitted | TokenEvent](size)
+
+
+def _request_error(request_id: str, error: Exception) -> Exception:
+    """What the caller raises for a failed step: sluice's own errors as they are, anything else wrapped."""
+    if isinstance(error, SluiceError):
+        return error
+    wrapped = RequestFailedError(f"request {request_id} failed: {error}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _cut_stop_strings(
+    seq: SequenceState, piece: str, finish: str | None, stop_reason, params: SamplingParams, stop_hold: int
+) -> tuple[str, str | None, str | int | None, bool]:
+    """A new ``piece`` of text where stop strings apply: what may be emitted now (held back: what may still
+    become a stop string), and whether a stop string was hit (the sequence then finishes with it as its reason).
+    Returns ``(delta, finish, stop_reason, hit)``."""
+    held = seq.held + piece
+    cut = _find_stop(held, params.stop, 0) if finish != "abort" else None
+    hit = cut is not None
+    if hit:
+        pos, stop = cut
+        delta, held = held[: pos + (len(stop) if params.include_stop_str_in_output else 0)], ""
+        finish, stop_reason = "stop", stop
+    elif finish is not None:
+        delta, held = held, ""
+    else:
+        split = max(0, len(held) - stop_hold)
+        delta, held = held[:split], held[split:]
+    seq.held = held
+    return delta, finish, stop_reason, hit
+
+
+def _final_output(
+    request_id: str,
+    seq: SequenceState,
+    prompt_ids: list[int],
+    last: tuple[str, list[int], list[TokenLogprob] | None],
+    usage: Usage,
+    metrics: RequestMetrics,
+    final_only: bool,
+) -> RequestOutput:
+    """A sequence's final output: it carries the whole sequence (and, final-only, that is its delta too);
+    ``last`` is the last event's delta (text, token ids, logprobs)."""
+    text = "".join(seq.pieces)
+    seq.pieces = [text]
+    delta, new_ids, new_logprobs = last
+    return RequestOutput(
+        request_id=request_id,
+        index=seq.index,
+        prompt_token_ids=prompt_ids,
+        text=text,
+        token_ids=seq.token_ids,
+        delta_text=text if final_only else delta,
+        delta_token_ids=seq.token_ids if final_only else new_ids,
+        finished=True,
+        finish_reason=seq.finish_reason,
+        usage=usage,
+        logprobs=seq.logprobs,
+        delta_logprobs=seq.logprobs if final_only else new_logprobs,
+        stop_reason=seq.stop_reason,
+        metrics=metrics,
+    )
 
 
 def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:

@@ -2,13 +2,14 @@
 
 msgspec Structs encoded as msgpack arrays (``array_like``: no field names on the wire), tagged so one socket
 carries several kinds. They mirror the in-process messages of `core/messages.py` (`AddRequest`, `AbortRequest`,
-`EndAllRequests`, `TokenEvent`); the bridges (`core/frontend/core_client.py`, `core/engine_core/process.py`) convert
-at the socket, so the actors on either side see the same objects as in one process.
+`EndAllRequests`, `Admitted`, `TokenEvent`); the bridges (`core/frontend/core_client.py`,
+`core/engine_core/process.py`) convert at the socket, so the actors on either side see the same objects as in
+one process.
 
 Front end -> core: one `FrontBatch` per wake-up of the front's bridge (every message queued by then).
-Core -> front end: one `CoreStep` per engine step (every request's new tokens, logprobs and finishes of the
-step, and the engine's counters; to each front end its own requests', when several share the core), and
-`CoreReady` / `CoreFailed` once at start.
+Core -> front end: one `CoreStep` per engine step (the requests admitted since the last one, every request's
+new tokens, logprobs and finishes of the step, and the engine's counters; to each front end its own requests',
+when several share the core), and `CoreReady` / `CoreFailed` once at start.
 """
 
 from __future__ import annotations
@@ -81,8 +82,12 @@ class WireEvent(msgspec.Struct, array_like=True):
 
 
 class CoreStep(msgspec.Struct, tag="step", array_like=True):
+    """One step's messages. ``admitted`` (`Admitted`'s request ids) come first: a request's admission always
+    precedes its events, so a receiver that hands these out before ``events`` keeps each request's order."""
+
     events: list[WireEvent]
     stats: EngineStats
+    admitted: list[str] = msgspec.field(default_factory=list)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
