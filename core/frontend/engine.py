@@ -25,6 +25,7 @@ from sluice.core.errors import EngineDeadError, EngineOverloaded, InvalidRequest
 from sluice.core.frontend.admission import AdmissionGate
 from sluice.core.frontend.request_actor import RequestLimits, run_request
 from sluice.core.frontend.tokenizer import apply_chat_template, load_tokenizer
+from sluice.core.frontend.tokenizer_pool import tokenizer_threads
 from sluice.core.host_profile import HostProfile
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import RequestOutput
@@ -48,7 +49,7 @@ class AsyncEngine:
     def __init__(self, args: EngineArgs | None = None, **kwargs: Any) -> None:
         self.args = args if args is not None else EngineArgs.from_kwargs(**kwargs)
         self._tg: anyio.abc.TaskGroup | None = None
-        self._tokenizers = anyio.CapacityLimiter(1)  # one thread tokenizes large prompts: the model needs CPU too
+        self._tokenizers = anyio.CapacityLimiter(tokenizer_threads(self.args))  # large prompts: on the spare cores
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()
