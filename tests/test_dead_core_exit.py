@@ -24,7 +24,7 @@ from tests.test_api_servers import Serve
 from tests.test_core_process import child_pids
 
 MSG = [{"role": "user", "content": "Hi"}]
-EXIT_WITHIN_S = 10.0  # "a few seconds" on a loaded 2-core test machine; typically well under 2 s
+EXIT_WITHIN_S = 15.0  # "a few seconds": 1.6-6 s measured on the 2-core CI machine; the margin is for a loaded one
 DIED = "the engine is dead: stopping the server (exit status 1)"
 
 
