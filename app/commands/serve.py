@@ -3,7 +3,8 @@
 
 Shutdown on SIGINT/SIGTERM is graceful: uvicorn stops accepting connections, in-flight streams get
 ``--shutdown-timeout`` seconds to finish before they are cancelled (which aborts their requests), the
-engine stops in the lifespan's exit, and the process exits 0.
+engine stops in the lifespan's exit, and the process exits 0. An engine that dies (its core process killed, a
+failed step) ends every request with an error, then the server stops and exits 1.
 """
 
 from __future__ import annotations
@@ -124,4 +125,4 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = pair_engine(ns, args) or AsyncEngine(args)
     server = build_server(ns, engine)
     server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
-    return 0
+    return 1 if server.engine_died else 0  # a dead engine: for a supervisor to restart the server

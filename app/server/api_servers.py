@@ -17,9 +17,9 @@ The process that runs the command supervises and serves nothing itself (vLLM's s
   connections, `--shutdown-timeout` for what is in flight), telling the core it is done; the core stops once
   every front end has; exit status 0 (a second signal: uvicorn's forced quit). A front end that exits unasked
   takes the whole server down, as vLLM's API servers do: the others are stopped, the core is killed, exit status
-  1. A core that dies leaves the front ends serving 503 on /health (and ``engine_dead`` to requests), as one
-  `sluice serve` does, for an orchestrator to restart the server. A supervisor that is killed leaves nothing
-  behind: the core and the front ends watch it and end.
+  1. A core that dies takes the server down too (exit status 1, for an orchestrator to restart it): each front
+  end ends its streams with ``engine_dead`` and stops, as one `sluice serve` does. A supervisor that is killed
+  leaves nothing behind: the core and the front ends watch it and end.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,7 @@ from sluice.core.errors import InvalidRequestError
 from sluice.core.frontend.core_client import STOP_TIMEOUT_S, exit_status
 from sluice.core.frontend.engine import AsyncEngine, max_model_len_for
 from sluice.core.frontend.engine_core_client import SharedCore
+from sluice.core.frontend.run_dir import make_run_dir
 
 logger = logging.getLogger("sluice")
 
@@ -112,6 +113,8 @@ def run_api_server(spec: ApiServerSpec) -> None:
     engine = AsyncEngine(spec.args, shared_core=spec.core)  # attaches to the supervisor's core
     server = build_server(spec.ns, engine, log_config=_tagged_log_config(tag), on_started=started)
     server.run(sockets=[spec.sock])  # a failed start exits non-zero inside (uvicorn)
+    if server.engine_died:
+        sys.exit(1)
 
 
 def _tagged_log_config(tag: str) -> dict:
@@ -143,7 +146,7 @@ def serve_api_servers(ns: argparse.Namespace, args: EngineArgs) -> int:
     max_model_len = max_model_len_for(args, resolve_model(args.model, envs.SLUICE_CACHE_DIR).config)
     sock = _bind(ns.host, ns.port)
     url = _url(ns.host, sock.getsockname()[1])
-    run_dir = tempfile.mkdtemp(prefix="sluice-serve-")
+    run_dir = make_run_dir("sluice-serve-")  # removes those a killed server left behind
     env_before = os.environ.get(MULTIPROC_ENV)
     if env_before is None:
         os.environ[MULTIPROC_ENV] = os.path.join(run_dir, "metrics")
@@ -199,6 +202,7 @@ def _supervise(core, fronts: list[_FrontEnd], wake_fd: int, grace_s: float, url:
     stopping = failed = False
     deadline: float | None = None
     core_watched = True
+    expected_exits: tuple[int, ...] = (0, -signal.SIGTERM, -signal.SIGINT)
 
     def stop() -> None:
         nonlocal stopping, deadline
@@ -232,6 +236,16 @@ def _supervise(core, fronts: list[_FrontEnd], wake_fd: int, grace_s: float, url:
                 f.ready = None
                 if num_ready == len(fronts):
                     logger.info("Uvicorn running on %s with %d API servers (Press CTRL+C to quit)", url, num_ready)
+        if core_watched and core.sentinel in ready:
+            core.join()
+            core_watched = False
+            expected_exits += (1,)  # its front ends exit 1 when their core dies
+            if not stopping:
+                when = "" if num_ready == len(fronts) else " while starting"
+                logger.error("the engine core process (pid %d) %s%s: stopping the server", core.pid,
+                             exit_status(core.exitcode), when)  # fmt: skip
+                failed = True
+                stop()
         for f in [f for f in live if f.proc.sentinel in ready]:
             f.proc.join()
             live.remove(f)
@@ -240,16 +254,10 @@ def _supervise(core, fronts: list[_FrontEnd], wake_fd: int, grace_s: float, url:
                              exit_status(f.proc.exitcode))  # fmt: skip
                 failed = True
                 stop()
-            elif f.proc.exitcode not in (0, -signal.SIGTERM, -signal.SIGINT):  # not by the signal it was sent
+            elif f.proc.exitcode not in expected_exits:  # not by the signal it was sent
                 logger.error("API server %d (pid %d) %s while stopping", f.index, f.proc.pid,
                              exit_status(f.proc.exitcode))  # fmt: skip
                 failed = True
-        if core_watched and core.sentinel in ready:
-            core.join()
-            core_watched = False
-            if not stopping:
-                then = "the API servers answer 503 until stopped" if num_ready == len(fronts) else "while starting"
-                logger.error("the engine core process (pid %d) %s; %s", core.pid, exit_status(core.exitcode), then)
         if deadline is not None and live and time.monotonic() >= deadline:
             logger.error("%d API server(s) still running %.0f s after the shutdown began: killing them", len(live),
                          grace_s + STOP_MARGIN_S)  # fmt: skip

@@ -146,7 +146,7 @@ def build_app(
     if inspector:
         from sluice.app.inspector.web import LiveSource, inspector_routes
 
-        routes += inspector_routes(LiveSource(engine), api._authorize, api._sse)
+        routes += inspector_routes(LiveSource(engine), api.authorize, api.event_stream)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -235,7 +235,8 @@ class OpenAIServer:
     def engine_error(self, e: SluiceError, prompt_param: str = "prompt") -> APIError:
         return engine_error(e, prompt_param, self.config.retry_after_seconds)
 
-    def _authorize(self, request: Request) -> None:
+    def authorize(self, request: Request) -> None:
+        """Raise 401 unless ``request`` carries this server's API key (when it has one)."""
         key = self.config.api_key
         if key is None:
             return
@@ -292,6 +293,11 @@ class OpenAIServer:
         if not getattr(self.engine, "is_running", True):
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable")
 
+    def engine_is_dead(self) -> bool:
+        """The engine was started and has died (its core process ended, a step failed): it will never serve
+        again. Not before it starts, nor after a stop."""
+        return bool(getattr(self.engine, "is_running", False)) and not getattr(self.engine, "is_healthy", True)
+
     async def drain(self, grace_seconds: float) -> None:
         """Shut down without cutting anyone off silently: new requests get 503 at once, those in flight get
         ``grace_seconds`` to finish, then each ends with an error in OpenAI's shape (on a stream an error event
@@ -301,7 +307,8 @@ class OpenAIServer:
         with anyio.move_on_after(grace_seconds):
             while self._inflight:
                 await anyio.sleep(0.05)
-        if self._inflight and getattr(self.engine, "is_running", False):
+        # A dead engine has ended every request already (and may not read its inbox any more).
+        if self._inflight and getattr(self.engine, "is_running", False) and not self.engine_is_dead():
             logger.warning("shutdown: ending %d request(s) still in flight", self._inflight)
             await self.engine.end_all_requests(EngineStoppedError("the server is shutting down"))
 
@@ -383,7 +390,8 @@ class OpenAIServer:
             await gen.aclose()
         return None if done is _GONE else (finals, usage)
 
-    def _sse(self, events: AsyncIterator[str]) -> Response:
+    def event_stream(self, events: AsyncIterator[str]) -> Response:
+        """The SSE response of ``events`` (data lines) with this server's send timeout, pings and shutdown cut."""
         return _EventSource(
             events,
             sep="\n",
@@ -483,7 +491,7 @@ class OpenAIServer:
         first = await self._first(request, gen, prompt_param)
         if first is _GONE:
             return Response(status_code=499)
-        return self._sse(self._stream_events(first, gen, make_chunk, usage_chunk))
+        return self.event_stream(self._stream_events(first, gen, make_chunk, usage_chunk))
 
     @staticmethod
     def _delta_logprobs(
@@ -499,7 +507,7 @@ class OpenAIServer:
 
     @_endpoint
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         req: S.ChatCompletionRequest = await self._parse(request, S.ChatCompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
@@ -562,7 +570,7 @@ class OpenAIServer:
 
     @_endpoint
     async def completions(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         req: S.CompletionRequest = await self._parse(request, S.CompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
@@ -618,7 +626,7 @@ class OpenAIServer:
 
     @_endpoint
     async def models(self, request: Request) -> Response:
-        self._authorize(request)
+        self.authorize(request)
         self._check_running()
         card = S.ModelCard(
             id=self.engine.model_name, created=self.started, max_model_len=getattr(self.engine, "max_model_len", None)
@@ -636,7 +644,7 @@ class OpenAIServer:
     @_endpoint
     async def prometheus(self, request: Request) -> Response:
         if self.config.metrics_require_key:
-            self._authorize(request)
+            self.authorize(request)
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -167,9 +167,10 @@ class _EngineCollector(Collector):
             for i, n in enumerate(per_pos):
                 fam.add_metric([str(i)], n)
             yield fam
-        yield GaugeMetricFamily(
-            PREFIX + "engine_healthy", "1 while the engine serves requests.", value=int(stats.healthy)
-        )
+        # The engine's own verdict, not the last published counters': a core that died between steps (its process
+        # killed, a worker lost) publishes nothing more, so those would say healthy for good.
+        healthy = getattr(self.engine, "is_healthy", stats.healthy)
+        yield GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine serves requests.", value=int(healthy))
 
 
 class ServerMetrics:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
+
+logger = logging.getLogger("sluice.server")
 
 
 def build_server(
@@ -95,11 +98,26 @@ def _server(config, api, grace_seconds: float, on_started: Callable[[], None] | 
     the grace end with an error, not a cut body) and, once complete, exits 0. uvicorn re-raises a caught
     SIGINT/SIGTERM after its graceful shutdown, so the process would die of the signal (exit 130/143); a
     shutdown we completed on request is a clean exit. uvicorn is imported here so other subcommands run
-    without it."""
+    without it.
+
+    A dead engine (its core process killed, a failed step) shuts the server down too, and ``engine_died`` then
+    tells the command to exit non-zero: a front end that can only answer 503 is better restarted by its
+    supervisor (vLLM's front end exits likewise). The engine has already ended every request in flight with
+    `EngineDeadError`, so each stream sends its error event and ``[DONE]`` before the server stops. uvicorn's
+    main loop ticks every 0.1 s; the check rides on that tick (two attribute reads), never on a request."""
     import anyio
     import uvicorn
 
     class Server(uvicorn.Server):
+        engine_died = False
+
+        async def on_tick(self, counter: int) -> bool:
+            if not self.engine_died and api.engine_is_dead():
+                self.engine_died = True
+                self.should_exit = True
+                logger.error("the engine is dead: stopping the server (exit status 1) for its supervisor to restart")
+            return await super().on_tick(counter)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             with super().capture_signals():

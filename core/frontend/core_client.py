@@ -30,7 +30,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import tempfile
 import weakref
 from dataclasses import replace
 
@@ -41,6 +40,7 @@ from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineDeadError, EngineStoppedError, RequestFailedError
 from sluice.core.frontend.engine_core_client import EngineCoreClient, SharedCore
+from sluice.core.frontend.run_dir import make_run_dir
 from sluice.core.ipc import wire, zmq_io
 from sluice.core.messages import AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, refuse_queued, reply
 from sluice.core.stats import EngineStats
@@ -85,7 +85,7 @@ class CoreClient(EngineCoreClient):
         from sluice.core.main_guard import check_main_guard
 
         check_main_guard("engine_core_process starts the engine core")
-        self._dir = tempfile.mkdtemp(prefix="sluice-core-")
+        self._dir = make_run_dir("sluice-core-")  # removes those a killed front end left behind
         bridge = BridgeAddress(f"ipc://{self._dir}/to-core", f"ipc://{self._dir}/to-front")
         self._bind(bridge)
         level = logging.getLogger("sluice").getEffectiveLevel()

@@ -26,6 +26,7 @@ from sluice.core.frontend.engine_core_client import EngineCoreClient, SharedCore
 from sluice.core.frontend.inproc_client import InprocClient
 from sluice.core.frontend.request_actor import RequestLimits, run_request
 from sluice.core.frontend.tokenizer import apply_chat_template, load_tokenizer
+from sluice.core.frontend.tokenizer_pool import tokenizer_threads
 from sluice.core.host_profile import HostProfile
 from sluice.core.messages import AbortRequest, EndAllRequests, submit_to
 from sluice.core.models.loader import ModelSource, resolve_model
@@ -66,7 +67,7 @@ class AsyncEngine:
         self.shared_core = shared_core
         self.paired = paired
         self._tg: anyio.abc.TaskGroup | None = None
-        self._tokenizers = anyio.CapacityLimiter(1)  # one thread tokenizes large prompts: the model needs CPU too
+        self._tokenizers = anyio.CapacityLimiter(tokenizer_threads(self.args))  # large prompts: on the spare cores
         # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
         # under the same id would receive (and abort) the first one's tokens.
         self._live_ids: set[str] = set()

@@ -1,0 +1,66 @@
+"""A server's run directory in the temp directory (the sockets between front end and core, the API servers'
+metrics files), named after the process that owns it: ``sluice-core-<pid>-<random>``.
+
+Its owner removes it when it stops; one that is killed (SIGKILL, out of memory) cannot. So each new one first
+removes the run directories whose owner is gone. A directory whose owner lives (another server on this machine)
+is never touched, nor one whose name carries no owner (made by an older version: its owner is unknown).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+# Every kind of run directory sluice makes (`CoreClient`'s, `sluice serve --api-server-count`'s).
+PREFIXES = ("sluice-core-", "sluice-serve-")
+
+
+def make_run_dir(prefix: str) -> str:
+    """A new run directory of this process's (``prefix`` one of `PREFIXES`), after removing the orphaned ones."""
+    assert prefix in PREFIXES, prefix
+    remove_orphaned_run_dirs()
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+
+
+def remove_orphaned_run_dirs(parent: str | None = None) -> list[str]:
+    """Remove the run directories in ``parent`` (the temp directory) whose owner is no longer alive; their paths."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        owner = owner_pid(entry.name)
+        if owner is None or _alive(owner):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue  # gone meanwhile
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def owner_pid(name: str) -> int | None:
+    """The owner's pid in a run directory's name (``sluice-core-1234-x8k2_a9q``), or None for any other name."""
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            pid, sep, rest = name[len(prefix) :].partition("-")
+            # mkdtemp's random part has no "-": a name of an older version ("sluice-core-x8k2_a9q") has no owner
+            ok = sep and rest and pid.isascii() and pid.isdigit() and 0 < len(pid) < 10 and int(pid) > 0
+            return int(pid) if ok else None
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
