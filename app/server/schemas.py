@@ -31,7 +31,10 @@ TokenId = Annotated[int, Field(**_in_range("token_id"))]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # cache_strings="keys": the JSON parser's cache of short strings keeps the field names only; caching values
+    # too (each prompt a new string) grows a long-running server by ~1 MiB before the cache fills
+    # (docs/benchmarks.md, the reliability campaign's soak)
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
 
 
 class _Response(BaseModel):
@@ -42,20 +45,20 @@ class _Response(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
     include_usage: bool | None = False
 
 
