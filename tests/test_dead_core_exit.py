@@ -121,7 +121,7 @@ def test_in_process_core_failure_stops_the_server_with_exit_status_1(caplog):
         def broken(so):
             raise RuntimeError("CUDA error: injected")
 
-        engine._executor.runner.launch = broken
+        engine.local_core.executor.runner.launch = broken
         died = time.monotonic()
         thread.join(EXIT_WITHIN_S)
         assert not thread.is_alive(), "the server did not stop"
@@ -148,7 +148,7 @@ async def test_the_library_raises_engine_dead_and_metrics_say_unhealthy_at_once(
             def broken(so):
                 raise RuntimeError("CUDA error: injected")  # fatal: the engine dies
 
-            engine._executor.runner.launch = broken
+            engine.local_core.executor.runner.launch = broken
             with pytest.raises(SluiceError):  # the request in the failed step fails with it
                 async for _ in engine.generate("Hi", SamplingParams(max_tokens=3)):
                     pass
