@@ -63,7 +63,7 @@ async def test_step_trace_records_each_steps_shape_and_device_time_and_is_writte
     import json
 
     import anyio
-    from sluice.core.engine_core.executor import FLUSH
+    from sluice.core.step import FLUSH
 
     path = tmp_path / "trace.json"
     monkeypatch.setenv("SLUICE_STEP_TRACE", str(path))

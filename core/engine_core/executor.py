@@ -24,13 +24,11 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.args import EngineArgs
 from sluice.core.host_profile import HostProfile
 from sluice.core.models.loader import ModelSource
-from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.step import FLUSH, ModelOutput, SchedulerOutput
 from sluice.core.worker.culprit import is_fatal
 from sluice.core.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger("sluice")
-
-FLUSH = "flush"  # collect the oldest step in flight
 
 
 def _failed(step_id: int, e: Exception) -> ModelOutput:

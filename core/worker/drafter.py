@@ -33,8 +33,9 @@ import torch
 from sluice.core.models.layers import ForwardContext, enable_fused_kernels
 from sluice.core.models.loader import ModelSource
 from sluice.core.step import ModelOutput, SchedulerOutput
-from sluice.core.worker.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
+from sluice.core.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from sluice.core.worker.sampler import SamplingBatch, process_logits, sample, token_logprobs
+from sluice.core.worker.step_buffers import StepBuffers
 from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.spec.eagle import load_draft_head, resolve_draft_head
 from sluice.spec.proposer import DraftSampling, EagleProposer, per_token_metadata

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import NewRequest, SchedulerOutput
-from sluice.core.worker.cuda_graphs import StepBuffers
+from sluice.core.worker.step_buffers import StepBuffers
 
 
 @dataclass(slots=True)

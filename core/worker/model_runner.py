@@ -29,10 +29,11 @@ from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
-from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, StepBuffers, graph_batch_sizes, mixed_graph_sizes
+from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.input_batch import InputBatch, StepRows
 from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
+from sluice.core.worker.step_buffers import StepBuffers
 from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.kv.attention.fp8 import kv_cache_torch_dtype
