@@ -15,11 +15,14 @@ rank 0's next collective (its sockets close), or times out (`core.distributed.CO
 from __future__ import annotations
 
 import ast
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -221,14 +224,12 @@ def check_main_guard(what: str | None = None) -> None:
 def _unguarded_main_line() -> int | None:
     """The line of the main script's top level that the main thread runs now, if spawn would run it again;
     None where it would not (guarded, or no script: ``python -c``, a REPL, a notebook)."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
-        frame = frame.f_back
-    if frame is None or not path or not os.path.isfile(path):
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not os.path.isfile(path):
         return None
-    line = frame.f_lineno
+    line = _main_thread_line_in(path)
+    if line is None:
+        return None
     try:
         with open(path, encoding="utf-8") as fh:
             tree = ast.parse(fh.read())
@@ -239,6 +240,28 @@ def _unguarded_main_line() -> int | None:
             if node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
                 return None
     return line
+
+
+def _main_thread_line_in(path: str) -> int | None:
+    """The line of ``path``'s top level (its innermost ``<module>`` frame) that the main thread runs now, from
+    `faulthandler`'s dump of every thread's stack: the one public view of another thread's frames (the engine
+    may be started from a worker thread, `LLM`'s portal). The dump stops at 100 frames a thread: a main thread
+    deeper than that passes as guarded."""
+    header = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+    frame = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+    main_ident, path = threading.main_thread().ident, os.path.abspath(path)
+    with tempfile.TemporaryFile("w+") as fh:
+        faulthandler.dump_traceback(fh, all_threads=True)
+        fh.seek(0)
+        dump = fh.read().splitlines()
+    in_main = False
+    for text in dump:
+        if m := header.match(text):
+            in_main = int(m.group(1), 16) == main_ident
+        elif in_main and (m := frame.match(text)) and m.group(3) == "<module>":
+            if os.path.abspath(m.group(1)) == path:  # most recent call first: the innermost module frame
+                return int(m.group(2))
+    return None
 
 
 def _is_main_test(test: ast.expr) -> bool:
