@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,7 +31,8 @@ from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
 from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.input_batch import InputBatch, StepRows
-from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
+from sluice.core.worker.runner import LaunchedStep
+from sluice.core.worker.sampler import SamplingBatch, sample, token_logprobs
 from sluice.core.worker.step_buffers import StepBuffers
 from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from sluice.kv.attention.base import kv_bytes_per_block
@@ -46,43 +46,14 @@ GiB = 1024**3
 GRAPH_POOL_RESERVE = GiB
 
 
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step whose device work is enqueued; `ModelRunner.collect` turns it into a `ModelOutput`."""
-
-    so: SchedulerOutput
-    output: ModelOutput | None = None  # already complete (no sampling rows, speculative steps)
-    req_ids: list[str] = field(default_factory=list)  # sampling rows, forks included
-    slots: np.ndarray | None = None
-    tokens: torch.Tensor | None = None  # [R] on the device
-    host_tokens: torch.Tensor | None = None  # pinned, filled asynchronously
-    ready: torch.cuda.Event | None = None
-    sampler_out: SamplerOutput | None = None  # logprobs
-    read: bool = False  # the host has the tokens (`ModelRunner._read_back`)
-    uniform: bool = False  # a uniform speculative step: ``tokens`` is its output vector (`Drafter.uniform_step`)
-    token_list: list[int] = field(default_factory=list)
-    # for the host profile: when the inputs were ready, how long the host waited for the tokens, and events
-    # around the step's device work
-    prepared_at: float = 0.0
-    waited_s: float = 0.0
-    started: torch.cuda.Event | None = None
-    eager: bool = False  # its forward ran op by op (no graph replayed): the host's launches may idle the device
-    after: torch.cuda.Event | None = None  # the end event of the step launched before it (set by the executor)
-    launched_at: float = 0.0  # host clock when its launch began, and how long the launch took (the executor's)
-    launch_s: float = 0.0
-    enqueued_at: float = 0.0  # host clock when its forward, logits and sampling were enqueued (the trace's)
-
-    def gpu_seconds(self) -> float | None:
-        """The device's time on this step (once collected)."""
-        if self.started is None or self.ready is None:
-            return None
-        return self.started.elapsed_time(self.ready) / 1e3
-
-
 class ModelRunner:
-    """With ``tp`` (tensor parallel, one runner per rank in its own process, `core/worker/tp/worker.py`): this
-    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples and
-    broadcasts the tokens, so every rank's persistent batch knows them."""
+    """The `Runner` in this process. With ``tp`` (tensor parallel, one runner per rank in its own process,
+    `core/worker/tp/worker.py`): this rank's shard of the model and its heads' KV pool; every rank runs each
+    step, rank 0 samples and broadcasts the tokens, so every rank's persistent batch knows them."""
+
+    overlaps_steps = True  # a decode takes its input token from the step in flight's samples, on the device
+    out_of_process = False
+    failure: Exception | None = None  # a failed step fails its own requests only
 
     def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
         self.args = args
@@ -213,6 +184,17 @@ class ModelRunner:
         if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
             # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
             torch.cuda.set_sync_debug_mode("warn")
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.drafter.k if self.drafter is not None else 0
+
+    @property
+    def max_uniform_batch(self) -> int:
+        return self.drafter.max_uniform_batch if self.drafter is not None else 0
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""
 
     def _route_graphs(self) -> None:
         """Each graph size to the fastest graph at least as large (`DecodeGraphs.route_to_fastest`). Only a
