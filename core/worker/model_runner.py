@@ -10,7 +10,7 @@ a CUDA graph replayed for uniform decode steps, sampling) and starts copying the
 (asynchronous scheduling), whose decodes take their input token from this step's samples on the device.
 Steps that speculate are computed whole in `launch` (their drafts decide the next step).
 
-One step-input builder (`InputBatch.build`) and one sampling-batch builder (`_sampling_batch`) serve every
+One step-input builder (`InputBatch.build`) and one sampling-batch builder (`SamplingBatchBuilder`) serve every
 step, the speculative ones and the memory profile included.
 """
 
@@ -30,10 +30,13 @@ from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
 from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
-from sluice.core.worker.input_batch import InputBatch, StepRows
+from sluice.core.worker.drafter import Drafter, SpecRows
+from sluice.core.worker.input_batch import InputBatch, attention_metadata, sampling_rows
 from sluice.core.worker.runner import LaunchedStep
-from sluice.core.worker.sampler import SamplingBatch, sample, token_logprobs
-from sluice.core.worker.step_buffers import StepBuffers
+from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
+from sluice.core.worker.sampling_batch import SamplingBatchBuilder, SeededGenerators
+from sluice.core.worker.step_buffers import StepBuffers, StepLimits
+from sluice.core.worker.target import TargetForward
 from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.kv.attention.fp8 import kv_cache_torch_dtype
@@ -102,16 +105,16 @@ class ModelRunner:
         self.drafter = None  # speculative decoding: the draft head and its steps
         k = 0
         if args.speculative_model is not None:
-            from sluice.core.worker.drafter import Drafter
-
-            self.drafter = Drafter(self, source)
+            self.drafter = Drafter(args, source, max_model_len, self.device, self.dtype, self.fused_kernels)
             k = self.drafter.k
         # draft lookahead slots may reach past max_model_len
         self.max_blocks_per_seq = -(-(max_model_len + 2 * k + 1) // self.block_size)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
         # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
         self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
-        self.generators: dict[str, torch.Generator] = {}
+        # prefill/decode disaggregation (core/disagg/engine.py): a decode engine skips the prefill engine's draw
+        self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, args.kv_role == "decode")
+        self.sampling = SamplingBatchBuilder(self.batch, self.generators, self.device)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
@@ -138,8 +141,13 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
+        self.target = TargetForward(
+            self.model, self.kv_caches, self.backend, self.drafter.feature_layers if self.drafter is not None else ()
+        )
         if self.drafter is not None:
-            self.drafter.allocate_kv(self.num_kv_blocks)
+            limits = StepLimits(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.batch.max_slots)
+            uniform_steps = tp is None and getattr(self.backend, "graph_safe", False)
+            self.drafter.allocate_kv(self.num_kv_blocks, self.target, limits, uniform_steps)
         logger.info(
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             weight_bytes(self.model) / GiB,
@@ -307,7 +315,7 @@ class ModelRunner:
         b.wait_uploaded()
         rows = batch.build(so, b)
         b.upload(rows.num_tokens, n_seq, b.max_blocks, 0)
-        meta = self._metadata(rows, b)
+        meta = attention_metadata(rows, b)
         hidden = self.model(b.input_ids[:n_tok], b.positions[:n_tok], ForwardContext(meta, kv_caches, self.backend))
         del hidden
         n_rows = min(self.max_num_seqs, n_tok)
@@ -362,7 +370,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         for rid in self.batch.apply(so):
-            self.generators.pop(rid, None)
+            self.generators.drop(rid)
         if self.drafter is not None:
             self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
         if not so.req_ids:
@@ -400,7 +408,7 @@ class ModelRunner:
         """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
         if so.uniform:  # the scheduler marks one only when the drafter has its uniform graphs
             # inputs from the host (every step before it read back) or from the device (`device_fed`)
-            slots, bs = self.drafter.prepare_uniform(so)
+            slots, bs = self.drafter.prepare_uniform(so, self.batch)
             step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
             step.started = self._device_event()
             self._enqueue_read_back(step, self.drafter.run_uniform(bs))
@@ -408,7 +416,7 @@ class ModelRunner:
         if self.drafter is not None and (so.drafting or so.num_draft_tokens):
             # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
             self._read_back(self._inflight)
-            return LaunchedStep(so, self.drafter.step(so))
+            return LaunchedStep(so, self._speculative_step(so))
         n = len(so.req_ids)
         num_tokens = so.num_tokens
         b = self.buffers
@@ -427,7 +435,7 @@ class ModelRunner:
             rows = self.batch.build(so, b, graph_seqs, graph_t)
         else:
             rows = self.batch.build(so, b, graph_bs)
-        sample_rows, req_ids = self._sampling_rows(so)
+        sample_rows, req_ids = sampling_rows(so)
         num_rows = len(req_ids)
         if so.forks:  # a fork samples with its own parameters (its own slot) from its parent's row
             slots = np.fromiter(map(self.batch.slot_of.__getitem__, req_ids), np.int64, num_rows)
@@ -437,7 +445,7 @@ class ModelRunner:
         rank0 = self.tp is None or self.tp.rank == 0
         if self.batch.penalized[slots].any():
             self._read_back(self._inflight)  # penalties count every output token: the one in flight too
-        sampling = self._sampling_batch(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
+        sampling = self.sampling.build(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
         whole = graph_bs is not None and num_rows == n and not so.forks  # every row samples, in order
         gather = rows.gather_dst.size
         if gather:
@@ -470,7 +478,7 @@ class ModelRunner:
                 hidden, _ = self.replay_mixed(graph_t)
             else:
                 t = rows.num_tokens
-                hidden = self._forward(b.input_ids[:t], b.positions[:t], self._metadata(rows, b))
+                hidden = self._forward(b.input_ids[:t], b.positions[:t], attention_metadata(rows, b))
             if num_rows == 0:
                 return LaunchedStep(so, ModelOutput(so.step_id))
             logits = self.model.compute_logits(hidden[b.logit_rows[:head_rows]])[:num_rows]
@@ -490,6 +498,68 @@ class ModelRunner:
         self._enqueue_read_back(step, tokens)
         self._last_sampled = tokens
         return step
+
+    def _speculative_step(self, so: SchedulerOutput) -> ModelOutput:
+        """A step that verifies or drafts, computed whole (the next step's rows depend on its drafts): the
+        target over every row (a mixed-step graph when one fits: it keeps the head's features too), the plain
+        rows sampled and the drafter's verification rows checked in one host sync, then the next drafts."""
+        ib, b, drafter = self.batch, self.buffers, self.drafter
+        graph_t = self.mixed_graphs.padded_size(so.num_tokens) if self.mixed_graphs is not None else None
+        b.wait_uploaded()
+        if graph_t is not None:
+            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
+            rows = ib.build(so, b, graph_seqs, graph_t)
+        else:
+            rows = ib.build(so, b)
+        sample_idx, req_ids = sampling_rows(so)
+        spec = drafter.rows_to_verify(so, rows, sample_idx, req_ids, ib)
+        batch = self.sampling.build(spec.slots, spec.num_outputs, b, spec.extra_outputs) if len(spec.slots) else None
+        if graph_t is not None:
+            b.upload(graph_t, graph_seqs, b.max_blocks, 0)
+            hidden, features = self.replay_mixed(graph_t)
+        else:
+            t = rows.num_tokens
+            b.upload(t, len(so.req_ids), b.max_blocks, 0)
+            hidden, features = self.target(b.input_ids[:t], b.positions[:t], attention_metadata(rows, b))
+        host, plain_out = self._sample_and_verify(hidden, spec, batch, req_ids)
+        out, sampled, spec_tokens = drafter.step_output(so, req_ids, spec, host, ib)
+        if plain_out is not None and plain_out.logprobs is not None:
+            p = len(spec.plain)
+            lps = token_logprobs(ib.num_logprobs[spec.slots[:p]].tolist(), host[:p], plain_out)
+            out.logprobs = [None] * len(req_ids)
+            for j, lp in zip(spec.plain, lps):
+                out.logprobs[j] = lp
+        out.draft_token_ids = drafter.propose(
+            so, rows, b.input_ids_np, features, sampled, spec_tokens, ib, self.generators
+        )
+        return out
+
+    def _sample_and_verify(
+        self, hidden: torch.Tensor, spec: SpecRows, batch: SamplingBatch | None, req_ids: list[str]
+    ) -> tuple[list[int], SamplerOutput | None]:
+        """A speculative step's tokens on the host (its one sync for the target): the plain rows' samples, then
+        the verifying rows' emitted tokens ``[rows, max d + 1]`` and accepted counts; and the plain rows'
+        sampler output (logprobs)."""
+        if not spec.logit_rows:
+            return [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(spec.logit_rows, device=self.device)]).float()
+        p = len(spec.plain)
+        parts: list[torch.Tensor] = []
+        plain_out = None
+        if spec.plain:
+            if batch is None:
+                parts.append(logits[:p].argmax(-1))
+            else:
+                plain_out = sample(logits[:p], batch.select(0, p))
+                parts.append(plain_out.token_ids)
+        if spec.verify:
+            vb = batch.select(p, len(spec.slots)) if batch is not None else None
+            verifying = [req_ids[j] for j in spec.verify]
+            res = self.drafter.verify(
+                logits[p:], vb, verifying, spec.slots[p:], spec.drafts_of, self.batch, self.generators
+            )
+            parts += [res.output_token_ids.flatten(), res.num_accepted]
+        return torch.cat(parts).tolist(), plain_out
 
     def _head_rows(self, num_rows: int) -> int:
         """Rows the LM head computes for a step outside the decode graphs: ``num_rows`` padded to a decode graph's
@@ -555,7 +625,7 @@ class ModelRunner:
         else:
             host = step.tokens.numpy()
         if step.uniform:
-            step.output = self.drafter.uniform_output(step.so, step.slots, host)
+            step.output = self.drafter.uniform_output(step.so, step.slots, host, self.batch)
             if self._inflight is step:
                 self._inflight = None
             return
@@ -570,23 +640,6 @@ class ModelRunner:
         if self._inflight is step:
             self._inflight = None
 
-    def _sampling_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
-        """The rows that sample (their indices in the step) and the request of each sampled token: a row's
-        own, then with n > 1 its forks', which sample from the same row."""
-        n = len(so.req_ids)
-        if not so.forks:
-            if all(so.samples):
-                return np.arange(n), so.req_ids
-            idx = [i for i, s in enumerate(so.samples) if s]
-            return np.asarray(idx, np.int64), [so.req_ids[i] for i in idx]
-        idx, req_ids = [], []
-        for i, (rid, s) in enumerate(zip(so.req_ids, so.samples)):
-            if s:
-                for r in (rid, *so.forks.get(rid, ())):
-                    idx.append(i)
-                    req_ids.append(r)
-        return np.asarray(idx, np.int64), req_ids
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward over a step's tokens: final hidden states (what a mixed-step graph captures)."""
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
@@ -596,7 +649,7 @@ class ModelRunner:
         beside them (``[T, hidden + features]``), so that a step that drafts (a prompt's last chunk) replays it too."""
         if self.drafter is None or not self.drafter.feature_layers:
             return self._forward(input_ids, positions, meta)
-        return torch.cat(self.drafter.target_forward(input_ids, positions, meta), -1)
+        return torch.cat(self.target(input_ids, positions, meta), -1)
 
     def replay_mixed(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the mixed-step graph of ``size`` tokens: its final hidden states and the draft head's features
@@ -608,106 +661,6 @@ class ModelRunner:
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The captured part of a decode step: embedding to logits of every row."""
         return self.model.compute_logits(self._forward(input_ids, positions, meta))
-
-    def _metadata(self, rows: StepRows, b: StepBuffers) -> AttentionMetadata:
-        n = len(rows.slots)
-        qsl = rows.query_start_loc
-        seq_lens = b.seq_lens_np[:n]
-        return AttentionMetadata(
-            slot_mapping=b.slot_mapping[: rows.num_tokens],
-            query_start_loc=b.query_start_loc[: n + 1],
-            seq_lens=b.seq_lens[:n],
-            block_tables=b.block_tables[:n],
-            max_query_len=int(rows.q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
-
-    # -- sampling ----------------------------------------------------------------------------------
-    def _generator(self, slot: int) -> torch.Generator:
-        rid = self.batch.req_ids[slot]
-        g = self.generators.get(rid)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(self.batch.params[slot].seed)
-            self.generators[rid] = g
-            if self.args.kv_role == "decode":  # prefill/decode disaggregation (core/disagg/engine.py)
-                self._skip_prefill_draws(g, slot)
-        return g
-
-    def _skip_prefill_draws(self, g: torch.Generator, slot: int) -> None:
-        """A decode engine's request arrives with the first token the prefill engine sampled (one draw of the
-        same seed's stream there). Drawing it here too, and dropping it, keeps the stream where one engine's
-        would be: seeded sampling gives the same tokens through the pair as through one engine."""
-        for _ in range(int(self.batch.num_arrived[slot] - self.batch.num_prompt[slot])):
-            torch.empty(self.vocab_size, device=self.device).exponential_(generator=g)
-
-    def _sampling_batch(
-        self,
-        slots: np.ndarray,
-        num_outputs: np.ndarray,
-        b: StepBuffers,
-        extra_outputs: list[list[int]] | None = None,
-    ) -> SamplingBatch | None:
-        """The sampler's per-row parameters, or None when plain argmax serves every row. Row ``i`` belongs to
-        slot ``slots[i]`` and samples after ``num_outputs[i]`` output tokens: its own so far, then (a
-        verification row) ``extra_outputs[i]``, the drafts before it."""
-        ib = self.batch
-        k = len(slots)
-        temperature = ib.temperature[slots]
-        any_pen = bool(ib.penalized[slots].any())
-        early = num_outputs < ib.min_tokens[slots]
-        any_banned = bool(early.any())
-        nlp = int(ib.num_logprobs[slots].max()) if k else -1
-        all_greedy = not temperature.any()
-        if all_greedy and not any_pen and not any_banned and nlp < 0:
-            return None
-        if k > b.max_seqs:
-            b = StepBuffers(1, k, 1, self.device)
-        f = b.sampling_f_np
-        f[0, :k] = temperature
-        f[1, :k] = ib.top_p[slots]
-        f[2, :k] = ib.min_p[slots]
-        if any_pen:
-            f[3, :k] = ib.presence[slots]
-            f[4, :k] = ib.frequency[slots]
-            f[5, :k] = ib.repetition[slots]
-        top_k = ib.top_k[slots]
-        b.top_k_np[:k] = top_k
-        b.upload_sampling(k, any_pen)
-        slot_list = slots.tolist()
-        seeded = ib.seeded[slots]
-        generators = [self._generator(s) if g else None for s, g in zip(slot_list, seeded)]
-        banned = None
-        if any_banned:
-            banned = [
-                list(ib.eos[s]) + list(ib.params[s].stop_token_ids) if e else [] for s, e in zip(slot_list, early)
-            ]
-        outputs = prompts = None
-        if any_pen:
-            outputs = []
-            for i, s in enumerate(slot_list):
-                out = ib.output_tokens[s] or []
-                outputs.append(out + extra_outputs[i] if extra_outputs is not None else out)
-            prompts = [ib.tokens[s][: ib.num_prompt[s]] if ib.penalized[s] else [] for s in slot_list]
-        dev = b.sampling_f
-        return SamplingBatch(
-            temperature=dev[0, :k],
-            top_k=b.top_k[:k],
-            top_p=dev[1, :k],
-            min_p=dev[2, :k],
-            generators=generators,
-            presence_penalty=dev[3, :k] if any_pen else None,
-            frequency_penalty=dev[4, :k] if any_pen else None,
-            repetition_penalty=dev[5, :k] if any_pen else None,
-            output_token_ids=outputs,
-            prompt_token_ids=prompts,
-            banned_token_ids=banned,
-            num_logprobs=nlp,
-            all_greedy=all_greedy,
-            any_top_k_top_p=bool((top_k > 0).any() or (ib.top_p[slots] < 1).any()),
-            any_min_p=bool((ib.min_p[slots] > 0).any()),
-        )
 
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)

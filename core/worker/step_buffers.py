@@ -5,6 +5,7 @@ and CUDA graphs (`core/worker/cuda_graphs.py`) are captured over them."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -98,3 +99,13 @@ class StepBuffers:
         # the host wait for the stream
         self.sampling_f[:nf].copy_(self.h_sampling_f[:nf], non_blocking=True)
         self.top_k[:num_rows].copy_(self.h_top_k[:num_rows], non_blocking=True)
+
+
+@dataclass(slots=True)
+class StepLimits:
+    """The most a step holds (its buffers' sizes) and the persistent batch's slot count."""
+
+    max_tokens: int
+    max_seqs: int
+    max_blocks_per_seq: int
+    max_slots: int
