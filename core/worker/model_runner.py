@@ -32,6 +32,7 @@ from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batc
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.drafter import Drafter, SpecRows
 from sluice.core.worker.input_batch import InputBatch, attention_metadata, sampling_rows
+from sluice.core.worker.memory_profile import GiB, largest_step_lens, profile_kv_blocks
 from sluice.core.worker.runner import LaunchedStep
 from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
 from sluice.core.worker.sampling_batch import SamplingBatchBuilder, SeededGenerators
@@ -42,11 +43,6 @@ from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.kv.attention.fp8 import kv_cache_torch_dtype
 
 logger = logging.getLogger("sluice")
-
-GiB = 1024**3
-# Room left beside the KV pool for the graphs' memory pool (activations of the largest captured step, the
-# decode graphs' logits), which is allocated after the pool is sized.
-GRAPH_POOL_RESERVE = GiB
 
 
 class ModelRunner:
@@ -66,57 +62,81 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
-        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed, tp=tp)
-        if args.quantization is not None:
-            from sluice.core.models.quant import quantize_model  # imports the gguf reader
-
-            counts = quantize_model(
-                self.model,
-                args.quantization,
-                source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
-                include_lm_head=args.speculative_model is None,
-            )
-            logger.info("quantization %s: %s linear layers", args.quantization, counts)
-        cfg = source.config
+        self.model = self._load_model(source)
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = get_attention_backend(backend)
         self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if fp8.is_fp8(self.kv_dtype):
-            from sluice.core.models.quant import calibrate_kv_scales
+            self._calibrate_kv_scales()
+        self.fused_kernels = self._fuse_kernels()  # the draft head follows the target
+        self.num_layers = source.config.num_hidden_layers
+        self.vocab_size = source.config.vocab_size
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        self.drafter = None  # speculative decoding: the draft head, verification and drafting
+        if args.speculative_model is not None:
+            self.drafter = Drafter(args, source, max_model_len, self.device, self.dtype, self.fused_kernels)
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self._init_step_state()
+        self._init_kv_pool()
+        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
+            if getattr(self.backend, "graph_safe", False):
+                self._capture_graphs()
+            else:
+                logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
+        self.warm_up_eager()
+        if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
+            # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
+            torch.cuda.set_sync_debug_mode("warn")
 
-            scales = calibrate_kv_scales(
-                self.model, self.backend, self.dtype, self.device, seq_len=min(256, max_model_len), seed=args.seed
+    # -- start-up, in order --------------------------------------------------------------------------
+    def _load_model(self, source: ModelSource):
+        args, tp = self.args, self.tp
+        model = load_model(source, self.dtype, self.device, max_position=self.max_model_len, seed=args.seed, tp=tp)
+        if args.quantization is not None:
+            from sluice.core.models.quant import quantize_model  # imports the gguf reader
+
+            counts = quantize_model(
+                model,
+                args.quantization,
+                source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
+                include_lm_head=args.speculative_model is None,
             )
-            logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
-        fused = args.fused_kernels
+            logger.info("quantization %s: %s linear layers", args.quantization, counts)
+        return model
+
+    def _calibrate_kv_scales(self) -> None:
+        from sluice.core.models.quant import calibrate_kv_scales  # imports the gguf reader
+
+        scales = calibrate_kv_scales(
+            self.model, self.backend, self.dtype, self.device, seq_len=min(256, self.max_model_len), seed=self.args.seed
+        )
+        logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
+
+    def _fuse_kernels(self) -> bool:
+        fused = self.args.fused_kernels
         if fused == "auto":
             fused = "on" if self.device.type == "cuda" else "off"
-        self.fused_kernels = fused == "on"  # the draft head follows the target
         if fused == "on":
             logger.info(
                 "fused kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules", enable_fused_kernels(self.model)
             )
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        self.max_num_seqs = args.max_num_seqs
-        self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-        self.drafter = None  # speculative decoding: the draft head and its steps
-        k = 0
-        if args.speculative_model is not None:
-            self.drafter = Drafter(args, source, max_model_len, self.device, self.dtype, self.fused_kernels)
-            k = self.drafter.k
+        return fused == "on"
+
+    def _init_step_state(self) -> None:
+        """The persistent batch, the step buffers and what a launched step is read back through."""
+        k = self.num_speculative_tokens
         # draft lookahead slots may reach past max_model_len
-        self.max_blocks_per_seq = -(-(max_model_len + 2 * k + 1) // self.block_size)
+        self.max_blocks_per_seq = -(-(self.max_model_len + 2 * k + 1) // self.block_size)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
         # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
         self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
         # prefill/decode disaggregation (core/disagg/engine.py): a decode engine skips the prefill engine's draw
-        self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, args.kv_role == "decode")
+        self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, self.args.kv_role == "decode")
         self.sampling = SamplingBatchBuilder(self.batch, self.generators, self.device)
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedGraphs | None = None
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
         # pinned room for two steps' sampled tokens, whole from the start: allocating pinned memory while a step
@@ -129,9 +149,12 @@ class ModelRunner:
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
         self._pad_head_rows = os.environ.get("SLUICE_PAD_HEAD_ROWS") != "0"  # `_head_rows`
         self._event_turn = 0
-        self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
-        if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
-            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
+
+    def _init_kv_pool(self) -> None:
+        """Size the KV pool (from the engine args, or from a memory profile), allocate it, and the draft head's."""
+        self.num_kv_blocks = self.args.num_kv_blocks or self._blocks_from_memory()
+        if self.tp is not None:  # one block table serves every rank: the smallest pool bounds them all
+            self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
             self.num_kv_blocks,
@@ -146,52 +169,48 @@ class ModelRunner:
         )
         if self.drafter is not None:
             limits = StepLimits(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.batch.max_slots)
-            uniform_steps = tp is None and getattr(self.backend, "graph_safe", False)
+            uniform_steps = self.tp is None and getattr(self.backend, "graph_safe", False)
             self.drafter.allocate_kv(self.num_kv_blocks, self.target, limits, uniform_steps)
         logger.info(
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             weight_bytes(self.model) / GiB,
             self.dtype,
-            args.quantization or "unquantized",
+            self.args.quantization or "unquantized",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.block_size,
-            self.num_kv_blocks * self._bytes_per_block() / GiB,
+            self.num_kv_blocks * self.kv_bytes_per_block() / GiB,
             self.kv_dtype,
         )
-        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
-            if getattr(self.backend, "graph_safe", False):
-                graphs = DecodeGraphs(
-                    self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), max_model_len
-                )
-                max_mixed = min(args.max_graph_tokens, self.max_num_tokens)
-                mixed = None
-                if max_mixed > 1:
-                    mixed = MixedGraphs(self.mixed_forward, self.buffers, mixed_graph_sizes(max_mixed), max_model_len)
-                try:
-                    with torch.inference_mode():
-                        pool = graphs.capture()
-                        if mixed is not None:
-                            mixed.capture(pool)
-                    self.graphs, self.mixed_graphs = graphs, mixed
-                    if os.environ.get("SLUICE_GRAPH_ROUTES") != "0":  # 0: each step in its smallest graph
-                        self._route_graphs()
-                    if self.drafter is not None:
-                        self.drafter.capture_graphs()
-                except Exception:  # slower, still correct: serve every step eagerly
-                    logger.exception("CUDA graph capture failed; every step runs eagerly")
-                    self.graphs = self.mixed_graphs = mixed = None
-                    if self.drafter is not None:
-                        self.drafter.graphs = None
-                    del graphs
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.empty_cache()
-            else:
-                logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
-        self.warm_up_eager()
-        if self.device.type == "cuda" and os.environ.get("SLUICE_SYNC_DEBUG") == "1":
-            # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
-            torch.cuda.set_sync_debug_mode("warn")
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps, of mixed steps and of the drafter's uniform steps, in one memory pool.
+        A failed capture leaves every step eager: slower, still correct."""
+        graphs = DecodeGraphs(
+            self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), self.max_model_len
+        )
+        max_mixed = min(self.args.max_graph_tokens, self.max_num_tokens)
+        mixed = None
+        if max_mixed > 1:
+            mixed = MixedGraphs(self.mixed_forward, self.buffers, mixed_graph_sizes(max_mixed), self.max_model_len)
+        try:
+            with torch.inference_mode():
+                pool = graphs.capture()
+                if mixed is not None:
+                    mixed.capture(pool)
+            self.graphs, self.mixed_graphs = graphs, mixed
+            if os.environ.get("SLUICE_GRAPH_ROUTES") != "0":  # 0: each step in its smallest graph
+                self._route_graphs()
+            if self.drafter is not None:
+                self.drafter.capture_graphs()
+        except Exception:
+            logger.exception("CUDA graph capture failed; every step runs eagerly")
+            self.graphs = self.mixed_graphs = mixed = None
+            if self.drafter is not None:
+                self.drafter.graphs = None
+            del graphs
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -219,7 +238,8 @@ class ModelRunner:
                     g.routes = {}
 
     # -- memory --------------------------------------------------------------------------------------
-    def _bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes in every layer, the draft head's included."""
         draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return draft + kv_bytes_per_block(
             self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
@@ -227,75 +247,31 @@ class ModelRunner:
 
     def _blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
-            return max(int(self.args.cpu_kv_cache_gib * GiB // self._bytes_per_block()), 16)
+            return max(int(self.args.cpu_kv_cache_gib * GiB // self.kv_bytes_per_block()), 16)
         return self._profile_kv_blocks()
 
-    @torch.inference_mode()
     def _profile_kv_blocks(self) -> int:
-        """Size the KV pool from a profiling run: the largest step the scheduler can send (all of
-        ``max_num_batched_tokens`` as prefill) and sampling at ``max_num_seqs`` rows with top-p, measured
-        as peak allocated memory; then ``gpu_memory_utilization`` of the card minus weights, that peak,
-        memory outside torch, and a reserve for the graphs; the rest is cut into blocks."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        weights = torch.cuda.memory_allocated(dev)
-        tmp_cache = allocate_kv_cache(
-            self.num_layers, self._largest_step_blocks(), self.block_size, self.model.num_kv_heads,
-            self.model.head_dim, self.kv_dtype, dev,
-        )  # fmt: skip
-        tmp_bytes = sum(t.numel() * t.element_size() for t in tmp_cache)
-        n_tok, n_rows = self._run_largest_step(tmp_cache)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        del tmp_cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
-        activations = max(0, peak - weights - tmp_bytes)
-        reserve = 0 if self.args.enforce_eager else GRAPH_POOL_RESERVE
-        budget = total * self.args.gpu_memory_utilization - weights - activations - non_torch - reserve
-        blocks = int(budget // self._bytes_per_block())
-        logger.info(
-            "memory profile: card %.1f GiB x %.2f; weights %.2f GiB, peak activations %.2f GiB (step of %d tokens, "
-            "sampling %d rows), outside torch %.2f GiB, graph reserve %.2f GiB -> KV budget %.2f GiB",
-            total / GiB,
-            self.args.gpu_memory_utilization,
-            weights / GiB,
-            activations / GiB,
-            n_tok,
-            n_rows,
-            non_torch / GiB,
-            reserve / GiB,
-            budget / GiB,
-        )
-        if blocks < 1:
-            raise MemoryError(
-                f"no room for the KV cache: budget {budget / GiB:.2f} GiB at gpu_memory_utilization="
-                f"{self.args.gpu_memory_utilization} (weights {weights / GiB:.2f} GiB, activations "
-                f"{activations / GiB:.2f} GiB)"
-            )
-        return blocks
+        def run_on_temporary_pool() -> tuple[int, int, int]:
+            tmp_cache = allocate_kv_cache(
+                self.num_layers, self._largest_step_blocks(), self.block_size, self.model.num_kv_heads,
+                self.model.head_dim, self.kv_dtype, self.device,
+            )  # fmt: skip
+            n_tok, n_rows = self._run_largest_step(tmp_cache)
+            return n_tok, n_rows, sum(t.numel() * t.element_size() for t in tmp_cache)
 
-    def _largest_step_lens(self) -> list[int]:
-        """Prompt lengths of the largest step the scheduler can send: all of ``max_num_batched_tokens`` as prefill,
-        in as few sequences as ``max_model_len`` allows (no step holds more than ``max_num_seqs`` sequences of
-        ``max_model_len`` tokens, and the step buffers bound the profile's own batch too)."""
-        n_tok = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
-        n_seq = max(1, -(-n_tok // self.max_model_len))
-        return [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
+        return profile_kv_blocks(self.device, self.args, self.kv_bytes_per_block(), run_on_temporary_pool)
 
     def _largest_step_blocks(self) -> int:
-        return sum(-(-n // self.block_size) for n in self._largest_step_lens())
+        lens = largest_step_lens(self.max_num_tokens, self.max_num_seqs, self.max_model_len)
+        return sum(-(-n // self.block_size) for n in lens)
 
     @torch.inference_mode()
     def _run_largest_step(self, kv_caches: list[torch.Tensor]) -> tuple[int, int]:
-        """One eager forward of the largest step (`_largest_step_lens`, random tokens, its KV written to the first
+        """One eager forward of the largest step (`largest_step_lens`, random tokens, its KV written to the first
         blocks of ``kv_caches``), then sampling at ``max_num_seqs`` rows with top-k, top-p and min-p: the most
         memory a step takes outside the graphs. Its own persistent batch; returns ``(tokens, sampled rows)``."""
         dev = self.device
-        lens = self._largest_step_lens()
+        lens = largest_step_lens(self.max_num_tokens, self.max_num_seqs, self.max_model_len)
         g = torch.Generator(device="cpu").manual_seed(0)
         so, next_block = SchedulerOutput(0), 0
         for i, n in enumerate(lens):
@@ -407,12 +383,7 @@ class ModelRunner:
     def _launch_rows(self, so: SchedulerOutput) -> LaunchedStep:
         """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
         if so.uniform:  # the scheduler marks one only when the drafter has its uniform graphs
-            # inputs from the host (every step before it read back) or from the device (`device_fed`)
-            slots, bs = self.drafter.prepare_uniform(so, self.batch)
-            step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
-            step.started = self._device_event()
-            self._enqueue_read_back(step, self.drafter.run_uniform(bs))
-            return step
+            return self._launch_uniform(so)
         if self.drafter is not None and (so.drafting or so.num_draft_tokens):
             # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
             self._read_back(self._inflight)
@@ -497,6 +468,16 @@ class ModelRunner:
         self.batch.sampled(slots, so.step_id, np.arange(num_rows))
         self._enqueue_read_back(step, tokens)
         self._last_sampled = tokens
+        return step
+
+    def _launch_uniform(self, so: SchedulerOutput) -> LaunchedStep:
+        """A uniform speculative step: the drafter's captured forward (verification and drafting without a host
+        sync), read back like a plain step. Its inputs come from the host (every step before it read back) or
+        from the device (`SchedulerOutput.device_fed`)."""
+        slots, bs = self.drafter.prepare_uniform(so, self.batch)
+        step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
+        step.started = self._device_event()
+        self._enqueue_read_back(step, self.drafter.run_uniform(bs))
         return step
 
     def _speculative_step(self, so: SchedulerOutput) -> ModelOutput:
