@@ -33,6 +33,7 @@ from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.drafter import Drafter, SpecRows
 from sluice.core.worker.input_batch import InputBatch, attention_metadata, sampling_rows
 from sluice.core.worker.memory_profile import GiB, largest_step_lens, profile_kv_blocks
+from sluice.core.worker.read_back import ReadBackRings
 from sluice.core.worker.runner import LaunchedStep
 from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
 from sluice.core.worker.sampling_batch import SamplingBatchBuilder, SeededGenerators
@@ -139,16 +140,8 @@ class ModelRunner:
         self.sampling = SamplingBatchBuilder(self.batch, self.generators, self.device)
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
-        # pinned room for two steps' sampled tokens, whole from the start: allocating pinned memory while a step
-        # runs may wait for the device (page-locking is a driver call), and the rows grow step by step as a burst
-        # of prompts is admitted
-        pin = self.device.type == "cuda"  # the CPU reads its tokens in place
-        rows = self.max_num_tokens if pin else 0
-        self._host_bufs = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._host_turn = 0
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
+        self.rings = ReadBackRings(self.device, self.max_num_tokens)
         self._pad_head_rows = os.environ.get("SLUICE_PAD_HEAD_ROWS") != "0"  # `_head_rows`
-        self._event_turn = 0
 
     def _init_kv_pool(self) -> None:
         """Size the KV pool (from the engine args, or from a memory profile), allocate it, and the draft head's."""
@@ -438,7 +431,7 @@ class ModelRunner:
         if gather:  # decodes whose input token the step in flight sampled: copied from its samples on the device
             b.input_ids[b.gather_dst[:gather]] = self._last_sampled[b.gather_src[:gather]]
         prepared_at = time.perf_counter()
-        started = self._device_event()  # the device's time on the step: from its forward on
+        started = self.rings.event()  # the device's time on the step: from its forward on
         if graph_bs is not None:
             logits = self.graphs.replay(graph_bs)
             if num_rows == 0:
@@ -476,7 +469,7 @@ class ModelRunner:
         from the device (`SchedulerOutput.device_fed`)."""
         slots, bs = self.drafter.prepare_uniform(so, self.batch)
         step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
-        step.started = self._device_event()
+        step.started = self.rings.event()
         self._enqueue_read_back(step, self.drafter.run_uniform(bs))
         return step
 
@@ -552,32 +545,14 @@ class ModelRunner:
             return num_rows
         return self.graphs.padded_size(num_rows) or num_rows
 
-    def _device_event(self) -> torch.cuda.Event | None:
-        """A timing event recorded now, from a ring (creating one per step costs host time): a step's two are
-        read within the next two launches, each of which takes two more."""
-        if self.device.type != "cuda":
-            return None
-        self._event_turn = (self._event_turn + 1) % len(self._events)
-        event = self._events[self._event_turn]
-        event.record()
-        return event
-
     def _enqueue_read_back(self, step: LaunchedStep, tokens: torch.Tensor) -> None:
         """The step's tokens on their way to pinned host memory; it is the step in flight until read back."""
         step.tokens = tokens
-        if self.device.type == "cuda":
-            step.host_tokens = self._host_tokens(tokens.numel())
+        if self.rings.on_device:
+            step.host_tokens = self.rings.host_tokens(tokens.numel())
             step.host_tokens.copy_(tokens, non_blocking=True)
-            step.ready = self._device_event()
+            step.ready = self.rings.event()
         self._inflight = step
-
-    def _host_tokens(self, n: int) -> torch.Tensor:
-        """Pinned room for a step's sampled tokens; two in turn, as two steps may be in flight."""
-        self._host_turn ^= 1
-        buf = self._host_bufs[self._host_turn]
-        if buf.numel() < n:
-            buf = self._host_bufs[self._host_turn] = torch.empty(n, dtype=torch.long, pin_memory=True)
-        return buf[:n]
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens; its output for the scheduler."""
