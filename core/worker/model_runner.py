@@ -31,7 +31,7 @@ from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
 from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.drafter import Drafter, SpecRows
-from sluice.core.worker.input_batch import InputBatch, attention_metadata, sampling_rows
+from sluice.core.worker.input_batch import InputBatch, StepRows, attention_metadata, sampling_rows
 from sluice.core.worker.memory_profile import GiB, largest_step_lens, profile_kv_blocks
 from sluice.core.worker.read_back import ReadBackRings
 from sluice.core.worker.runner import LaunchedStep
@@ -377,28 +377,14 @@ class ModelRunner:
         """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
         if so.uniform:  # the scheduler marks one only when the drafter has its uniform graphs
             return self._launch_uniform(so)
-        if self.drafter is not None and (so.drafting or so.num_draft_tokens):
-            # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
+        speculative = self.drafter is not None and (so.drafting or so.num_draft_tokens)
+        if speculative:  # computed whole: the next step's rows depend on its drafts; its inputs come from the host
             self._read_back(self._inflight)
-            return LaunchedStep(so, self._speculative_step(so))
+        # a verifying step's logits rows are many per request and it needs the head's features: no decode graph
+        b, rows, graph_bs, graph_t, graph_seqs = self._step_inputs(so, decode_graphs=not speculative)
+        if speculative:
+            return LaunchedStep(so, self._speculative_step(so, b, rows, graph_t, graph_seqs))
         n = len(so.req_ids)
-        num_tokens = so.num_tokens
-        b = self.buffers
-        graph_bs = self.graphs.padded_size(n) if self.graphs is not None and num_tokens == n else None
-        # steps with prefill rows (and decodes past the decode graphs' sizes): a mixed-step graph, if one fits
-        graph_t = None
-        if graph_bs is None and self.mixed_graphs is not None:
-            graph_t = self.mixed_graphs.padded_size(num_tokens)
-        if num_tokens > b.max_tokens or n > b.max_seqs:
-            # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
-            b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
-            graph_bs = graph_t = None
-        b.wait_uploaded()  # the last step's inputs have left the pinned buffers
-        if graph_t is not None:
-            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
-            rows = self.batch.build(so, b, graph_seqs, graph_t)
-        else:
-            rows = self.batch.build(so, b, graph_bs)
         sample_rows, req_ids = sampling_rows(so)
         num_rows = len(req_ids)
         if so.forks:  # a fork samples with its own parameters (its own slot) from its parent's row
@@ -463,6 +449,33 @@ class ModelRunner:
         self._last_sampled = tokens
         return step
 
+    def _step_inputs(
+        self, so: SchedulerOutput, decode_graphs: bool
+    ) -> tuple[StepBuffers, StepRows, int | None, int | None, int | None]:
+        """Every step's inputs, written by the one step-input builder into the step buffers, padded for the graph
+        the step replays: a decode graph (batch size ``graph_bs``) for a step of decodes only, else a mixed-step
+        graph (``graph_t`` tokens, ``graph_seqs`` sequences) if one fits, else none (eager)."""
+        n = len(so.req_ids)
+        num_tokens = so.num_tokens
+        b = self.buffers
+        graph_bs = graph_t = graph_seqs = None
+        if decode_graphs and self.graphs is not None and num_tokens == n:
+            graph_bs = self.graphs.padded_size(n)
+        # steps with prefill rows (and decodes past the decode graphs' sizes): a mixed-step graph, if one fits
+        if graph_bs is None and self.mixed_graphs is not None:
+            graph_t = self.mixed_graphs.padded_size(num_tokens)
+        if num_tokens > b.max_tokens or n > b.max_seqs:
+            # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
+            b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
+            graph_bs = graph_t = None
+        b.wait_uploaded()  # the last step's inputs have left the pinned buffers
+        if graph_t is not None:
+            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
+            rows = self.batch.build(so, b, graph_seqs, graph_t)
+        else:
+            rows = self.batch.build(so, b, graph_bs)
+        return b, rows, graph_bs, graph_t, graph_seqs
+
     def _launch_uniform(self, so: SchedulerOutput) -> LaunchedStep:
         """A uniform speculative step: the drafter's captured forward (verification and drafting without a host
         sync), read back like a plain step. Its inputs come from the host (every step before it read back) or
@@ -473,18 +486,13 @@ class ModelRunner:
         self._enqueue_read_back(step, self.drafter.run_uniform(bs))
         return step
 
-    def _speculative_step(self, so: SchedulerOutput) -> ModelOutput:
-        """A step that verifies or drafts, computed whole (the next step's rows depend on its drafts): the
-        target over every row (a mixed-step graph when one fits: it keeps the head's features too), the plain
-        rows sampled and the drafter's verification rows checked in one host sync, then the next drafts."""
-        ib, b, drafter = self.batch, self.buffers, self.drafter
-        graph_t = self.mixed_graphs.padded_size(so.num_tokens) if self.mixed_graphs is not None else None
-        b.wait_uploaded()
-        if graph_t is not None:
-            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
-            rows = ib.build(so, b, graph_seqs, graph_t)
-        else:
-            rows = ib.build(so, b)
+    def _speculative_step(
+        self, so: SchedulerOutput, b: StepBuffers, rows: StepRows, graph_t: int | None, graph_seqs: int | None
+    ) -> ModelOutput:
+        """The rest of a step that verifies or drafts (its inputs built), computed whole: the target over every
+        row (a mixed-step graph when one fits: it keeps the head's features too), the plain rows sampled and the
+        drafter's verification rows checked in one host sync, then the next drafts."""
+        ib, drafter = self.batch, self.drafter
         sample_idx, req_ids = sampling_rows(so)
         spec = drafter.rows_to_verify(so, rows, sample_idx, req_ids, ib)
         batch = self.sampling.build(spec.slots, spec.num_outputs, b, spec.extra_outputs) if len(spec.slots) else None
