@@ -1,7 +1,10 @@
-"""The model runner's speculative part: an EAGLE draft head that verifies last step's drafts inside the
-normal mixed batch, then drafts the next ones. It builds no inputs and no sampling batches of its own: the
-runner's step-input builder (`InputBatch.build`) writes every forward's inputs, the catch-up's and the draft
-chain's included, and the runner's sampling-batch builder gives every row its parameters.
+"""The model runner's speculative collaborator: an EAGLE draft head that verifies last step's drafts inside
+the normal mixed batch, then drafts the next ones. It holds no reference to the runner and builds no inputs
+and no sampling batches of its own: the runner's step (`ModelRunner._speculative_step`) hands it the persistent
+batch, whose step-input builder (`InputBatch.build`) writes every forward's inputs, the catch-up's and the draft
+chain's included, the seeded generators, and the target's rows, logits and features; the runner's sampling-batch
+builder gives every row its parameters. It returns the step's extra verification rows (`rows_to_verify`), the
+accepted drafts (`verify`) and the next drafts (`propose`).
 
 One target forward covers every scheduled request. A request verifying ``d`` drafts computes ``1 + d``
 tokens (its last token, then the drafts); its last ``d + 1`` rows are projected through the LM head and

@@ -8,7 +8,8 @@ A step is launched, then collected. `launch` enqueues the device work (inputs co
 a CUDA graph replayed for uniform decode steps, sampling) and starts copying the sampled tokens back;
 `collect` waits for them. Between the two the host is free: the executor launches the next step first
 (asynchronous scheduling), whose decodes take their input token from this step's samples on the device.
-Steps that speculate are computed whole in `launch` (their drafts decide the next step).
+Steps that speculate are the same launch with the drafter's tail (`core/worker/drafter.py`, a collaborator
+handed its inputs), computed whole in `launch` (their drafts decide the next step).
 
 One step-input builder (`InputBatch.build`) and one sampling-batch builder (`SamplingBatchBuilder`) serve every
 step, the speculative ones and the memory profile included.
