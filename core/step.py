@@ -9,6 +9,9 @@ gained, and which requests to drop. Tokens the executor sampled itself are never
 
 Its own module, so the executor side (model runner, TP workers) and the inspector know the contract,
 not the policy.
+
+Between two steps the scheduler may send `FLUSH` instead: the executor then collects the oldest step in flight
+and sends its `ModelOutput` (the scheduler needs its tokens before it can schedule again).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from dataclasses import dataclass, field
 
 from sluice.core.outputs import TokenLogprob
 from sluice.core.sampling_params import SamplingParams
+
+FLUSH = "flush"  # scheduler -> executor: collect the oldest step in flight and send its output
 
 
 @dataclass(slots=True)

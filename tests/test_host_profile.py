@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from sluice.core.engine_core.executor import ExecutorActor
 from sluice.core.step import ModelOutput, SchedulerOutput
-from sluice.core.worker.model_runner import LaunchedStep
+from sluice.core.worker.runner import LaunchedStep
 
 
 @dataclass
@@ -22,6 +22,8 @@ class _Event:
 
 class _Runner:
     """Launches steps at given device times: ``(start, end, eager)``, or None for a step complete at launch."""
+
+    overlaps_steps, out_of_process, failure = True, False, None
 
     def __init__(self, times) -> None:
         self.times = list(times)
@@ -63,7 +65,7 @@ async def test_step_trace_records_each_steps_shape_and_device_time_and_is_writte
     import json
 
     import anyio
-    from sluice.core.engine_core.executor import FLUSH
+    from sluice.core.step import FLUSH
 
     path = tmp_path / "trace.json"
     monkeypatch.setenv("SLUICE_STEP_TRACE", str(path))

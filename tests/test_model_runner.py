@@ -12,14 +12,9 @@ import pytest
 import torch
 from sluice.core import LLM, SamplingParams
 from sluice.core.step import NewRequest, SchedulerOutput
-from sluice.core.worker.cuda_graphs import (
-    DecodeGraphs,
-    StepBuffers,
-    fastest_routes,
-    graph_batch_sizes,
-    mixed_graph_sizes,
-)
+from sluice.core.worker.cuda_graphs import DecodeGraphs, fastest_routes, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.input_batch import InputBatch
+from sluice.core.worker.step_buffers import StepBuffers
 
 from tests.graph_helpers import EagerMixedReplay, EagerReplay
 

@@ -190,7 +190,7 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
         sched.config.max_uniform_batch = spec.max_uniform_batch
         spec.graphs = graphs = EagerReplay.like(spec.graphs)
         graphs.capture()
-        general = _count_calls(spec, "_verify")
+        general = _count_calls(spec, "verify")
         fed = _count_calls(sched, "_schedule_device_fed")
         assert _ids(llm, prompts, params) == expected
         s2 = llm.engine.stats()

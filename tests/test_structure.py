@@ -263,9 +263,6 @@ def test_sluice_variables_are_read_in_envs_only():
 
 
 MAX_FUNCTION_LINES = 100
-# Being split in parallel on other branches (issue 35): each entry goes when its split lands, and the test fails
-# while one that no longer needs its place keeps it.
-PENDING_SPLITS = {"core/worker/model_runner.py: __init__"}
 
 
 def test_no_function_over_a_hundred_lines():
@@ -283,6 +280,5 @@ def test_no_function_over_a_hundred_lines():
         and fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
         and not is_kernel(fn)
     }
-    over = [f"{where} ({n} lines)" for where, n in long.items() if where not in PENDING_SPLITS]
+    over = [f"{where} ({n} lines)" for where, n in long.items()]
     assert not over, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(over)
-    assert PENDING_SPLITS <= set(long), f"split now, drop from PENDING_SPLITS: {sorted(PENDING_SPLITS - set(long))}"

@@ -127,7 +127,7 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
         "weights_gib": weight_bytes(runner.model) / 1024**3,
-        "kv_bytes_per_token": sum(kv.nbytes for kv in runner.kv_caches) // (runner.num_kv_blocks * runner.block_size),
+        "kv_bytes_per_token": runner.kv_bytes_per_block() // runner.block_size,
         "nll_per_token": nll / count,
         "perplexity": math.exp(nll / count),
         "scored_tokens": count,

@@ -39,10 +39,10 @@ class EngineCore:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=max_model_len,
                 max_waiting_requests=args.max_waiting_requests,
-                num_speculative_tokens=args.num_speculative_tokens if runner.drafter is not None else 0,
+                num_speculative_tokens=runner.num_speculative_tokens,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 async_scheduling=args.async_scheduling and executor.overlaps_steps,
-                max_uniform_batch=runner.drafter.max_uniform_batch if runner.drafter is not None else 0,
+                max_uniform_batch=runner.max_uniform_batch,
             ),
             kv,
         )

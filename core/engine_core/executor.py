@@ -24,13 +24,13 @@ from sluice.core import envs
 from sluice.core.args import EngineArgs
 from sluice.core.host_profile import HostProfile
 from sluice.core.models.loader import ModelSource
-from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.step import FLUSH, ModelOutput, SchedulerOutput
 from sluice.core.worker.culprit import is_fatal
-from sluice.core.worker.model_runner import LaunchedStep, ModelRunner
+from sluice.core.worker.model_runner import ModelRunner
+from sluice.core.worker.runner import LaunchedStep, Runner
+from sluice.core.worker.tp.runner import TPRunner
 
 logger = logging.getLogger("sluice")
-
-FLUSH = "flush"  # collect the oldest step in flight
 
 
 def _failed(step_id: int, e: Exception) -> ModelOutput:
@@ -40,7 +40,7 @@ def _failed(step_id: int, e: Exception) -> ModelOutput:
 
 
 class ExecutorActor:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.profile = HostProfile()  # prepare, launch, wait (and the device's time per step)
         self._last_ready = None  # the last launched step's end event on the device (for `HostProfile.gpu_idle`)
@@ -60,27 +60,25 @@ class ExecutorActor:
         """The model in this process; with ``tensor_parallel_size > 1``, one worker process per rank
         (`core/worker/tp/runner.py`), stopped when `run` ends."""
         if args.tensor_parallel_size > 1:
-            from sluice.core.worker.tp.runner import TPRunner
-
             return cls(TPRunner(args, source, max_model_len))
         return cls(ModelRunner(args, source, max_model_len))
 
     @property
     def failure(self) -> Exception | None:
         """Set when worker processes died, even between steps (the engine is then unhealthy)."""
-        return getattr(self.runner, "failure", None)
+        return self.runner.failure
 
     @property
     def overlaps_steps(self) -> bool:
         """Whether a step may be launched before the last one is collected (its runner feeds tokens on the
         device); tensor-parallel ranks take every step whole."""
-        return hasattr(self.runner, "launch")
+        return self.runner.overlaps_steps
 
     async def run(
         self, inbox: ObjectReceiveStream[SchedulerOutput | str], results: ObjectSendStream[ModelOutput]
     ) -> None:
         # Worker processes: a step waiting on them may be left behind at shutdown (stopping them ends it).
-        out_of_process = hasattr(self.runner, "close")
+        out_of_process = self.runner.out_of_process
         inflight: deque[LaunchedStep | ModelOutput] = deque()
         try:
             async with inbox, results:

@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-from sluice.core.engine_core.executor import FLUSH
 from sluice.core.engine_core.inspector import StepRecorder
 from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedError
 from sluice.core.host_profile import HostProfile
@@ -38,7 +37,7 @@ from sluice.core.request_ids import sequence_prefix
 from sluice.core.sched.disagg import KVOp
 from sluice.core.sched.scheduler import Scheduler
 from sluice.core.stats import EngineStats
-from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.step import FLUSH, ModelOutput, SchedulerOutput
 
 logger = logging.getLogger("sluice")
 

@@ -1,7 +1,10 @@
-"""The model runner's speculative part: an EAGLE draft head that verifies last step's drafts inside the
-normal mixed batch, then drafts the next ones. It builds no inputs and no sampling batches of its own: the
-runner's step-input builder (`InputBatch.build`) writes every forward's inputs, the catch-up's and the draft
-chain's included, and the runner's sampling-batch builder gives every row its parameters.
+"""The model runner's speculative collaborator: an EAGLE draft head that verifies last step's drafts inside
+the normal mixed batch, then drafts the next ones. It holds no reference to the runner and builds no inputs
+and no sampling batches of its own: the runner's step (`ModelRunner._speculative_step`) hands it the persistent
+batch, whose step-input builder (`InputBatch.build`) writes every forward's inputs, the catch-up's and the draft
+chain's included, the seeded generators, and the target's rows, logits and features; the runner's sampling-batch
+builder gives every row its parameters. It returns the step's extra verification rows (`rows_to_verify`), the
+accepted drafts (`verify`) and the next drafts (`propose`).
 
 One target forward covers every scheduled request. A request verifying ``d`` drafts computes ``1 + d``
 tokens (its last token, then the drafts); its last ``d + 1`` rows are projected through the LM head and
@@ -28,14 +31,21 @@ speculative steps overlap the host's work as plain ones do.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from sluice.core import envs
-from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.args import EngineArgs
+from sluice.core.models.layers import enable_fused_kernels
 from sluice.core.models.loader import ModelSource
 from sluice.core.step import ModelOutput, SchedulerOutput
-from sluice.core.worker.cuda_graphs import DecodeGraphs, StepBuffers, graph_batch_sizes
-from sluice.core.worker.sampler import SamplingBatch, process_logits, sample, token_logprobs
+from sluice.core.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from sluice.core.worker.input_batch import InputBatch, StepRows, attention_metadata
+from sluice.core.worker.sampler import SamplingBatch, process_logits
+from sluice.core.worker.sampling_batch import SeededGenerators
+from sluice.core.worker.step_buffers import StepBuffers, StepLimits
+from sluice.core.worker.target import TargetForward
 from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.spec.eagle import load_draft_head, resolve_draft_head
 from sluice.spec.proposer import DraftSampling, EagleProposer, per_token_metadata
@@ -45,17 +55,38 @@ from sluice.spec.rejection import RejectionOutput, greedy_verify, rejection_samp
 MAX_UNIFORM_GRAPH_BATCH = 64
 
 
+@dataclass(slots=True)
+class SpecRows:
+    """The sampling rows of a speculative step, plain ones first: a plain row samples at its last position, a
+    verifying row contributes its last ``d + 1`` positions. Row ``i`` of the sampling batch belongs to slot
+    ``slots[i]``, after ``num_outputs[i]`` output tokens and then (a verification row) ``extra_outputs[i]``."""
+
+    plain: list[int]  # indices (into the step's sampled requests) of rows without drafts
+    verify: list[int]  # those verifying drafts
+    drafts_of: list[list[int]]  # each verifying row's drafts
+    logit_rows: list[int]  # the step's token rows projected through the LM head, in sampling-row order
+    slots: np.ndarray
+    num_outputs: np.ndarray
+    extra_outputs: list[list[int]]
+
+
 class Drafter:
-    def __init__(self, runner, source: ModelSource) -> None:
-        args = runner.args
-        self.runner = runner
+    """The draft head and its state between steps, a collaborator of the model runner: the runner builds each
+    step's inputs and sampling batch and runs the target; the drafter adds the verification rows, verifies and
+    proposes, from what it is handed."""
+
+    def __init__(
+        self, args: EngineArgs, source: ModelSource, max_model_len: int, device, dtype, fused_kernels: bool
+    ) -> None:
         self.k = args.num_speculative_tokens
+        self.block_size = args.block_size
+        self.max_model_len = max_model_len
+        self.disable_batch_size = args.speculative_disable_batch_size
+        self.device, self.dtype = device, dtype
         path = resolve_draft_head(args.speculative_model, source.name)
         # Speculative pairs run up to k - 1 positions past the verified ones.
-        self.head = load_draft_head(
-            path, source.config, source.name, runner.max_model_len + 2 * self.k + 1, runner.device, runner.dtype
-        )
-        if runner.fused_kernels:
+        self.head = load_draft_head(path, source.config, source.name, max_model_len + 2 * self.k + 1, device, dtype)
+        if fused_kernels:
             enable_fused_kernels(self.head, **envs.fused_kernel_options())
         self.feature_layers = tuple(self.head.cfg.feature_layers)  # () = the final hidden state (EAGLE-1)
         self.proposer: EagleProposer | None = None
@@ -68,40 +99,42 @@ class Drafter:
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.head.cfg
-        return kv_bytes_per_block(1, self.runner.block_size, cfg.num_key_value_heads, cfg.head_dim, self.runner.dtype)
+        return kv_bytes_per_block(1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype)
 
-    def allocate_kv(self, num_blocks: int) -> None:
-        r = self.runner
+    def allocate_kv(self, num_blocks: int, target: TargetForward, limits: StepLimits, uniform_steps: bool) -> None:
+        """The draft head's KV pool (as many blocks as the target's) and its step buffers; with
+        ``uniform_steps`` (one process, a graph-safe attention backend) the uniform steps' graphs and state."""
+        self.target = target
         self.proposer = EagleProposer(
-            self.head, r.model, num_blocks, r.block_size, self.k, r.backend, r.device, r.dtype
+            self.head, target.model, num_blocks, self.block_size, self.k, target.backend, self.device, self.dtype
         )
-        self.buffers = StepBuffers(r.max_num_tokens, r.max_num_seqs, r.max_blocks_per_seq, r.device)
-        self.chain_buffers = StepBuffers(r.max_num_seqs, r.max_num_seqs, r.max_blocks_per_seq, r.device)
-        if r.tp is None and getattr(r.backend, "graph_safe", False):
-            self.graphs = self.uniform_graphs()
+        self.buffers = StepBuffers(limits.max_tokens, limits.max_seqs, limits.max_blocks_per_seq, self.device)
+        self.chain_buffers = StepBuffers(limits.max_seqs, limits.max_seqs, limits.max_blocks_per_seq, self.device)
+        if uniform_steps:
+            self.graphs = self.uniform_graphs(limits)
             top = self.graphs.batch_sizes[-1]
-            slots = r.batch.max_slots + 1  # the last: scratch for padding rows
+            slots = limits.max_slots + 1  # the last: scratch for padding rows
+            self.scratch_slot = limits.max_slots
             # per slot, what the last uniform step left: the next inputs (last token, k drafts), drafts accepted
-            self.state_inputs = torch.zeros(slots, self.k + 1, dtype=torch.long, device=r.device)
-            self.state_accepted = torch.zeros(slots, dtype=torch.long, device=r.device)
+            self.state_inputs = torch.zeros(slots, self.k + 1, dtype=torch.long, device=self.device)
+            self.state_accepted = torch.zeros(slots, dtype=torch.long, device=self.device)
             # per row of a uniform step: its slot, and 1 when it is fed from the device
-            pin = r.device.type == "cuda"
+            pin = self.device.type == "cuda"
             self.h_row_info = torch.zeros(2, top, dtype=torch.long, pin_memory=pin)
-            self.row_info = torch.zeros(2, top, dtype=torch.long, device=r.device) if pin else self.h_row_info
+            self.row_info = torch.zeros(2, top, dtype=torch.long, device=self.device) if pin else self.h_row_info
 
     @property
     def max_uniform_batch(self) -> int:
         """The most rows a uniform step may have (0: none, the general path serves every step)."""
         return self.graphs.batch_sizes[-1] if self.graphs is not None else 0
 
-    def uniform_graphs(self, max_batch: int = MAX_UNIFORM_GRAPH_BATCH) -> DecodeGraphs:
+    def uniform_graphs(self, limits: StepLimits, max_batch: int = MAX_UNIFORM_GRAPH_BATCH) -> DecodeGraphs:
         """The (uncaptured) graphs of uniform steps for batch sizes up to the load switch, over their own
         buffers (block tables wide enough for the draft's lookahead positions)."""
-        r = self.runner
-        top = min(r.args.speculative_disable_batch_size, r.max_num_seqs, max_batch)
+        top = min(self.disable_batch_size, limits.max_seqs, max_batch)
         q = self.k + 1
-        buffers = StepBuffers(top * q, top, r.max_blocks_per_seq, r.device)
-        return DecodeGraphs(self.uniform_step, buffers, graph_batch_sizes(top), r.max_model_len, q, "speculative")
+        buffers = StepBuffers(top * q, top, limits.max_blocks_per_seq, self.device)
+        return DecodeGraphs(self.uniform_step, buffers, graph_batch_sizes(top), self.max_model_len, q, "speculative")
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -112,25 +145,15 @@ class Drafter:
         for rid in (*finished_ids, *preempted_ids):
             self.draft_probs.pop(rid, None)
 
-    # -- one step ----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self, so: SchedulerOutput) -> ModelOutput:
-        r, ib = self.runner, self.runner.batch
-        b = r.buffers
-        n = len(so.req_ids)
-        # the target's forward replays a mixed-step graph when one fits (it keeps the head's features too)
-        graph_t = r.mixed_graphs.padded_size(so.num_tokens) if r.mixed_graphs is not None else None
-        b.wait_uploaded()
-        if graph_t is not None:
-            graph_seqs = r.mixed_graphs.num_seqs(graph_t)
-            rows = ib.build(so, b, graph_seqs, graph_t)
-        else:
-            rows = ib.build(so, b)
+    # -- one step (the runner's `_speculative_step`) --------------------------------------------------
+    def rows_to_verify(
+        self, so: SchedulerOutput, rows: StepRows, sample_idx: np.ndarray, req_ids: list[str], ib: InputBatch
+    ) -> SpecRows:
+        """The step's sampling rows: the plain rows', then each verifying row's ``d + 1`` (row ``t`` sees the
+        drafts before it as output tokens: penalties, ``min_tokens``)."""
         qsl = rows.query_start_loc
-        sample_idx, req_ids = r._sampling_rows(so)
         verify = [j for j, rid in enumerate(req_ids) if rid in so.num_draft_tokens]
         plain = [j for j, rid in enumerate(req_ids) if rid not in so.num_draft_tokens]
-        # logit rows: a plain row's last position, then each verifying row's last d + 1 positions
         logit_rows = [int(qsl[sample_idx[j] + 1]) - 1 for j in plain]
         slots, outputs, extra = [], [], []
         for j in plain:
@@ -149,74 +172,54 @@ class Drafter:
             end = int(qsl[i + 1])
             logit_rows.extend(range(end - 1 - d, end))
             base = int(rows.starts[i]) + 1 - int(ib.num_prompt[slot])
-            for t in range(d + 1):  # row t sees the drafts before it as output tokens (penalties, min_tokens)
+            for t in range(d + 1):
                 slots.append(slot)
                 outputs.append(base + t)
                 extra.append(drafts[:t])
-        slots_np = np.asarray(slots, np.int64)
-        batch = r._sampling_batch(slots_np, np.asarray(outputs, np.int64), b, extra) if slots else None
-        if graph_t is not None:
-            b.upload(graph_t, graph_seqs, b.max_blocks, 0)
-            hidden, features = r.replay_mixed(graph_t)
-        else:
-            b.upload(rows.num_tokens, n, b.max_blocks, 0)
-            meta = r._metadata(rows, b)
-            hidden, features = self.target_forward(b.input_ids[: rows.num_tokens], b.positions[: rows.num_tokens], meta)
-        parts: list[torch.Tensor] = []
-        out_plain = None
-        if logit_rows:
-            logits = r.model.compute_logits(hidden[torch.tensor(logit_rows, device=r.device)]).float()
-            p = len(plain)
-            if plain:
-                if batch is None:
-                    parts.append(logits[:p].argmax(-1))
-                else:
-                    out_plain = sample(logits[:p], batch.select(0, p))
-                    parts.append(out_plain.token_ids)
-            if verify:
-                vb = batch.select(p, len(slots)) if batch is not None else None
-                res = self._verify(logits[p:], vb, [req_ids[j] for j in verify], slots_np[p:], drafts_of)
-                parts += [res.output_token_ids.flatten(), res.num_accepted]
-        host = torch.cat(parts).tolist() if parts else []  # the target's one host sync
+        return SpecRows(
+            plain, verify, drafts_of, logit_rows, np.asarray(slots, np.int64), np.asarray(outputs, np.int64), extra
+        )
 
+    def step_output(
+        self, so: SchedulerOutput, req_ids: list[str], spec: SpecRows, host: list[int], ib: InputBatch
+    ) -> tuple[ModelOutput, dict[str, int], dict[str, list[int]]]:
+        """The step's output from its read-back tokens (the plain rows' samples, then each verifying row's
+        emitted tokens and the accepted counts); the persistent batch learns them. Also returns the plain rows'
+        samples and the verifying rows' emitted tokens, by request (what `propose` continues from)."""
         out = ModelOutput(so.step_id, req_ids, [0] * len(req_ids))
         sampled: dict[str, int] = {}
-        for j, t in zip(plain, host):
+        for j, t in zip(spec.plain, host):
             out.token_ids[j] = sampled[req_ids[j]] = t
         spec_tokens: dict[str, list[int]] = {}
-        if verify:
-            width = max(len(d) for d in drafts_of) + 1
-            base = len(plain)
-            accepted = host[base + width * len(verify) :]
-            for v, j in enumerate(verify):
+        if spec.verify:
+            width = max(len(d) for d in spec.drafts_of) + 1
+            base = len(spec.plain)
+            accepted = host[base + width * len(spec.verify) :]
+            for v, j in enumerate(spec.verify):
                 row = host[base + v * width : base + (v + 1) * width]
                 spec_tokens[req_ids[j]] = row[: accepted[v] + 1]
                 out.token_ids[j] = row[accepted[v]]
             out.spec_token_ids = spec_tokens
-        if out_plain is not None and out_plain.logprobs is not None:
-            lps = token_logprobs(ib.num_logprobs[slots_np[: len(plain)]].tolist(), host[: len(plain)], out_plain)
-            out.logprobs = [None] * len(req_ids)
-            for j, lp in zip(plain, lps):
-                out.logprobs[j] = lp
         row_slots = np.fromiter(map(ib.slot_of.__getitem__, req_ids), np.int64, len(req_ids))
         ib.read_back(row_slots, so.step_id, np.asarray(out.token_ids, np.int64))
-        self._record_outputs(row_slots, req_ids, sampled, spec_tokens)
-        out.draft_token_ids = self._propose(so, rows, features, sampled, spec_tokens)
-        return out
+        for slot, rid in zip(row_slots.tolist(), req_ids):  # penalized requests keep their output tokens
+            kept = ib.output_tokens[slot]
+            if kept is not None:
+                kept.extend(spec_tokens[rid] if rid in spec_tokens else [sampled[rid]])
+        return out, sampled, spec_tokens
 
-    def _record_outputs(self, slots: np.ndarray, req_ids: list[str], sampled, spec_tokens) -> None:
-        """Penalized requests keep their output tokens in the persistent batch."""
-        ib = self.runner.batch
-        for slot, rid in zip(slots.tolist(), req_ids):
-            out = ib.output_tokens[slot]
-            if out is not None:
-                out.extend(spec_tokens[rid] if rid in spec_tokens else [sampled[rid]])
-
-    def _verify(
-        self, logits: torch.Tensor, batch: SamplingBatch | None, req_ids: list[str], slots: np.ndarray, drafts_of
+    def verify(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch | None,
+        req_ids: list[str],
+        slots: np.ndarray,
+        drafts_of: list[list[int]],
+        ib: InputBatch,
+        generators: SeededGenerators,
     ) -> RejectionOutput:
-        """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``."""
-        r, ib = self.runner, self.runner.batch
+        """Rejection-sample each request's drafts against the target's rows ``[sum(d + 1), vocab]``: the emitted
+        tokens and accepted counts."""
         dev = logits.device
         b, kmax = len(req_ids), max(len(d) for d in drafts_of)
         flat = torch.tensor(
@@ -240,13 +243,23 @@ class Drafter:
         for i, rid in enumerate(req_ids):
             if not greedy[i]:
                 q[i, : len(drafts_of[i])] = self.draft_probs[rid][: len(drafts_of[i])]
-        gens = [r._generator(int(s)) if ib.seeded[s] else None for s in req_slots]
+        gens = [generators.of_slot(int(s)) if ib.seeded[s] else None for s in req_slots]
         return rejection_sample(draft_ids, q, target, torch.tensor(greedy, device=dev), gens, num_draft)
 
-    def _propose(self, so: SchedulerOutput, rows, features, sampled, spec_tokens) -> dict[str, list[int]] | None:
+    def propose(
+        self,
+        so: SchedulerOutput,
+        rows: StepRows,
+        input_ids: np.ndarray,
+        features: torch.Tensor,
+        sampled: dict[str, int],
+        spec_tokens: dict[str, list[int]],
+        ib: InputBatch,
+        generators: SeededGenerators,
+    ) -> dict[str, list[int]] | None:
         """Draft KV catch-up over every verified position of the drafting requests, then k drafts for those
-        that sampled. Both forwards take their inputs from the runner's step-input builder."""
-        r, ib = self.runner, self.runner.batch
+        that sampled. ``rows``, ``input_ids`` and ``features`` are the target step's; both forwards take their
+        inputs from the step-input builder (``ib``)."""
         sub = SchedulerOutput(so.step_id)
         feature_rows: list[int] = []
         next_tokens: list[int] = []
@@ -258,7 +271,7 @@ class Drafter:
                 continue
             slot = ib.slot_of[rid]
             start, q = int(rows.starts[i]), int(rows.q_lens[i])
-            inputs = r.buffers.input_ids_np[int(qsl[i]) : int(qsl[i]) + q].tolist()
+            inputs = input_ids[int(qsl[i]) : int(qsl[i]) + q].tolist()
             if rid in spec_tokens:
                 # x_{N-1}, d_1..d_a stand; the pairs' next tokens are the emitted tokens themselves
                 nxt = spec_tokens[rid]
@@ -277,12 +290,12 @@ class Drafter:
                 chain_rows.append(len(next_tokens) - 1)
         if not sub.req_ids:
             return None
-        dev = r.device
+        dev = self.device
         b = self.buffers
         b.wait_uploaded()
         crows = ib.build(sub, b)
         b.upload(crows.num_tokens, len(sub.req_ids), b.max_blocks, 0)
-        meta = r._metadata(crows, b)
+        meta = attention_metadata(crows, b)
         positions = b.positions[: crows.num_tokens]
         if not proposing:
             self.proposer.propose(
@@ -306,13 +319,13 @@ class Drafter:
             chain_buffers.wait_uploaded()
             c = ib.build(chain, chain_buffers)
             chain_buffers.upload(c.num_tokens, len(proposing), chain_buffers.max_blocks, 0)
-            return chain_buffers.positions[: c.num_tokens], r._metadata(c, chain_buffers)
+            return chain_buffers.positions[: c.num_tokens], attention_metadata(c, chain_buffers)
 
         slots = np.fromiter(map(ib.slot_of.__getitem__, proposing), np.int64, len(proposing))
         greedy = (ib.temperature[slots] == 0).tolist()
-        gens = [r._generator(int(s)) if ib.seeded[s] else None for s in slots]
+        gens = [generators.of_slot(int(s)) if ib.seeded[s] else None for s in slots]
         ng = [int(s) for s, g in zip(slots, greedy) if not g]
-        sampling = DraftSampling(greedy, gens, self._probs_fn(np.asarray(ng, np.int64)) if ng else None)
+        sampling = DraftSampling(greedy, gens, self._probs_fn(np.asarray(ng, np.int64), ib) if ng else None)
         out = self.proposer.propose(
             features[torch.tensor(feature_rows, device=dev)],
             torch.tensor(next_tokens, device=dev),
@@ -330,10 +343,10 @@ class Drafter:
         ib.drafts[slots, : self.k] = np.asarray(drafts, np.int64)
         return dict(zip(proposing, drafts))
 
-    def _probs_fn(self, slots: np.ndarray):
+    def _probs_fn(self, slots: np.ndarray, ib: InputBatch):
         """q for sampled drafts: the request's temperature and truncation over the draft's vocabulary.
         Penalties are left out: q may be any distribution, as long as the drafts are drawn from it."""
-        ib, dev = self.runner.batch, self.runner.device
+        dev = self.device
         batch = SamplingBatch(
             temperature=torch.from_numpy(ib.temperature[slots]).to(dev),
             top_k=torch.from_numpy(ib.top_k[slots]).to(dev),
@@ -346,17 +359,17 @@ class Drafter:
         return lambda logits: process_logits(logits, batch).softmax(-1)
 
     # -- the uniform greedy step -------------------------------------------------------------------
-    def prepare_uniform(self, so: SchedulerOutput) -> tuple[np.ndarray, int]:
+    def prepare_uniform(self, so: SchedulerOutput, ib: InputBatch) -> tuple[np.ndarray, int]:
         """Write a uniform step's inputs (`SchedulerOutput.uniform`) into the graphs' buffers; its rows' slots
         and the batch size it runs at (`run_uniform`)."""
-        k, g, ib = self.k, self.graphs, self.runner.batch
+        k, g = self.k, self.graphs
         n = len(so.req_ids)
         bs = g.padded_size(n)
         b = g.buffers
         b.wait_uploaded()
         rows = ib.build(so, b, pad_to=bs)
         info = self.h_row_info.numpy()
-        info[0, :bs] = ib.max_slots  # padding rows: the scratch slot
+        info[0, :bs] = self.scratch_slot  # padding rows
         info[0, :n] = rows.slots
         info[1, :bs] = 0
         if so.device_fed:
@@ -371,9 +384,10 @@ class Drafter:
         g = self.graphs
         return g.replay(bs) if g.graphs else self.uniform_step(*g.step_inputs(bs))
 
-    def uniform_output(self, so: SchedulerOutput, slots: np.ndarray, host: np.ndarray) -> ModelOutput:
-        """A uniform step's output from its read-back vector (see `uniform_step`)."""
-        k, ib = self.k, self.runner.batch
+    def uniform_output(self, so: SchedulerOutput, slots: np.ndarray, host: np.ndarray, ib: InputBatch) -> ModelOutput:
+        """A uniform step's output from its read-back vector (see `uniform_step`); the persistent batch learns
+        its tokens and drafts."""
+        k = self.k
         n = len(so.req_ids)
         bs = host.shape[0] // (2 * k + 2)
         q = k + 1
@@ -394,13 +408,12 @@ class Drafter:
         each request's last token and k drafts, greedy verification, the draft's catch-up and its next k
         drafts. Returns one int64 vector: emitted tokens ``[batch, k + 1]`` (-1 after the first
         non-accepted position), accepted counts ``[batch]``, next drafts ``[batch, k]``, flattened."""
-        r = self.runner
         batch, q = meta.block_tables.shape[0], self.k + 1
         slots = self.row_info[0, :batch]
         self._feed_from_device(input_ids, positions, meta, slots, self.row_info[1, :batch])
         token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
-        hidden, features = self.target_forward(input_ids, positions, token_meta)
-        argmax = r.model.compute_logits(hidden).argmax(-1)
+        hidden, features = self.target(input_ids, positions, token_meta)
+        argmax = self.target.model.compute_logits(hidden).argmax(-1)
         num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
         # the pair after each verified position: its next token is the target's argmax there
@@ -415,7 +428,7 @@ class Drafter:
         """Rows fed from the device take their tokens from the last uniform step's state, and move by the
         drafts it accepted: positions, sequence lengths and slot mapping (the host built them as if it
         accepted none). In place, in the step's buffers (the host writes them afresh every step)."""
-        batch, q, bs = fed.shape[0], self.k + 1, self.runner.block_size
+        batch, q, bs = fed.shape[0], self.k + 1, self.block_size
         on = fed.bool()[:, None]
         shift = self.state_accepted[slots] * fed
         ids = input_ids.view(batch, q)
@@ -426,14 +439,3 @@ class Drafter:
         block = meta.block_tables.gather(1, pos // bs).long()
         mapping = meta.slot_mapping.view(batch, q)
         mapping.copy_(torch.where(on, block * bs + pos % bs, mapping))
-
-    def target_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's forward: its final hidden states (for its LM head) and the head's features."""
-        r = self.runner
-        ctx = ForwardContext(meta, r.kv_caches, r.backend)
-        if not self.feature_layers:
-            hidden = r.model(input_ids, positions, ctx)
-            return hidden, hidden
-        return r.model(input_ids, positions, ctx, aux_layers=self.feature_layers)

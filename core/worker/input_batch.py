@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import NewRequest, SchedulerOutput
-from sluice.core.worker.cuda_graphs import StepBuffers
+from sluice.core.worker.step_buffers import StepBuffers
+from sluice.kv.attention.base import AttentionMetadata
 
 
 @dataclass(slots=True)
@@ -221,6 +222,41 @@ class InputBatch:
     def num_outputs(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Output tokens a row has before the token sampled after ``positions`` (its last computed one)."""
         return positions + 1 - self.num_prompt[slots]
+
+
+def sampling_rows(so: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
+    """The rows that sample (their indices in the step) and the request of each sampled token: a row's own,
+    then with n > 1 its forks', which sample from the same row."""
+    n = len(so.req_ids)
+    if not so.forks:
+        if all(so.samples):
+            return np.arange(n), so.req_ids
+        idx = [i for i, s in enumerate(so.samples) if s]
+        return np.asarray(idx, np.int64), [so.req_ids[i] for i in idx]
+    idx, req_ids = [], []
+    for i, (rid, s) in enumerate(zip(so.req_ids, so.samples)):
+        if s:
+            for r in (rid, *so.forks.get(rid, ())):
+                idx.append(i)
+                req_ids.append(r)
+    return np.asarray(idx, np.int64), req_ids
+
+
+def attention_metadata(rows: StepRows, b: StepBuffers) -> AttentionMetadata:
+    """The attention metadata of an eager forward over the rows `InputBatch.build` wrote into ``b``."""
+    n = len(rows.slots)
+    qsl = rows.query_start_loc
+    seq_lens = b.seq_lens_np[:n]
+    return AttentionMetadata(
+        slot_mapping=b.slot_mapping[: rows.num_tokens],
+        query_start_loc=b.query_start_loc[: n + 1],
+        seq_lens=b.seq_lens[:n],
+        block_tables=b.block_tables[:n],
+        max_query_len=int(rows.q_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_host=qsl.tolist(),
+        seq_lens_host=seq_lens.tolist(),
+    )
 
 
 _EMPTY = np.zeros(0, np.int64)

@@ -8,9 +8,10 @@ A step is launched, then collected. `launch` enqueues the device work (inputs co
 a CUDA graph replayed for uniform decode steps, sampling) and starts copying the sampled tokens back;
 `collect` waits for them. Between the two the host is free: the executor launches the next step first
 (asynchronous scheduling), whose decodes take their input token from this step's samples on the device.
-Steps that speculate are computed whole in `launch` (their drafts decide the next step).
+Steps that speculate are the same launch with the drafter's tail (`core/worker/drafter.py`, a collaborator
+handed its inputs), computed whole in `launch` (their drafts decide the next step).
 
-One step-input builder (`InputBatch.build`) and one sampling-batch builder (`_sampling_batch`) serve every
+One step-input builder (`InputBatch.build`) and one sampling-batch builder (`SamplingBatchBuilder`) serve every
 step, the speculative ones and the memory profile included.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,59 +29,32 @@ from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
-from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, StepBuffers, graph_batch_sizes, mixed_graph_sizes
+from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
-from sluice.core.worker.input_batch import InputBatch, StepRows
+from sluice.core.worker.drafter import Drafter, SpecRows
+from sluice.core.worker.input_batch import InputBatch, StepRows, attention_metadata, sampling_rows
+from sluice.core.worker.memory_profile import GiB, largest_step_lens, profile_kv_blocks
+from sluice.core.worker.read_back import ReadBackRings
+from sluice.core.worker.runner import LaunchedStep
 from sluice.core.worker.sampler import SamplerOutput, SamplingBatch, sample, token_logprobs
+from sluice.core.worker.sampling_batch import SamplingBatchBuilder, SeededGenerators
+from sluice.core.worker.step_buffers import StepBuffers, StepLimits
+from sluice.core.worker.target import TargetForward
 from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, fp8, get_attention_backend
 from sluice.kv.attention.base import kv_bytes_per_block
 from sluice.kv.attention.fp8 import kv_cache_torch_dtype
 
 logger = logging.getLogger("sluice")
 
-GiB = 1024**3
-# Room left beside the KV pool for the graphs' memory pool (activations of the largest captured step, the
-# decode graphs' logits), which is allocated after the pool is sized.
-GRAPH_POOL_RESERVE = GiB
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step whose device work is enqueued; `ModelRunner.collect` turns it into a `ModelOutput`."""
-
-    so: SchedulerOutput
-    output: ModelOutput | None = None  # already complete (no sampling rows, speculative steps)
-    req_ids: list[str] = field(default_factory=list)  # sampling rows, forks included
-    slots: np.ndarray | None = None
-    tokens: torch.Tensor | None = None  # [R] on the device
-    host_tokens: torch.Tensor | None = None  # pinned, filled asynchronously
-    ready: torch.cuda.Event | None = None
-    sampler_out: SamplerOutput | None = None  # logprobs
-    read: bool = False  # the host has the tokens (`ModelRunner._read_back`)
-    uniform: bool = False  # a uniform speculative step: ``tokens`` is its output vector (`Drafter.uniform_step`)
-    token_list: list[int] = field(default_factory=list)
-    # for the host profile: when the inputs were ready, how long the host waited for the tokens, and events
-    # around the step's device work
-    prepared_at: float = 0.0
-    waited_s: float = 0.0
-    started: torch.cuda.Event | None = None
-    eager: bool = False  # its forward ran op by op (no graph replayed): the host's launches may idle the device
-    after: torch.cuda.Event | None = None  # the end event of the step launched before it (set by the executor)
-    launched_at: float = 0.0  # host clock when its launch began, and how long the launch took (the executor's)
-    launch_s: float = 0.0
-    enqueued_at: float = 0.0  # host clock when its forward, logits and sampling were enqueued (the trace's)
-
-    def gpu_seconds(self) -> float | None:
-        """The device's time on this step (once collected)."""
-        if self.started is None or self.ready is None:
-            return None
-        return self.started.elapsed_time(self.ready) / 1e3
-
 
 class ModelRunner:
-    """With ``tp`` (tensor parallel, one runner per rank in its own process, `core/worker/tp/worker.py`): this
-    rank's shard of the model and its heads' KV pool; every rank runs each step, rank 0 samples and
-    broadcasts the tokens, so every rank's persistent batch knows them."""
+    """The `Runner` in this process. With ``tp`` (tensor parallel, one runner per rank in its own process,
+    `core/worker/tp/worker.py`): this rank's shard of the model and its heads' KV pool; every rank runs each
+    step, rank 0 samples and broadcasts the tokens, so every rank's persistent batch knows them."""
+
+    overlaps_steps = True  # a decode takes its input token from the step in flight's samples, on the device
+    out_of_process = False
+    failure: Exception | None = None  # a failed step fails its own requests only
 
     def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int, tp=None) -> None:
         envs.configure_kernels()  # the kernels' process-wide switches, before anything launches one
@@ -92,73 +65,92 @@ class ModelRunner:
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
-        self.model = load_model(source, self.dtype, self.device, max_position=max_model_len, seed=args.seed, tp=tp)
-        if args.quantization is not None:
-            from sluice.core.models.quant import quantize_model  # imports the gguf reader
-
-            counts = quantize_model(
-                self.model,
-                args.quantization,
-                source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
-                include_lm_head=args.speculative_model is None,
-            )
-            logger.info("quantization %s: %s linear layers", args.quantization, counts)
-        cfg = source.config
+        self.model = self._load_model(source)
         backend = args.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.backend = get_attention_backend(backend, **envs.attention_backend_options())
         self.kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype, self.dtype)
         if fp8.is_fp8(self.kv_dtype):
-            from sluice.core.models.quant import calibrate_kv_scales
+            self._calibrate_kv_scales()
+        self.fused_kernels = self._fuse_kernels()  # the draft head follows the target
+        self.num_layers = source.config.num_hidden_layers
+        self.vocab_size = source.config.vocab_size
+        self.max_num_seqs = args.max_num_seqs
+        self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
+        self.drafter = None  # speculative decoding: the draft head, verification and drafting
+        if args.speculative_model is not None:
+            self.drafter = Drafter(args, source, max_model_len, self.device, self.dtype, self.fused_kernels)
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self._init_step_state()
+        self._init_kv_pool()
+        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
+            if getattr(self.backend, "graph_safe", False):
+                self._capture_graphs()
+            else:
+                logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
+        self.warm_up_eager()
+        if self.device.type == "cuda" and envs.SLUICE_SYNC_DEBUG:
+            # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
+            torch.cuda.set_sync_debug_mode("warn")
 
-            scales = calibrate_kv_scales(
-                self.model, self.backend, self.dtype, self.device, seq_len=min(256, max_model_len), seed=args.seed
+    # -- start-up, in order --------------------------------------------------------------------------
+    def _load_model(self, source: ModelSource):
+        args, tp = self.args, self.tp
+        model = load_model(source, self.dtype, self.device, max_position=self.max_model_len, seed=args.seed, tp=tp)
+        if args.quantization is not None:
+            from sluice.core.models.quant import quantize_model  # imports the gguf reader
+
+            counts = quantize_model(
+                model,
+                args.quantization,
+                source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
+                include_lm_head=args.speculative_model is None,
             )
-            logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
-        fused = args.fused_kernels
+            logger.info("quantization %s: %s linear layers", args.quantization, counts)
+        return model
+
+    def _calibrate_kv_scales(self) -> None:
+        from sluice.core.models.quant import calibrate_kv_scales  # imports the gguf reader
+
+        scales = calibrate_kv_scales(
+            self.model, self.backend, self.dtype, self.device, seq_len=min(256, self.max_model_len), seed=self.args.seed
+        )
+        logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
+
+    def _fuse_kernels(self) -> bool:
+        fused = self.args.fused_kernels
         if fused == "auto":
             fused = "on" if self.device.type == "cuda" else "off"
-        self.fused_kernels = fused == "on"  # the draft head follows the target
         if fused == "on":
             logger.info(
                 "fused kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules",
                 enable_fused_kernels(self.model, **envs.fused_kernel_options()),
             )
-        self.num_layers = cfg.num_hidden_layers
-        self.vocab_size = cfg.vocab_size
-        self.max_num_seqs = args.max_num_seqs
-        self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
-        self.drafter = None  # speculative decoding: the draft head and its steps
-        k = 0
-        if args.speculative_model is not None:
-            from sluice.core.worker.drafter import Drafter
+        return fused == "on"
 
-            self.drafter = Drafter(self, source)
-            k = self.drafter.k
+    def _init_step_state(self) -> None:
+        """The persistent batch, the step buffers and what a launched step is read back through."""
+        k = self.num_speculative_tokens
         # draft lookahead slots may reach past max_model_len
-        self.max_blocks_per_seq = -(-(max_model_len + 2 * k + 1) // self.block_size)
+        self.max_blocks_per_seq = -(-(self.max_model_len + 2 * k + 1) // self.block_size)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
         # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
         self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
-        self.generators: dict[str, torch.Generator] = {}
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedGraphs | None = None
+        # prefill/decode disaggregation (core/disagg/engine.py): a decode engine skips the prefill engine's draw
+        self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, self.args.kv_role == "decode")
+        self.sampling = SamplingBatchBuilder(self.batch, self.generators, self.device)
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
-        # pinned room for two steps' sampled tokens, whole from the start: allocating pinned memory while a step
-        # runs may wait for the device (page-locking is a driver call), and the rows grow step by step as a burst
-        # of prompts is admitted
-        pin = self.device.type == "cuda"  # the CPU reads its tokens in place
-        rows = self.max_num_tokens if pin else 0
-        self._host_bufs = [torch.empty(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._host_turn = 0
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(8)] if self.device.type == "cuda" else []
+        self.rings = ReadBackRings(self.device, self.max_num_tokens)
         self._pad_head_rows = envs.SLUICE_PAD_HEAD_ROWS  # `_head_rows`
-        self._event_turn = 0
-        self.num_kv_blocks = args.num_kv_blocks or self._blocks_from_memory()
-        if tp is not None:  # one block table serves every rank: the smallest pool bounds them all
-            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
+
+    def _init_kv_pool(self) -> None:
+        """Size the KV pool (from the engine args, or from a memory profile), allocate it, and the draft head's."""
+        self.num_kv_blocks = self.args.num_kv_blocks or self._blocks_from_memory()
+        if self.tp is not None:  # one block table serves every rank: the smallest pool bounds them all
+            self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
         self.kv_caches = allocate_kv_cache(
             self.num_layers,
             self.num_kv_blocks,
@@ -168,52 +160,64 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
+        self.target = TargetForward(
+            self.model, self.kv_caches, self.backend, self.drafter.feature_layers if self.drafter is not None else ()
+        )
         if self.drafter is not None:
-            self.drafter.allocate_kv(self.num_kv_blocks)
+            limits = StepLimits(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.batch.max_slots)
+            uniform_steps = self.tp is None and getattr(self.backend, "graph_safe", False)
+            self.drafter.allocate_kv(self.num_kv_blocks, self.target, limits, uniform_steps)
         logger.info(
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             weight_bytes(self.model) / GiB,
             self.dtype,
-            args.quantization or "unquantized",
+            self.args.quantization or "unquantized",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.block_size,
-            self.num_kv_blocks * self._bytes_per_block() / GiB,
+            self.num_kv_blocks * self.kv_bytes_per_block() / GiB,
             self.kv_dtype,
         )
-        if self.device.type == "cuda" and not args.enforce_eager and tp is None:
-            if getattr(self.backend, "graph_safe", False):
-                graphs = DecodeGraphs(
-                    self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), max_model_len
-                )
-                max_mixed = min(args.max_graph_tokens, self.max_num_tokens)
-                mixed = None
-                if max_mixed > 1:
-                    mixed = MixedGraphs(self.mixed_forward, self.buffers, mixed_graph_sizes(max_mixed), max_model_len)
-                try:
-                    with torch.inference_mode():
-                        pool = graphs.capture()
-                        if mixed is not None:
-                            mixed.capture(pool)
-                    self.graphs, self.mixed_graphs = graphs, mixed
-                    if envs.SLUICE_GRAPH_ROUTES:  # off: each step in its smallest graph
-                        self._route_graphs()
-                    if self.drafter is not None:
-                        self.drafter.capture_graphs()
-                except Exception:  # slower, still correct: serve every step eagerly
-                    logger.exception("CUDA graph capture failed; every step runs eagerly")
-                    self.graphs = self.mixed_graphs = mixed = None
-                    if self.drafter is not None:
-                        self.drafter.graphs = None
-                    del graphs
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.empty_cache()
-            else:
-                logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
-        self.warm_up_eager()
-        if self.device.type == "cuda" and envs.SLUICE_SYNC_DEBUG:
-            # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
-            torch.cuda.set_sync_debug_mode("warn")
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps, of mixed steps and of the drafter's uniform steps, in one memory pool.
+        A failed capture leaves every step eager: slower, still correct."""
+        graphs = DecodeGraphs(
+            self._decode_forward, self.buffers, graph_batch_sizes(self.max_num_seqs), self.max_model_len
+        )
+        max_mixed = min(self.args.max_graph_tokens, self.max_num_tokens)
+        mixed = None
+        if max_mixed > 1:
+            mixed = MixedGraphs(self.mixed_forward, self.buffers, mixed_graph_sizes(max_mixed), self.max_model_len)
+        try:
+            with torch.inference_mode():
+                pool = graphs.capture()
+                if mixed is not None:
+                    mixed.capture(pool)
+            self.graphs, self.mixed_graphs = graphs, mixed
+            if envs.SLUICE_GRAPH_ROUTES:  # 0: each step in its smallest graph
+                self._route_graphs()
+            if self.drafter is not None:
+                self.drafter.capture_graphs()
+        except Exception:
+            logger.exception("CUDA graph capture failed; every step runs eagerly")
+            self.graphs = self.mixed_graphs = mixed = None
+            if self.drafter is not None:
+                self.drafter.graphs = None
+            del graphs
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.drafter.k if self.drafter is not None else 0
+
+    @property
+    def max_uniform_batch(self) -> int:
+        return self.drafter.max_uniform_batch if self.drafter is not None else 0
+
+    def close(self) -> None:
+        """Nothing outside this process to release."""
 
     def _route_graphs(self) -> None:
         """Each graph size to the fastest graph at least as large (`DecodeGraphs.route_to_fastest`). Only a
@@ -230,7 +234,8 @@ class ModelRunner:
                     g.routes = {}
 
     # -- memory --------------------------------------------------------------------------------------
-    def _bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes in every layer, the draft head's included."""
         draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return draft + kv_bytes_per_block(
             self.num_layers, self.block_size, self.model.num_kv_heads, self.model.head_dim, self.kv_dtype
@@ -238,75 +243,31 @@ class ModelRunner:
 
     def _blocks_from_memory(self) -> int:
         if self.device.type != "cuda":
-            return max(int(self.args.cpu_kv_cache_gib * GiB // self._bytes_per_block()), 16)
+            return max(int(self.args.cpu_kv_cache_gib * GiB // self.kv_bytes_per_block()), 16)
         return self._profile_kv_blocks()
 
-    @torch.inference_mode()
     def _profile_kv_blocks(self) -> int:
-        """Size the KV pool from a profiling run: the largest step the scheduler can send (all of
-        ``max_num_batched_tokens`` as prefill) and sampling at ``max_num_seqs`` rows with top-p, measured
-        as peak allocated memory; then ``gpu_memory_utilization`` of the card minus weights, that peak,
-        memory outside torch, and a reserve for the graphs; the rest is cut into blocks."""
-        dev = self.device
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        weights = torch.cuda.memory_allocated(dev)
-        tmp_cache = allocate_kv_cache(
-            self.num_layers, self._largest_step_blocks(), self.block_size, self.model.num_kv_heads,
-            self.model.head_dim, self.kv_dtype, dev,
-        )  # fmt: skip
-        tmp_bytes = sum(t.numel() * t.element_size() for t in tmp_cache)
-        n_tok, n_rows = self._run_largest_step(tmp_cache)
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        del tmp_cache
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
-        activations = max(0, peak - weights - tmp_bytes)
-        reserve = 0 if self.args.enforce_eager else GRAPH_POOL_RESERVE
-        budget = total * self.args.gpu_memory_utilization - weights - activations - non_torch - reserve
-        blocks = int(budget // self._bytes_per_block())
-        logger.info(
-            "memory profile: card %.1f GiB x %.2f; weights %.2f GiB, peak activations %.2f GiB (step of %d tokens, "
-            "sampling %d rows), outside torch %.2f GiB, graph reserve %.2f GiB -> KV budget %.2f GiB",
-            total / GiB,
-            self.args.gpu_memory_utilization,
-            weights / GiB,
-            activations / GiB,
-            n_tok,
-            n_rows,
-            non_torch / GiB,
-            reserve / GiB,
-            budget / GiB,
-        )
-        if blocks < 1:
-            raise MemoryError(
-                f"no room for the KV cache: budget {budget / GiB:.2f} GiB at gpu_memory_utilization="
-                f"{self.args.gpu_memory_utilization} (weights {weights / GiB:.2f} GiB, activations "
-                f"{activations / GiB:.2f} GiB)"
-            )
-        return blocks
+        def run_on_temporary_pool() -> tuple[int, int, int]:
+            tmp_cache = allocate_kv_cache(
+                self.num_layers, self._largest_step_blocks(), self.block_size, self.model.num_kv_heads,
+                self.model.head_dim, self.kv_dtype, self.device,
+            )  # fmt: skip
+            n_tok, n_rows = self._run_largest_step(tmp_cache)
+            return n_tok, n_rows, sum(t.numel() * t.element_size() for t in tmp_cache)
 
-    def _largest_step_lens(self) -> list[int]:
-        """Prompt lengths of the largest step the scheduler can send: all of ``max_num_batched_tokens`` as prefill,
-        in as few sequences as ``max_model_len`` allows (no step holds more than ``max_num_seqs`` sequences of
-        ``max_model_len`` tokens, and the step buffers bound the profile's own batch too)."""
-        n_tok = min(self.max_num_tokens, self.max_num_seqs * self.max_model_len)
-        n_seq = max(1, -(-n_tok // self.max_model_len))
-        return [n_tok // n_seq + (1 if i < n_tok % n_seq else 0) for i in range(n_seq)]
+        return profile_kv_blocks(self.device, self.args, self.kv_bytes_per_block(), run_on_temporary_pool)
 
     def _largest_step_blocks(self) -> int:
-        return sum(-(-n // self.block_size) for n in self._largest_step_lens())
+        lens = largest_step_lens(self.max_num_tokens, self.max_num_seqs, self.max_model_len)
+        return sum(-(-n // self.block_size) for n in lens)
 
     @torch.inference_mode()
     def _run_largest_step(self, kv_caches: list[torch.Tensor]) -> tuple[int, int]:
-        """One eager forward of the largest step (`_largest_step_lens`, random tokens, its KV written to the first
+        """One eager forward of the largest step (`largest_step_lens`, random tokens, its KV written to the first
         blocks of ``kv_caches``), then sampling at ``max_num_seqs`` rows with top-k, top-p and min-p: the most
         memory a step takes outside the graphs. Its own persistent batch; returns ``(tokens, sampled rows)``."""
         dev = self.device
-        lens = self._largest_step_lens()
+        lens = largest_step_lens(self.max_num_tokens, self.max_num_seqs, self.max_model_len)
         g = torch.Generator(device="cpu").manual_seed(0)
         so, next_block = SchedulerOutput(0), 0
         for i, n in enumerate(lens):
@@ -326,7 +287,7 @@ class ModelRunner:
         b.wait_uploaded()
         rows = batch.build(so, b)
         b.upload(rows.num_tokens, n_seq, b.max_blocks, 0)
-        meta = self._metadata(rows, b)
+        meta = attention_metadata(rows, b)
         hidden = self.model(b.input_ids[:n_tok], b.positions[:n_tok], ForwardContext(meta, kv_caches, self.backend))
         del hidden
         n_rows = min(self.max_num_seqs, n_tok)
@@ -381,7 +342,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         for rid in self.batch.apply(so):
-            self.generators.pop(rid, None)
+            self.generators.drop(rid)
         if self.drafter is not None:
             self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
         if not so.req_ids:
@@ -418,35 +379,16 @@ class ModelRunner:
     def _launch_rows(self, so: SchedulerOutput) -> LaunchedStep:
         """Enqueue the device work of a step's rows (its changes applied to the persistent batch)."""
         if so.uniform:  # the scheduler marks one only when the drafter has its uniform graphs
-            # inputs from the host (every step before it read back) or from the device (`device_fed`)
-            slots, bs = self.drafter.prepare_uniform(so)
-            step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
-            step.started = self._device_event()
-            self._enqueue_read_back(step, self.drafter.run_uniform(bs))
-            return step
-        if self.drafter is not None and (so.drafting or so.num_draft_tokens):
-            # A step that verifies or drafts is computed whole: the next step's rows depend on its drafts.
+            return self._launch_uniform(so)
+        speculative = self.drafter is not None and (so.drafting or so.num_draft_tokens)
+        if speculative:  # computed whole: the next step's rows depend on its drafts; its inputs come from the host
             self._read_back(self._inflight)
-            return LaunchedStep(so, self.drafter.step(so))
+        # a verifying step's logits rows are many per request and it needs the head's features: no decode graph
+        b, rows, graph_bs, graph_t, graph_seqs = self._step_inputs(so, decode_graphs=not speculative)
+        if speculative:
+            return LaunchedStep(so, self._speculative_step(so, b, rows, graph_t, graph_seqs))
         n = len(so.req_ids)
-        num_tokens = so.num_tokens
-        b = self.buffers
-        graph_bs = self.graphs.padded_size(n) if self.graphs is not None and num_tokens == n else None
-        # steps with prefill rows (and decodes past the decode graphs' sizes): a mixed-step graph, if one fits
-        graph_t = None
-        if graph_bs is None and self.mixed_graphs is not None:
-            graph_t = self.mixed_graphs.padded_size(num_tokens)
-        if num_tokens > b.max_tokens or n > b.max_seqs:
-            # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
-            b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
-            graph_bs = graph_t = None
-        b.wait_uploaded()  # the last step's inputs have left the pinned buffers
-        if graph_t is not None:
-            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
-            rows = self.batch.build(so, b, graph_seqs, graph_t)
-        else:
-            rows = self.batch.build(so, b, graph_bs)
-        sample_rows, req_ids = self._sampling_rows(so)
+        sample_rows, req_ids = sampling_rows(so)
         num_rows = len(req_ids)
         if so.forks:  # a fork samples with its own parameters (its own slot) from its parent's row
             slots = np.fromiter(map(self.batch.slot_of.__getitem__, req_ids), np.int64, num_rows)
@@ -456,7 +398,7 @@ class ModelRunner:
         rank0 = self.tp is None or self.tp.rank == 0
         if self.batch.penalized[slots].any():
             self._read_back(self._inflight)  # penalties count every output token: the one in flight too
-        sampling = self._sampling_batch(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
+        sampling = self.sampling.build(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
         whole = graph_bs is not None and num_rows == n and not so.forks  # every row samples, in order
         gather = rows.gather_dst.size
         if gather:
@@ -478,7 +420,7 @@ class ModelRunner:
         if gather:  # decodes whose input token the step in flight sampled: copied from its samples on the device
             b.input_ids[b.gather_dst[:gather]] = self._last_sampled[b.gather_src[:gather]]
         prepared_at = time.perf_counter()
-        started = self._device_event()  # the device's time on the step: from its forward on
+        started = self.rings.event()  # the device's time on the step: from its forward on
         if graph_bs is not None:
             logits = self.graphs.replay(graph_bs)
             if num_rows == 0:
@@ -489,7 +431,7 @@ class ModelRunner:
                 hidden, _ = self.replay_mixed(graph_t)
             else:
                 t = rows.num_tokens
-                hidden = self._forward(b.input_ids[:t], b.positions[:t], self._metadata(rows, b))
+                hidden = self._forward(b.input_ids[:t], b.positions[:t], attention_metadata(rows, b))
             if num_rows == 0:
                 return LaunchedStep(so, ModelOutput(so.step_id))
             logits = self.model.compute_logits(hidden[b.logit_rows[:head_rows]])[:num_rows]
@@ -510,6 +452,100 @@ class ModelRunner:
         self._last_sampled = tokens
         return step
 
+    def _step_inputs(
+        self, so: SchedulerOutput, decode_graphs: bool
+    ) -> tuple[StepBuffers, StepRows, int | None, int | None, int | None]:
+        """Every step's inputs, written by the one step-input builder into the step buffers, padded for the graph
+        the step replays: a decode graph (batch size ``graph_bs``) for a step of decodes only, else a mixed-step
+        graph (``graph_t`` tokens, ``graph_seqs`` sequences) if one fits, else none (eager)."""
+        n = len(so.req_ids)
+        num_tokens = so.num_tokens
+        b = self.buffers
+        graph_bs = graph_t = graph_seqs = None
+        if decode_graphs and self.graphs is not None and num_tokens == n:
+            graph_bs = self.graphs.padded_size(n)
+        # steps with prefill rows (and decodes past the decode graphs' sizes): a mixed-step graph, if one fits
+        if graph_bs is None and self.mixed_graphs is not None:
+            graph_t = self.mixed_graphs.padded_size(num_tokens)
+        if num_tokens > b.max_tokens or n > b.max_seqs:
+            # larger than the scheduler's limits promise (never in normal use): a one-off eager buffer
+            b = StepBuffers(num_tokens, n, self.max_blocks_per_seq, self.device)
+            graph_bs = graph_t = None
+        b.wait_uploaded()  # the last step's inputs have left the pinned buffers
+        if graph_t is not None:
+            graph_seqs = self.mixed_graphs.num_seqs(graph_t)
+            rows = self.batch.build(so, b, graph_seqs, graph_t)
+        else:
+            rows = self.batch.build(so, b, graph_bs)
+        return b, rows, graph_bs, graph_t, graph_seqs
+
+    def _launch_uniform(self, so: SchedulerOutput) -> LaunchedStep:
+        """A uniform speculative step: the drafter's captured forward (verification and drafting without a host
+        sync), read back like a plain step. Its inputs come from the host (every step before it read back) or
+        from the device (`SchedulerOutput.device_fed`)."""
+        slots, bs = self.drafter.prepare_uniform(so, self.batch)
+        step = LaunchedStep(so, req_ids=so.req_ids, slots=slots, uniform=True, prepared_at=time.perf_counter())
+        step.started = self.rings.event()
+        self._enqueue_read_back(step, self.drafter.run_uniform(bs))
+        return step
+
+    def _speculative_step(
+        self, so: SchedulerOutput, b: StepBuffers, rows: StepRows, graph_t: int | None, graph_seqs: int | None
+    ) -> ModelOutput:
+        """The rest of a step that verifies or drafts (its inputs built), computed whole: the target over every
+        row (a mixed-step graph when one fits: it keeps the head's features too), the plain rows sampled and the
+        drafter's verification rows checked in one host sync, then the next drafts."""
+        ib, drafter = self.batch, self.drafter
+        sample_idx, req_ids = sampling_rows(so)
+        spec = drafter.rows_to_verify(so, rows, sample_idx, req_ids, ib)
+        batch = self.sampling.build(spec.slots, spec.num_outputs, b, spec.extra_outputs) if len(spec.slots) else None
+        if graph_t is not None:
+            b.upload(graph_t, graph_seqs, b.max_blocks, 0)
+            hidden, features = self.replay_mixed(graph_t)
+        else:
+            t = rows.num_tokens
+            b.upload(t, len(so.req_ids), b.max_blocks, 0)
+            hidden, features = self.target(b.input_ids[:t], b.positions[:t], attention_metadata(rows, b))
+        host, plain_out = self._sample_and_verify(hidden, spec, batch, req_ids)
+        out, sampled, spec_tokens = drafter.step_output(so, req_ids, spec, host, ib)
+        if plain_out is not None and plain_out.logprobs is not None:
+            p = len(spec.plain)
+            lps = token_logprobs(ib.num_logprobs[spec.slots[:p]].tolist(), host[:p], plain_out)
+            out.logprobs = [None] * len(req_ids)
+            for j, lp in zip(spec.plain, lps):
+                out.logprobs[j] = lp
+        out.draft_token_ids = drafter.propose(
+            so, rows, b.input_ids_np, features, sampled, spec_tokens, ib, self.generators
+        )
+        return out
+
+    def _sample_and_verify(
+        self, hidden: torch.Tensor, spec: SpecRows, batch: SamplingBatch | None, req_ids: list[str]
+    ) -> tuple[list[int], SamplerOutput | None]:
+        """A speculative step's tokens on the host (its one sync for the target): the plain rows' samples, then
+        the verifying rows' emitted tokens ``[rows, max d + 1]`` and accepted counts; and the plain rows'
+        sampler output (logprobs)."""
+        if not spec.logit_rows:
+            return [], None
+        logits = self.model.compute_logits(hidden[torch.tensor(spec.logit_rows, device=self.device)]).float()
+        p = len(spec.plain)
+        parts: list[torch.Tensor] = []
+        plain_out = None
+        if spec.plain:
+            if batch is None:
+                parts.append(logits[:p].argmax(-1))
+            else:
+                plain_out = sample(logits[:p], batch.select(0, p))
+                parts.append(plain_out.token_ids)
+        if spec.verify:
+            vb = batch.select(p, len(spec.slots)) if batch is not None else None
+            verifying = [req_ids[j] for j in spec.verify]
+            res = self.drafter.verify(
+                logits[p:], vb, verifying, spec.slots[p:], spec.drafts_of, self.batch, self.generators
+            )
+            parts += [res.output_token_ids.flatten(), res.num_accepted]
+        return torch.cat(parts).tolist(), plain_out
+
     def _head_rows(self, num_rows: int) -> int:
         """Rows the LM head computes for a step outside the decode graphs: ``num_rows`` padded to a decode graph's
         batch size. The head's matmul then has a row count the graphs' capture ran, so cuBLAS picks a kernel that
@@ -520,32 +556,14 @@ class ModelRunner:
             return num_rows
         return self.graphs.padded_size(num_rows) or num_rows
 
-    def _device_event(self) -> torch.cuda.Event | None:
-        """A timing event recorded now, from a ring (creating one per step costs host time): a step's two are
-        read within the next two launches, each of which takes two more."""
-        if self.device.type != "cuda":
-            return None
-        self._event_turn = (self._event_turn + 1) % len(self._events)
-        event = self._events[self._event_turn]
-        event.record()
-        return event
-
     def _enqueue_read_back(self, step: LaunchedStep, tokens: torch.Tensor) -> None:
         """The step's tokens on their way to pinned host memory; it is the step in flight until read back."""
         step.tokens = tokens
-        if self.device.type == "cuda":
-            step.host_tokens = self._host_tokens(tokens.numel())
+        if self.rings.on_device:
+            step.host_tokens = self.rings.host_tokens(tokens.numel())
             step.host_tokens.copy_(tokens, non_blocking=True)
-            step.ready = self._device_event()
+            step.ready = self.rings.event()
         self._inflight = step
-
-    def _host_tokens(self, n: int) -> torch.Tensor:
-        """Pinned room for a step's sampled tokens; two in turn, as two steps may be in flight."""
-        self._host_turn ^= 1
-        buf = self._host_bufs[self._host_turn]
-        if buf.numel() < n:
-            buf = self._host_bufs[self._host_turn] = torch.empty(n, dtype=torch.long, pin_memory=True)
-        return buf[:n]
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens; its output for the scheduler."""
@@ -574,7 +592,7 @@ class ModelRunner:
         else:
             host = step.tokens.numpy()
         if step.uniform:
-            step.output = self.drafter.uniform_output(step.so, step.slots, host)
+            step.output = self.drafter.uniform_output(step.so, step.slots, host, self.batch)
             if self._inflight is step:
                 self._inflight = None
             return
@@ -589,23 +607,6 @@ class ModelRunner:
         if self._inflight is step:
             self._inflight = None
 
-    def _sampling_rows(self, so: SchedulerOutput) -> tuple[np.ndarray, list[str]]:
-        """The rows that sample (their indices in the step) and the request of each sampled token: a row's
-        own, then with n > 1 its forks', which sample from the same row."""
-        n = len(so.req_ids)
-        if not so.forks:
-            if all(so.samples):
-                return np.arange(n), so.req_ids
-            idx = [i for i, s in enumerate(so.samples) if s]
-            return np.asarray(idx, np.int64), [so.req_ids[i] for i in idx]
-        idx, req_ids = [], []
-        for i, (rid, s) in enumerate(zip(so.req_ids, so.samples)):
-            if s:
-                for r in (rid, *so.forks.get(rid, ())):
-                    idx.append(i)
-                    req_ids.append(r)
-        return np.asarray(idx, np.int64), req_ids
-
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model's forward over a step's tokens: final hidden states (what a mixed-step graph captures)."""
         return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
@@ -615,7 +616,7 @@ class ModelRunner:
         beside them (``[T, hidden + features]``), so that a step that drafts (a prompt's last chunk) replays it too."""
         if self.drafter is None or not self.drafter.feature_layers:
             return self._forward(input_ids, positions, meta)
-        return torch.cat(self.drafter.target_forward(input_ids, positions, meta), -1)
+        return torch.cat(self.target(input_ids, positions, meta), -1)
 
     def replay_mixed(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the mixed-step graph of ``size`` tokens: its final hidden states and the draft head's features
@@ -627,106 +628,6 @@ class ModelRunner:
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The captured part of a decode step: embedding to logits of every row."""
         return self.model.compute_logits(self._forward(input_ids, positions, meta))
-
-    def _metadata(self, rows: StepRows, b: StepBuffers) -> AttentionMetadata:
-        n = len(rows.slots)
-        qsl = rows.query_start_loc
-        seq_lens = b.seq_lens_np[:n]
-        return AttentionMetadata(
-            slot_mapping=b.slot_mapping[: rows.num_tokens],
-            query_start_loc=b.query_start_loc[: n + 1],
-            seq_lens=b.seq_lens[:n],
-            block_tables=b.block_tables[:n],
-            max_query_len=int(rows.q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
-        )
-
-    # -- sampling ----------------------------------------------------------------------------------
-    def _generator(self, slot: int) -> torch.Generator:
-        rid = self.batch.req_ids[slot]
-        g = self.generators.get(rid)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(self.batch.params[slot].seed)
-            self.generators[rid] = g
-            if self.args.kv_role == "decode":  # prefill/decode disaggregation (core/disagg/engine.py)
-                self._skip_prefill_draws(g, slot)
-        return g
-
-    def _skip_prefill_draws(self, g: torch.Generator, slot: int) -> None:
-        """A decode engine's request arrives with the first token the prefill engine sampled (one draw of the
-        same seed's stream there). Drawing it here too, and dropping it, keeps the stream where one engine's
-        would be: seeded sampling gives the same tokens through the pair as through one engine."""
-        for _ in range(int(self.batch.num_arrived[slot] - self.batch.num_prompt[slot])):
-            torch.empty(self.vocab_size, device=self.device).exponential_(generator=g)
-
-    def _sampling_batch(
-        self,
-        slots: np.ndarray,
-        num_outputs: np.ndarray,
-        b: StepBuffers,
-        extra_outputs: list[list[int]] | None = None,
-    ) -> SamplingBatch | None:
-        """The sampler's per-row parameters, or None when plain argmax serves every row. Row ``i`` belongs to
-        slot ``slots[i]`` and samples after ``num_outputs[i]`` output tokens: its own so far, then (a
-        verification row) ``extra_outputs[i]``, the drafts before it."""
-        ib = self.batch
-        k = len(slots)
-        temperature = ib.temperature[slots]
-        any_pen = bool(ib.penalized[slots].any())
-        early = num_outputs < ib.min_tokens[slots]
-        any_banned = bool(early.any())
-        nlp = int(ib.num_logprobs[slots].max()) if k else -1
-        all_greedy = not temperature.any()
-        if all_greedy and not any_pen and not any_banned and nlp < 0:
-            return None
-        if k > b.max_seqs:
-            b = StepBuffers(1, k, 1, self.device)
-        f = b.sampling_f_np
-        f[0, :k] = temperature
-        f[1, :k] = ib.top_p[slots]
-        f[2, :k] = ib.min_p[slots]
-        if any_pen:
-            f[3, :k] = ib.presence[slots]
-            f[4, :k] = ib.frequency[slots]
-            f[5, :k] = ib.repetition[slots]
-        top_k = ib.top_k[slots]
-        b.top_k_np[:k] = top_k
-        b.upload_sampling(k, any_pen)
-        slot_list = slots.tolist()
-        seeded = ib.seeded[slots]
-        generators = [self._generator(s) if g else None for s, g in zip(slot_list, seeded)]
-        banned = None
-        if any_banned:
-            banned = [
-                list(ib.eos[s]) + list(ib.params[s].stop_token_ids) if e else [] for s, e in zip(slot_list, early)
-            ]
-        outputs = prompts = None
-        if any_pen:
-            outputs = []
-            for i, s in enumerate(slot_list):
-                out = ib.output_tokens[s] or []
-                outputs.append(out + extra_outputs[i] if extra_outputs is not None else out)
-            prompts = [ib.tokens[s][: ib.num_prompt[s]] if ib.penalized[s] else [] for s in slot_list]
-        dev = b.sampling_f
-        return SamplingBatch(
-            temperature=dev[0, :k],
-            top_k=b.top_k[:k],
-            top_p=dev[1, :k],
-            min_p=dev[2, :k],
-            generators=generators,
-            presence_penalty=dev[3, :k] if any_pen else None,
-            frequency_penalty=dev[4, :k] if any_pen else None,
-            repetition_penalty=dev[5, :k] if any_pen else None,
-            output_token_ids=outputs,
-            prompt_token_ids=prompts,
-            banned_token_ids=banned,
-            num_logprobs=nlp,
-            all_greedy=all_greedy,
-            any_top_k_top_p=bool((top_k > 0).any() or (ib.top_p[slots] < 1).any()),
-            any_min_p=bool((ib.min_p[slots] > 0).any()),
-        )
 
 
 _PROFILE_PARAMS = SamplingParams(temperature=0)

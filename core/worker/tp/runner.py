@@ -28,6 +28,7 @@ from sluice.core.errors import InvalidRequestError, WorkerDiedError
 from sluice.core.main_guard import check_main_guard
 from sluice.core.models.loader import ModelSource
 from sluice.core.step import ModelOutput, SchedulerOutput
+from sluice.core.worker.runner import LaunchedStep
 from sluice.core.worker.tp.distributed import COLLECTIVE_TIMEOUT, rendezvous
 from sluice.core.worker.tp.worker import WorkerSpec, run_worker
 
@@ -41,8 +42,14 @@ STOP_TIMEOUT_S = 10.0
 
 
 class TPRunner:
+    """The `Runner` over tensor-parallel worker processes: each step whole (no step in flight behind another)."""
+
     graphs = None  # CUDA graphs are off at tensor_parallel_size > 1
     drafter = None  # so is speculative decoding (EngineArgs refuses it)
+    num_speculative_tokens = 0
+    max_uniform_batch = 0
+    overlaps_steps = False
+    out_of_process = True
 
     def __init__(self, args: EngineArgs, source: ModelSource, max_model_len: int) -> None:
         check_main_guard()
@@ -144,6 +151,13 @@ class TPRunner:
         if not self._closing and self.failure is None:
             self.failure = self._dead_worker() or WorkerDiedError("a tensor-parallel worker died")
             logger.error("%s", self.failure)
+
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """The step computed whole (`execute`), complete at launch."""
+        return LaunchedStep(so, self.execute(so))
+
+    def collect(self, step: LaunchedStep) -> ModelOutput:
+        return step.output
 
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         """One step on every rank (called from the executor actor's worker thread)."""
