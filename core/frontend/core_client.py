@@ -40,7 +40,7 @@ from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process
 from sluice.core.errors import EngineDeadError, EngineStoppedError, RequestFailedError
 from sluice.core.frontend.engine_core_client import EngineCoreClient, SharedCore
-from sluice.core.frontend.run_dir import make_run_dir
+from sluice.core.frontend.run_dir import make_run_dir, pid_alive
 from sluice.core.ipc import wire, zmq_io
 from sluice.core.messages import AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, refuse_queued, reply
 from sluice.core.stats import EngineStats
@@ -120,7 +120,7 @@ class CoreClient(EngineCoreClient):
         elif self._pidfd is not None:
             await anyio.wait_readable(self._pidfd)
         else:  # no pidfd (not Linux): ask now and then
-            while _alive(self.pid):
+            while pid_alive(self.pid):
                 await anyio.sleep(0.2)
 
     async def _first_message(self) -> wire.CoreReady | wire.CoreFailed:
@@ -353,12 +353,3 @@ def _open_pidfd(pid: int) -> int | None:
     except OSError:  # a kernel without pidfds
         return None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True

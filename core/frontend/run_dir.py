@@ -33,7 +33,7 @@ def remove_orphaned_run_dirs(parent: str | None = None) -> list[str]:
         return removed
     for entry in entries:
         owner = owner_pid(entry.name)
-        if owner is None or _alive(owner):
+        if owner is None or pid_alive(owner):
             continue
         try:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
@@ -56,7 +56,8 @@ def owner_pid(name: str) -> int | None:
     return None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
