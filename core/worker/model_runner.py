@@ -86,7 +86,7 @@ class ModelRunner:
         self._init_step_state()
         self._init_kv_pool()
         if self.device.type == "cuda" and not args.enforce_eager and tp is None:
-            if getattr(self.backend, "graph_safe", False):
+            if self.backend.graph_safe:
                 self._capture_graphs()
             else:
                 logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
@@ -165,7 +165,7 @@ class ModelRunner:
         )
         if self.drafter is not None:
             limits = StepLimits(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.batch.max_slots)
-            uniform_steps = self.tp is None and getattr(self.backend, "graph_safe", False)
+            uniform_steps = self.tp is None and self.backend.graph_safe
             self.drafter.allocate_kv(self.num_kv_blocks, self.target, limits, uniform_steps)
         logger.info(
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
