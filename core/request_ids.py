@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import uuid
 
+from sluice.core.errors import InvalidRequestError
+
 SEQUENCE_SEP = "#"
 FRONT_END_SEP = ":"
 
@@ -41,3 +43,26 @@ def sequence_prefix(request_id: str) -> str:
 def front_end_prefix(index: int) -> str:
     """What front end ``index`` of a shared core puts before each of its request ids on the wire."""
     return f"{index}{FRONT_END_SEP}"
+
+
+class LiveRequestIds:
+    """The ids of an engine's requests whose stream is open. The scheduler keys requests by id, so a second live
+    request under the same id would receive (and abort) the first one's tokens: `claim` refuses it."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: set[str] = set()
+
+    def claim(self, request_id: str | None) -> str:
+        """The request's id (a new one if none is given), held until `release`."""
+        request_id = request_id or new_request_id()
+        if request_id in self._ids:
+            raise InvalidRequestError(
+                f"request_id: {request_id!r} is already in use by a running request", param="request_id"
+            )
+        self._ids.add(request_id)
+        return request_id
+
+    def release(self, request_id: str) -> None:
+        self._ids.discard(request_id)

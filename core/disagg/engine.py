@@ -59,7 +59,7 @@ from sluice.core.frontend.request_actor import run_request
 from sluice.core.messages import AbortRequest, AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, reply
 from sluice.core.outputs import RequestOutput
 from sluice.core.request import Request
-from sluice.core.request_ids import new_request_id
+from sluice.core.request_ids import LiveRequestIds
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.sched.disagg import (
     CommitBlocks,
@@ -149,7 +149,7 @@ class DisaggEngine:
         self.pair_stats = PairStats()
         self.transport: KVTransport | None = None
         self._routes: dict[str, _Route] = {}
-        self._live_ids: set[str] = set()
+        self._live_ids = LiveRequestIds()
         self._stack: contextlib.AsyncExitStack | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -267,12 +267,7 @@ class DisaggEngine:
         params = params or SamplingParams()
         engine = self.decode
         prompt_ids = await engine.tokenize_off_loop(prompt)
-        request_id = request_id or new_request_id()
-        if request_id in self._live_ids:
-            raise InvalidRequestError(
-                f"request_id: {request_id!r} is already in use by a running request", param="request_id"
-            )
-        self._live_ids.add(request_id)
+        request_id = self._live_ids.claim(request_id)
         # a request must fit both pools
         limits = replace(
             engine.limits, max_kv_tokens=min(self.prefill.limits.max_kv_tokens, engine.limits.max_kv_tokens)
@@ -297,7 +292,7 @@ class DisaggEngine:
                     except EngineOverloaded as e:
                         await room.retry_after(e)
         finally:
-            self._live_ids.discard(request_id)
+            self._live_ids.release(request_id)
 
     async def abort(self, request_id: str) -> None:
         if self._tg is not None:

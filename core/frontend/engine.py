@@ -31,7 +31,7 @@ from sluice.core.host_profile import HostProfile
 from sluice.core.messages import AbortRequest, EndAllRequests, submit_to
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import RequestOutput
-from sluice.core.request_ids import new_request_id
+from sluice.core.request_ids import LiveRequestIds
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.stats import EngineStats
 
@@ -68,9 +68,7 @@ class AsyncEngine:
         self.paired = paired
         self._tg: anyio.abc.TaskGroup | None = None
         self._tokenizers = anyio.CapacityLimiter(tokenizer_threads(self.args))  # large prompts: on the spare cores
-        # Ids of requests whose stream is open: the scheduler keys requests by id, so a second live request
-        # under the same id would receive (and abort) the first one's tokens.
-        self._live_ids: set[str] = set()
+        self._live_ids = LiveRequestIds()
         self._entered = False  # inside `async with` (starting, running or stopping)
         self._client: EngineCoreClient | None = None  # the engine core, once started
 
@@ -197,7 +195,7 @@ class AsyncEngine:
             raise dead if isinstance(dead, EngineDeadError) else EngineDeadError(f"engine is dead: {dead}")
         params = params or SamplingParams()
         prompt_ids = await self.tokenize_off_loop(prompt)
-        request_id = self._claim_id(request_id)
+        request_id = self._live_ids.claim(request_id)
         try:
             if wait_for_room and params.n > self.args.max_waiting_requests:
                 raise InvalidRequestError(
@@ -224,19 +222,9 @@ class AsyncEngine:
                     except EngineOverloaded as e:
                         await room.retry_after(e)
         finally:
-            self._live_ids.discard(request_id)
+            self._live_ids.release(request_id)
             self._request_ended.set()
             self._request_ended = anyio.Event()
-
-    def _claim_id(self, request_id: str | None) -> str:
-        """The request's id (a new one if none is given), refused while a running request holds it."""
-        request_id = request_id or new_request_id()
-        if request_id in self._live_ids:
-            raise InvalidRequestError(
-                f"request_id: {request_id!r} is already in use by a running request", param="request_id"
-            )
-        self._live_ids.add(request_id)
-        return request_id
 
     async def _room_in_queue(self, num_seqs: int) -> None:
         """Return once the published stats show room for ``num_seqs`` more waiting sequences. The queue shrinks
