@@ -352,4 +352,3 @@ def _open_pidfd(pid: int) -> int | None:
         raise EngineDeadError("the engine core process exited before this front end started") from None
     except OSError:  # a kernel without pidfds
         return None
-
