@@ -84,16 +84,17 @@ async def submit_to(inbox: Any, msg: object) -> bool:
     return True
 
 
-def refuse_queued(inbox: Any) -> None:
-    """An inbox closes: the requests still queued in it are answered (refused with `EngineStoppedError`), not
-    dropped unanswered. Later senders find it closed."""
+def refuse_queued(inbox: Any, error: Exception | None = None) -> None:
+    """An inbox closes: the requests still queued in it are answered, not dropped unanswered: refused with
+    ``error`` (the engine's failure, when it failed) or `EngineStoppedError` (a stop). Later senders find it
+    closed."""
     from sluice.core.errors import EngineStoppedError
 
+    error = error or EngineStoppedError("the engine stopped before the request was admitted")
     while True:
         try:
             msg = inbox.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
             return
         if isinstance(msg, AddRequest):
-            error = EngineStoppedError("the engine stopped before the request was admitted")
             reply(msg.events, refusal(msg.requests[0].request_id, error))

@@ -8,7 +8,7 @@ import anyio
 import pytest
 from sluice.core import AsyncEngine, EngineArgs, EngineOverloaded, SamplingParams
 from sluice.core.engine_core.process import StepCollector
-from sluice.core.errors import EngineStoppedError
+from sluice.core.errors import EngineDeadError, EngineStoppedError
 from sluice.core.frontend.admission import Admission, request_admission, request_admission_until_room
 from sluice.core.frontend.core_client import CoreClient
 from sluice.core.frontend.engine import make_client
@@ -16,7 +16,7 @@ from sluice.core.frontend.engine_core_client import EngineCoreClient, SharedCore
 from sluice.core.frontend.inproc_client import InprocClient
 from sluice.core.frontend.request_actor import RequestLimits, make_requests, run_request
 from sluice.core.ipc import wire
-from sluice.core.messages import AddRequest, Admitted, TokenEvent, refusal
+from sluice.core.messages import AddRequest, Admitted, TokenEvent, refusal, refuse_queued
 from sluice.core.models.loader import resolve_model
 from sluice.core.request import Request
 from sluice.core.request_ids import front_end_prefix, sequence_id, sequence_prefix
@@ -90,6 +90,20 @@ async def test_the_scheduler_answers_admission_with_admitted():
                     if ev.finish_reason is not None:
                         break
             assert isinstance(ev, TokenEvent) and ev.finish_reason == "length"
+
+
+def test_a_closing_inbox_refuses_what_is_queued_with_the_engines_failure_or_a_stop():
+    """`refuse_queued`: requests still queued when an inbox closes are answered, with the failure that closed it
+    (a failed bridge: `EngineDeadError`, code engine_dead) or, on a plain stop, `EngineStoppedError`."""
+    limits = RequestLimits(64, 100, 1024)
+    for error, expected in ((None, EngineStoppedError), (EngineDeadError("bridge failed"), EngineDeadError)):
+        inbox_send, inbox = anyio.create_memory_object_stream(4)
+        events_send, events = anyio.create_memory_object_stream(4)
+        (req,) = make_requests("queued", [1, 2, 3], GREEDY, (), limits)
+        inbox_send.send_nowait(AddRequest([req], events_send))
+        refuse_queued(inbox, error)
+        ev = events.receive_nowait()
+        assert ev.request_id == "queued" and ev.finish_reason == "abort" and type(ev.error) is expected
 
 
 # -- request ids ---------------------------------------------------------------------------------------------------

@@ -191,7 +191,7 @@ class CoreClient(EngineCoreClient):
                     self._die(EngineDeadError(f"the engine's bridge to its core failed: {e!r}"))
                     raise
                 finally:
-                    refuse_queued(inbox)
+                    refuse_queued(inbox, self.dead)  # a failed bridge's queue: engine_dead
         finally:
             # Shared, the core goes on serving the other front ends: what is still open here is aborted there.
             aborts = [wire.AbortMsg(self._prefix + rid) for rid in self._streams] if self.shared is not None else []
