@@ -197,3 +197,12 @@ def test_unknown_architecture_is_one_line_naming_the_supported_ones(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "FalconForCausalLM" in msg and str(tmp_path) in msg
     assert all(arch in msg for arch in MODEL_REGISTRY)
+
+
+def test_two_tensor_parallel_ranks_give_transformers_tokens(checkpoint, prompts, references):
+    """Two gloo ranks on the CPU, each with its heads and the whole (shared) q/k norm weights."""
+    d, ref = checkpoint
+    few = [prompts[2], prompts[4]]
+    with LLM(model=d, tensor_parallel_size=2, device="cpu", num_kv_blocks=64, block_size=BLOCK_SIZE) as two:
+        outs = two.generate(few, GREEDY, use_tqdm=False)
+    _check(ref, few, outs, [references[2], references[4]], "qwen3 two ranks")
