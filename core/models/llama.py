@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2, TinyLlama; Qwen2 = Llama + qkv bias) on a flattened batch.
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama; Qwen2 = Llama + qkv bias) on a flattened batch; other
+families build on its layers (`core/models/qwen3.py`).
 
 Checkpoint names map onto merged projections: ``q/k/v_proj`` -> ``qkv_proj`` and ``gate/up_proj`` ->
 ``gate_up_proj``, one matmul each instead of three and two.
@@ -68,13 +69,21 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
         return self.forward_qkv(self.qkv_proj(x), positions, rotary, ctx)
 
-    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
-        """The layer from its qkv projection on (which the decoder layer may compute with the norm before it)."""
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k and v ``[T, Hk, D]`` of the qkv projection's output, before RoPE: the hook a
+        family overrides to transform q and k first (Qwen3's per-head norms), so every RoPE path sees its keys."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = qkv.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        return (
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim),
+        )
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: ForwardContext):
+        """The layer from its qkv projection on (which the decoder layer may compute with the norm before it)."""
+        q, k, v = self.split_heads(qkv)
+        t = qkv.shape[0]
         kv_cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn_metadata
         rope = None
@@ -114,9 +123,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        qkv_bias: bool,
+        tp: TensorParallel | None = None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, qkv_bias, tp)
+        self.self_attn = attention_cls(config, layer_idx, qkv_bias, tp)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -130,24 +146,36 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config,
+        qkv_bias: bool,
+        tp: TensorParallel | None = None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+    ) -> None:
         super().__init__()
         if tp is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, tp, attention_cls) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
+    """The Llama family; another family is a subclass that sets what differs (class attributes, a hook)."""
+
     qkv_bias = False
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, self.qkv_bias or bool(getattr(config, "attention_bias", False)), tp)
+        qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # tensor parallel: the vocabulary rows of each rank (embedding and LM head alike)
         vocab = config.vocab_size

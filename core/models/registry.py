@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from sluice.core.models.errors import ModelLoadError
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from sluice.core.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -57,10 +59,11 @@ DUMMY_SHAPES: dict[str, dict] = {
 
 
 def model_class_for(config) -> type[LlamaForCausalLM]:
+    """The class serving the first of ``config.architectures`` that is registered; else a one-line
+    `ModelLoadError` naming the architectures that are."""
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
-    raise ModelLoadError(
-        f"unsupported architecture {archs or '(none in config)'}; supported: {', '.join(MODEL_REGISTRY)}"
-    )
+    named = ", ".join(archs) if archs else "(none named in the config)"
+    raise ModelLoadError(f"unsupported architecture {named}; sluice serves: {', '.join(MODEL_REGISTRY)}")
