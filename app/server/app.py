@@ -92,8 +92,9 @@ def build_app(
 ) -> Starlette:
     """The OpenAI-compatible API over ``engine`` (an `AsyncEngine`, started or not).
 
-    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version,
-    GET /metrics, GET /openapi.json. With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY`` (and
+    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
+    GET /health, GET /version, GET /metrics, GET /openapi.json (and POST /v1/embeddings, which says it is not
+    supported). With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY`` (and
     /metrics too with ``metrics_require_key``). A request body must arrive within ``body_timeout`` seconds (else
     408); a request whose whole response could exceed ``max_response_bytes`` is refused (400).
     With the engine's ``enable_inspector``: GET /inspect (a page), /inspect/steps, /inspect/kv
