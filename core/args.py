@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from sluice.core.errors import InvalidRequestError
-from sluice.core.models.registry import DEFAULT_MODEL
+from sluice.core.models.default_model import DEFAULT_MODEL
 
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a device or dtype is resolved, not here: the command line builds its flags from these
+# fields, and `sluice --help` must not wait for torch.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
@@ -75,7 +79,7 @@ class EngineArgs:
         "auto", "auto = the model dtype; fp8 = e4m3 with static per-head scales (twice the tokens)", ("auto", "fp8")
     )
     quantization: str | None = _arg(None, "weight-only quantized linear layers; default: none", ("int8", "int4"))
-    seed: int = _arg(0, "seed of the random weights (dummy models) and of unseeded sampling")
+    seed: int = _arg(0, "seed of the random weights (dummy models) and of requests that bring no seed of their own")
     served_model_name: str | None = _arg(None, "the model name the API reports; default: the model's own")
     speculative_model: str | None = _arg(
         None, "an EAGLE draft head folder, or 'default' for the head shipped for the default model; default: off"
@@ -183,6 +187,8 @@ class EngineArgs:
         return cls(**kwargs)
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -192,6 +198,8 @@ class EngineArgs:
         return torch.device(self.device)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, _DTYPES[self.dtype])

@@ -163,3 +163,67 @@ def test_chat_command_streams_turns_and_resets(monkeypatch, capsys, expected):
     out = capsys.readouterr().out
     assert out.count(expected["messages"]) == 2  # the same first turn, before and after /reset
     assert "(new conversation)" in out and "unknown command /nope" in out
+
+
+# ------------------------------------------------------------------------------------------ help: fast, complete
+
+
+def _every_parser(parser, path=("sluice",)):
+    """The parser and every subcommand's, through `CommandParser.subcommands`, with the command that reaches it."""
+    yield " ".join(path), parser
+    if parser.subcommands is not None:
+        for name, sub in parser.subcommands.choices.items():
+            yield from _every_parser(sub, (*path, name))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["bench", "throughput", "--help"]])
+def test_help_does_not_load_the_engine(argv):
+    """`sluice --help` parses before it imports torch or transformers: those load inside the commands."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from sluice.app.commands.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'triton') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "usage: sluice" in out
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_every_flag_of_every_command_has_help_and_shows_its_default():
+    import argparse
+
+    from sluice.app.commands.cli import build_parser
+
+    missing, no_default = [], []
+    for command, parser in _every_parser(build_parser()):
+        help_text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            flag = action.option_strings[0] if action.option_strings else action.dest
+            if not action.help or action.help == argparse.SUPPRESS:
+                missing.append(f"{command} {flag}")
+                continue
+            shown = parser._get_formatter()._get_help_string(action)  # the help as printed, before % expansion
+            if action.default not in (None, argparse.SUPPRESS) and "default" not in shown:
+                no_default.append(f"{command} {flag}")
+        assert "%(default)" not in help_text, command
+    assert not missing, "flags without help:\n" + "\n".join(missing)
+    assert not no_default, "flags whose help does not show the default:\n" + "\n".join(no_default)
+
+
+def test_the_two_seeds_say_which_is_which():
+    generate = " ".join(_subparser("generate").format_help().split())
+    assert "--sampling-seed" in generate and "--seed" in generate
+    assert "sampling" in _flag_help("generate", "--sampling-seed") and "weights" in _flag_help("generate", "--seed")
+
+
+def _flag_help(command: str, flag: str) -> str:
+    return next(a.help for a in _subparser(command)._actions if flag in a.option_strings)

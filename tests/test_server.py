@@ -154,7 +154,17 @@ BAD_REQUESTS = [
     ("empty prompt ids", "/v1/completions", {"prompt": []}, None, 400, "prompt"),
     ("prompt wrong type", "/v1/completions", {"prompt": 5}, None, 400, "prompt"),
     ("echo unsupported", "/v1/completions", {"prompt": "Hi", "echo": True}, None, 400, "echo"),
-    ("unknown route", "/v1/embeddings", {"input": "x"}, None, 404, None),
+    ("embeddings, said unsupported", "/v1/embeddings", {"input": "x"}, None, 404, None),
+    ("unknown model by id", "/v1/models/no-such-model", None, None, 404, "model"),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"prompt": "Hi", "stream_options": {}},
+        None,
+        400,
+        "stream_options",
+    ),
+    ("a list of prompts", "/v1/completions", {"prompt": ["Hi", "Ho"]}, None, 400, "prompt"),
 ]
 
 
@@ -189,6 +199,21 @@ def test_unknown_fields_are_ignored_and_model_may_be_named(client, dummy_server)
     body = resp.json()
     assert body["object"] == "chat.completion" and body["model"] == "dummy:tiny"
     assert body["usage"]["completion_tokens"] == 2
+
+
+def test_api_corners_answer_as_openai_does(client):
+    card = client.get("/v1/models/dummy:tiny").json()
+    assert card == client.get("/v1/models").json()["data"][0]
+    assert client.get("/v1/models/nope").json()["error"]["code"] == "model_not_found"
+    assert (
+        "embeddings are not supported" in client.post("/v1/embeddings", json={"input": "x"}).json()["error"]["message"]
+    )
+    chat_resp = chat(client, stream=False, stream_options={"include_usage": True})
+    assert chat_resp.status_code == 400 and chat_resp.json()["error"]["param"] == "stream_options"
+    listed = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 1}).json()["error"]
+    assert "a list of prompts is not supported" in listed["message"]
+    ids = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+    assert ids.status_code == 200  # one prompt given as token ids is still one prompt
 
 
 def test_models_health_version(client):

@@ -21,11 +21,11 @@ from sluice.core import envs
 
 
 def add_dataset_args(p: argparse.ArgumentParser, default_num_prompts: int = 1000) -> None:
-    p.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
-    p.add_argument("--num-prompts", type=int, default=default_num_prompts)
+    p.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt", help="where the prompts come from")
+    p.add_argument("--num-prompts", type=int, default=default_num_prompts, help="requests to send")
     p.add_argument("--input-len", type=int, default=None, help="random: prompt tokens per request")
     p.add_argument("--output-len", type=int, default=None, help="random: forced output tokens (sharegpt: override)")
-    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--dataset-seed", type=int, default=0, help="seed of the prompts' sampling from the dataset")
     p.add_argument(
         "--requests-file", default=None, help="replay requests saved with --save-requests (no dataset needed)"
     )

@@ -32,11 +32,11 @@ def register(sub) -> None:
     from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("latency", help="end-to-end latency of one fixed batch; per-step time and ms/token")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-iters", type=int, default=5)
-    p.add_argument("--num-iters-warmup", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--num-iters", type=int, default=5, help="measured runs of the batch")
+    p.add_argument("--num-iters-warmup", type=int, default=2, help="unmeasured runs first")
     p.add_argument("--roof-tflops", type=float, default=770.0, help="matmul roof for the prefill share (H200 bf16)")
     p.add_argument("--peer", choices=("hf",), default=None, help="also time transformers `generate` (static batch)")
     p.add_argument("--out", default=None, help="write the JSON result here")

@@ -39,7 +39,7 @@ class RequestTiming:
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="online benchmark: Poisson arrivals against a running OpenAI-compatible server")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to measure")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first model)")
     p.add_argument(
         "--tokenizer",
@@ -47,7 +47,7 @@ def register(sub) -> None:
         help="model source whose tokenizer samples the dataset (none is needed with --requests-file)",
     )
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (inf: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", default=None, help="write the JSON result here")

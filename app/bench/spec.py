@@ -112,9 +112,9 @@ def run_sides(engine_args: dict, prompt_rounds: list[list[list[int]]], warmup, p
 def main(argv: list[str] | None = None) -> dict:
     from sluice.app.commands.train_draft import chat_pairs, load_conversations
     from sluice.core import EngineArgs, SamplingParams, envs
+    from sluice.core.args import DEFAULT_MODEL
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
-    from sluice.core.models.registry import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)

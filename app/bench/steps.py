@@ -21,9 +21,9 @@ def register(sub) -> None:
     from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("steps", help="host time per step against the device's, at several batch sizes")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512])
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512], help="decode batch sizes to measure")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens per request")
     p.add_argument("--out", default=None, help="write the JSON result here")
     add_engine_args(p)
     p.set_defaults(func=main)

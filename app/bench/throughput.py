@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from sluice.app.bench.common import (
     EngineRun,
@@ -29,8 +30,10 @@ from sluice.app.bench.common import (
     release_device_memory,
 )
 from sluice.app.bench.datasets import BenchRequest, sample_random
-from sluice.app.bench.hf_peer import PeerResult
 from sluice.app.bench.results import command_line, machine_line, write_result
+
+if TYPE_CHECKING:
+    from sluice.app.bench.hf_peer import PeerResult  # torch and transformers: not for `sluice --help`
 
 
 def register(sub) -> None:
@@ -45,7 +48,12 @@ def register(sub) -> None:
         default=600.0,
         help="seconds the peer may take (if it leaves requests unfinished: no ratio, and the JSON says why)",
     )
-    p.add_argument("--peer-max-batch-tokens", type=int, default=None)
+    p.add_argument(
+        "--peer-max-batch-tokens",
+        type=int,
+        default=None,
+        help="the peer's tokens per forward step (default: transformers sizes it)",
+    )
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--only-save-requests", action="store_true", help="write --save-requests and stop (no run)")
     p.add_argument(

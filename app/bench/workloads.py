@@ -308,7 +308,12 @@ def write_trace(path: str | Path, workload: Workload) -> None:
 def add_workload_args(p) -> None:
     """The workload flags of `sluice bench prefix` and `sluice cache-sim` (an argparse parser)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["shared-prefix", "multi-turn"], default="shared-prefix")
+    g.add_argument(
+        "--workload",
+        choices=["shared-prefix", "multi-turn"],
+        default="shared-prefix",
+        help="groups of prompts sharing a system prompt, or ShareGPT conversations replayed turn by turn",
+    )
     g.add_argument(
         "--trace",
         default=None,
@@ -319,14 +324,19 @@ def add_workload_args(p) -> None:
     g.add_argument("--prompts-per-group", type=int, default=16, help="shared-prefix: prompts per group")
     g.add_argument("--system-len", type=int, default=2048, help="shared-prefix: system prompt tokens")
     g.add_argument("--question-len", type=int, default=128, help="shared-prefix: question tokens")
-    g.add_argument("--order", choices=["shuffled", "grouped", "interleaved"], default="shuffled")
+    g.add_argument(
+        "--order",
+        choices=["shuffled", "grouped", "interleaved"],
+        default="shuffled",
+        help="shared-prefix: arrival order: seeded shuffle, group by group, or one prompt of each group in turn",
+    )
     g.add_argument(
         "--output-len", type=int, default=256, help="forced output tokens (multi-turn: at most; trace: default)"
     )
     g.add_argument("--conversations", type=int, default=64, help="multi-turn: ShareGPT conversations")
     g.add_argument("--max-turns", type=int, default=8, help="multi-turn: user turns per conversation")
     g.add_argument("--max-prompt-len", type=int, default=2048, help="multi-turn: stop a conversation beyond this")
-    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of the workload's prompts and order")
 
 
 def build_workload(ns, load_tokenizer: Callable[[], Any], vocab_size: int) -> Workload:

@@ -465,14 +465,18 @@ def _tenant_row(r: SimResult, name: str) -> dict:
 
 def register(subparsers) -> None:
     from sluice.app.bench.workloads import TRACE_FORMAT, add_workload_args
-    from sluice.core.models.registry import DEFAULT_MODEL
+    from sluice.app.commands.cli import DefaultsShownFormatter
+    from sluice.core.args import DEFAULT_MODEL
+
+    class Formatter(argparse.RawDescriptionHelpFormatter, DefaultsShownFormatter):
+        """The trace format's epilog as written, and every flag's default."""
 
     p = subparsers.add_parser(
         "cache-sim",
         help="prefix-cache hit rates of a workload for many KV pool and block sizes, without a model",
         description=__doc__.split("\n\n")[0],
         epilog=TRACE_FORMAT,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=Formatter,
     )
     add_workload_args(p)
     p.add_argument(

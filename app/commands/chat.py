@@ -14,10 +14,12 @@ import argparse
 import queue
 import sys
 from collections.abc import Iterator
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from sluice.core.frontend.engine import AsyncEngine
 from sluice.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sluice.core.frontend.engine import AsyncEngine
 
 HELP = "/reset starts a new conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops a reply"
 
@@ -104,6 +106,7 @@ def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
 def cmd_chat(ns: argparse.Namespace) -> int:
     from anyio.from_thread import start_blocking_portal
     from sluice.app.commands.cli import engine_args_from
+    from sluice.core.frontend.engine import AsyncEngine  # the engine (torch) loads here, not for `sluice --help`
 
     args = engine_args_from(ns)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.sampling_seed)

@@ -71,11 +71,27 @@ def _read_messages(path: str) -> list:
         raise InvalidRequestError(f"messages_file: cannot read {path}: {e}", param="messages_file") from None
 
 
+class DefaultsShownFormatter(argparse.HelpFormatter):
+    """argparse's help, with each flag's default appended as "(default: X)" where its help does not say it already
+    (a help text that explains what its None default means keeps its own words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if "default" in help or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return help
+        return help + " (default: %(default)s)"
+
+
 class CommandParser(argparse.ArgumentParser):
     """An argument parser that keeps its subcommands' action (`subcommands`), so that ``--debug`` can reach every
-    subcommand's parser. Subcommand parsers are of the same class (argparse's default ``parser_class``)."""
+    subcommand's parser, and shows every flag's default. Subcommand parsers are of the same class (argparse's
+    default ``parser_class``)."""
 
     subcommands: argparse.Action | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsShownFormatter)
+        super().__init__(*args, **kwargs)
 
     def add_subparsers(self, **kwargs):
         self.subcommands = super().add_subparsers(**kwargs)
@@ -90,9 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="a plain text prompt")
     src.add_argument("--messages-file", help="a JSON file with a list of chat messages")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="seed of this request's sampling, for a repeatable sample at temperature > 0 (default: none; "
+        "--seed seeds the dummy weights and unseeded sampling)",
+    )
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 

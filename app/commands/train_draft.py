@@ -31,7 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train-draft", help="train an EAGLE draft head for a model")
     _common(t)
     t.add_argument("--out", required=True, help="output directory (head, cached data, checkpoint)")
-    t.add_argument("--responses", choices=("regenerate", "given"), default="regenerate")
+    t.add_argument(
+        "--responses",
+        choices=("regenerate", "given"),
+        default="regenerate",
+        help="train on the target's own replies (regenerated) or on the data's replies",
+    )
     t.add_argument("--max-new-tokens", type=int, default=256, help="regenerated response length limit")
     t.add_argument("--gen-time-limit", type=float, default=None, help="stop regenerating after this many seconds")
     t.add_argument(
@@ -47,11 +52,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="add N examples with the data's own replies (first, then later turns) to the regenerated ones; "
         "the labels are still the target's predictions",
     )
-    t.add_argument("--epochs", type=int, default=4)
+    t.add_argument("--epochs", type=int, default=4, help="passes over the training examples")
     t.add_argument("--train-time-limit", type=float, default=None, help="fit the schedule into this many seconds")
-    t.add_argument("--batch-tokens", type=int, default=16384)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--ttt-steps", type=int, default=3)
+    t.add_argument("--batch-tokens", type=int, default=16384, help="tokens per training batch")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    t.add_argument(
+        "--ttt-steps", type=int, default=3, help="training-time test: draft steps unrolled on the head's own outputs"
+    )
     t.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary size (0: the target's whole)")
     t.add_argument(
         "--feature",
@@ -59,7 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="final",
         help="the head's input: the target's final hidden state (EAGLE-1) or a low, middle and high layer's (EAGLE-3)",
     )
-    t.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
+    t.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="continue from the checkpoint and cached data in --out",
+    )
     t.add_argument(
         "--init-from",
         default=None,
@@ -72,28 +84,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("eval-draft", help="mean acceptance length of a draft head on held-out prompts")
     _common(e, split="heldout", num_prompts=100)
     e.add_argument("--head", default="default", help="draft head directory, or 'default'")
-    e.add_argument("--num-speculative-tokens", type=int, default=4)
-    e.add_argument("--max-new-tokens", type=int, default=256)
-    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step")
+    e.add_argument("--max-new-tokens", type=int, default=256, help="output tokens per prompt")
+    e.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     e.add_argument("--json", default=None, help="also write the result to this file")
     e.set_defaults(func=cmd_eval)
 
 
 def _common(p: argparse.ArgumentParser, split: str = "train", num_prompts: int = 4096) -> None:
-    from sluice.core.models.registry import DEFAULT_MODEL
+    from sluice.core.args import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the target model (as `sluice serve --model`)")
     p.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON file of conversations")
     p.add_argument("--split", default=split, choices=("train", "heldout", "all"), help="ShareGPT split")
-    p.add_argument("--num-prompts", type=int, default=num_prompts)
-    p.add_argument("--max-prompt-len", type=int, default=512)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=num_prompts, help="prompts taken from the data")
+    p.add_argument("--max-prompt-len", type=int, default=512, help="prompt tokens at most (longer ones are skipped)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="the target's dtype; auto = float32 on the CPU, bfloat16 on a GPU")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch size while generating")
     p.add_argument(
         "--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of the GPU (training shares it)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts' selection and of the engine")
 
 
 def load_conversations(data: str, split: str) -> list[list[str]]:

@@ -21,7 +21,12 @@ def register(subparsers) -> None:
         "inspect", help="open the inspector page on a trace recorded by `serve --record-trace` or `cache-sim`"
     )
     p.add_argument("--trace", required=True, metavar="FILE", help="the trace (JSON lines)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--host", default="127.0.0.1", help="the server's host")
+    p.add_argument("--port", type=int, default=8000, help="the server's port")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the inspector's own log level",
+    )
     p.set_defaults(func=cmd_inspect)

@@ -92,8 +92,9 @@ def build_app(
 ) -> Starlette:
     """The OpenAI-compatible API over ``engine`` (an `AsyncEngine`, started or not).
 
-    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /version,
-    GET /metrics, GET /openapi.json. With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY`` (and
+    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model},
+    GET /health, GET /version, GET /metrics, GET /openapi.json (and POST /v1/embeddings, which says it is not
+    supported). With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY`` (and
     /metrics too with ``metrics_require_key``). A request body must arrive within ``body_timeout`` seconds (else
     408); a request whose whole response could exceed ``max_response_bytes`` is refused (400).
     With the engine's ``enable_inspector``: GET /inspect (a page), /inspect/steps, /inspect/kv
@@ -226,6 +227,8 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/metrics", self.prometheus, methods=["GET"]),
@@ -624,14 +627,31 @@ class OpenAIServer:
             request, bool(req.stream), gen, "prompt", respond, make_chunk, usage_chunk if req.include_usage else None
         )
 
+    def _model_card(self) -> S.ModelCard:
+        return S.ModelCard(
+            id=self.engine.model_name, created=self.started, max_model_len=getattr(self.engine, "max_model_len", None)
+        )
+
     @_endpoint
     async def models(self, request: Request) -> Response:
         self.authorize(request)
         self._check_running()
-        card = S.ModelCard(
-            id=self.engine.model_name, created=self.started, max_model_len=getattr(self.engine, "max_model_len", None)
-        )
-        return Response(S.ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        return Response(S.ModelList(data=[self._model_card()]).model_dump_json(), media_type="application/json")
+
+    @_endpoint
+    async def model(self, request: Request) -> Response:
+        """`GET /v1/models/{model}`: the served model's card, or 404 (``model_not_found``) as OpenAI answers."""
+        self.authorize(request)
+        self._check_model(request.path_params["model"])
+        return Response(self._model_card().model_dump_json(), media_type="application/json")
+
+    async def embeddings(self, _request: Request) -> Response:
+        """Said plainly, in OpenAI's error shape, rather than a bare "Not Found": a client may try it."""
+        return APIError(
+            404,
+            "embeddings are not supported: this server generates text (/v1/completions, /v1/chat/completions)",
+            code="unsupported_endpoint",
+        ).response()
 
     async def health(self, _request: Request) -> Response:
         if getattr(self.engine, "is_healthy", False):

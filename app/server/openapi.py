@@ -24,6 +24,13 @@ def openapi_schema(with_auth: bool = False, metrics_auth: bool = False) -> dict:
             "/v1/models": _get(
                 "The served model", {"application/json": {"schema": _ref(S.ModelList)}}, 503, secured=with_auth
             ),
+            "/v1/models/{model}": _with_path_param(
+                _get(
+                    "A served model", {"application/json": {"schema": _ref(S.ModelCard)}}, 404, 503, secured=with_auth
+                ),
+                "model",
+                "The model's id (404 unless it is the served one)",
+            ),
             "/health": _health(),
             "/version": _get("The sluice version", _json_object(version={"type": "string"})),
             "/metrics": _get(
@@ -117,6 +124,11 @@ def _get(summary: str, content: dict | None = None, *codes: int, secured: bool =
             **_security(secured),
         }
     }
+
+
+def _with_path_param(path_item: dict, name: str, description: str) -> dict:
+    param = {"name": name, "in": "path", "required": True, "description": description, "schema": {"type": "string"}}
+    return {"parameters": [param], **path_item}
 
 
 def _json_object(**props: dict) -> dict:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 from sluice.core.param_ranges import PARAM_RANGES
 from sluice.core.sampling_params import SamplingParams
 
@@ -139,6 +140,11 @@ class _SamplingFields(_Request):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises `InvalidRequestError` naming the field for what the schema cannot check alone."""
+        from sluice.core.errors import InvalidRequestError
+
+        if self.stream_options is not None and not self.stream:
+            # As OpenAI and vLLM answer: silently ignoring it would hide a client's mistake (no usage chunk).
+            raise InvalidRequestError("stream_options: only allowed when stream is true", param="stream_options")
         given = {
             name: getattr(self, name)
             for name in (
@@ -201,6 +207,17 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = Field(False, description="Not supported; true is rejected.")
     suffix: Suffix = Field(None, description=_UNSUPPORTED)
     best_of: BestOf = Field(None, description="Only 1 (or unset): one candidate per choice.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        """A list of prompts (strings or token-id lists), which OpenAI batches, is refused in words rather than
+        with the type errors of each member."""
+        if isinstance(prompt, list) and any(isinstance(p, (str, list)) for p in prompt):
+            raise PydanticCustomError(
+                "prompt_list", "a list of prompts is not supported: send one prompt (a string or token ids) per request"
+            )
+        return prompt
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError

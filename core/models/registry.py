@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sluice.core.models.default_model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 from sluice.core.models.errors import ModelLoadError
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
@@ -11,8 +12,6 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Random-weight models in real shapes (LlamaConfig keyword arguments), for benchmarks and tests.
 DUMMY_SHAPES: dict[str, dict] = {
