@@ -56,7 +56,16 @@ from sluice.core.errors import (
 from sluice.core.frontend.admission import Admission, request_admission, request_admission_until_room
 from sluice.core.frontend.engine import AsyncEngine, Prompt
 from sluice.core.frontend.request_actor import run_request
-from sluice.core.messages import AbortRequest, AddRequest, Admitted, EndAllRequests, TokenEvent, refusal, reply
+from sluice.core.messages import (
+    AbortRequest,
+    AddRequest,
+    Admitted,
+    EndAllRequests,
+    TokenEvent,
+    refusal,
+    refuse_queued,
+    reply,
+)
 from sluice.core.outputs import RequestOutput
 from sluice.core.request import Request
 from sluice.core.request_ids import LiveRequestIds
@@ -310,14 +319,7 @@ class DisaggEngine:
         finally:
             # The pair stops: requests still queued here are refused (routed ones end in `_route`), later ones
             # find the inbox closed.
-            stopped = EngineStoppedError("the engine pair stopped before the request was admitted")
-            while True:
-                try:
-                    msg = inbox.receive_nowait()
-                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                    break
-                if isinstance(msg, AddRequest):
-                    reply(msg.events, refusal(msg.requests[0].request_id, stopped))
+            refuse_queued(inbox, EngineStoppedError("the engine pair stopped before the request was admitted"))
 
     async def _serve_inbox(self, inbox, tg) -> None:
         async for msg in inbox:
