@@ -1,0 +1,209 @@
+"""The experts of a mixture-of-experts layer on a flattened batch: a grouped GEMM in Triton (GPU) and a torch loop
+(CPU, and the reference the kernel is tested against).
+
+The Triton path works on token-expert *pairs*: ``T`` tokens with ``top_k`` experts each are ``T * top_k`` pairs,
+pair ``p`` being token ``p // top_k``'s ``p % top_k``-th choice. `align_pairs` sorts the pairs by expert and pads
+each expert's run to a multiple of ``BLOCK_M`` (the idea of vLLM's ``moe_align_block_size``), so every row block of
+the grouped GEMM belongs to one expert and reads that expert's weights once for up to ``BLOCK_M`` pairs. Two
+launches of `_grouped_gemm_kernel` follow: gate/up with the SiLU-and-mul in the epilogue (``[pairs, I]``), then down
+with each pair's routing weight applied (``[pairs, H]``); the ``top_k`` rows of each token are summed last.
+
+Nothing is read back to the host: the sort runs on the device into buffers of a size fixed by ``T``, ``top_k``,
+``E`` and ``BLOCK_M`` alone (the worst case of padding), and blocks past the padded total (a device scalar the
+kernel loads) return at once. So the forward is CUDA-graph safe at decode, and a step reads only the weights of
+the experts its tokens chose: a block is launched per used expert (and the empty worst-case tail exits).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def torch_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The reference: each expert that received tokens, in ascending order, on its tokens, its output scaled by the
+    routing weight and added into the token's row (transformers' order of operations)."""
+    out = torch.zeros_like(x)
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.flatten()
+    flat_weights = topk_weights.flatten()
+    for e in flat_ids.unique().tolist():  # host sync: the CPU path only
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * flat_weights[pairs, None]
+        out.index_add_(0, tokens, y.to(x.dtype))
+    return out
+
+
+def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int):
+    """The pairs sorted by expert, each expert's run padded to a multiple of ``block_m``, on the device.
+
+    Returns ``(sorted_pairs [P], block_experts [P / block_m], padded_total [1])``: ``sorted_pairs[i]`` is a pair
+    index, or ``T * top_k`` (no pair) in padding; block ``b`` (rows ``b * block_m ...``) serves expert
+    ``block_experts[b]``; rows past ``padded_total`` are unused. ``P`` is the worst case, ``n + min(n, E) *
+    (block_m - 1)`` rounded up to ``block_m``, for ``n`` pairs: it depends on shapes only."""
+    dev = topk_ids.device
+    flat = topk_ids.flatten().to(torch.int64)
+    n = flat.numel()
+    cap = n + min(n, num_experts) * (block_m - 1)
+    cap = -(-cap // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert, in pair order within one
+    expert_of = flat[order]
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[expert_of]  # position within its expert
+    sorted_pairs = torch.full((cap,), n, dtype=torch.int32, device=dev)
+    sorted_pairs[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, cap, block_m, device=dev)
+    block_experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_experts, ends[-1:]
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    pair_weights_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    padded_total_ptr,
+    num_pairs,
+    N,
+    K,
+    pairs_per_row,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """``out[pair, n] = a[pair // pairs_per_row] . w[expert, n]`` for the pairs of one row block (one expert) and
+    ``BLOCK_N`` outputs. ``GATED``: ``w``'s rows ``[0, N)`` are the gate and ``[N, 2N)`` the up projection, and the
+    output is ``silu(gate) * up``; ``WEIGHTED``: scaled by the pair's routing weight. ``w`` is ``[E, *, K]`` with
+    unit stride along K; accumulation in fp32."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(padded_total_ptr):
+        return  # the worst case's unused tail
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pairs < num_pairs
+    rows = (pairs // pairs_per_row).to(tl.int64)
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [K, N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:  # fp32 stays fp32 (the CPU interpreter, and fp32 models: no tf32 rounding)
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if DOT_F32:
+                acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, w_up, acc_up)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(pair_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def gemm_config(num_tokens: int) -> dict:
+    """Tile sizes: few pairs per expert (decode) want narrow N tiles for more programs over the weights (the
+    read is the cost); many want wide M and N tiles for reuse."""
+    if num_tokens <= 64:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+
+
+def _grouped_gemm(a, w, out, pair_weights, aligned, n_out, gated, weighted, pairs_per_row, cfg):
+    sorted_pairs, block_experts, padded_total = aligned
+    cfg = dict(cfg)
+    dot_f32 = a.dtype == torch.float32 or a.device.type == "cpu"  # the interpreter's 16-bit dot is wrong
+    if a.device.type == "cpu":
+        cfg.pop("num_warps", None), cfg.pop("num_stages", None)
+    grid = (block_experts.numel(), triton.cdiv(n_out, cfg["BLOCK_N"]))
+    _grouped_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        pair_weights,
+        sorted_pairs,
+        block_experts,
+        padded_total,
+        out.shape[0],
+        n_out,
+        w.shape[2],
+        pairs_per_row,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        GATED=gated,
+        WEIGHTED=weighted,
+        DOT_F32=dot_f32,
+        **cfg,
+    )
+
+
+def triton_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The experts as two grouped GEMMs over the stacked weights (the module doc); the same result as
+    `torch_experts` up to the order of the sums."""
+    t, top_k = topk_ids.shape
+    e, two_i, h = w13.shape
+    cfg = config or gemm_config(t)
+    x = x.contiguous()
+    aligned = align_pairs(topk_ids, cfg["BLOCK_M"], e)
+    pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
+    act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, act, pair_weights, aligned, two_i // 2, True, False, top_k, cfg)
+    out = torch.empty(t * top_k, h, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, out, pair_weights, aligned, h, False, True, 1, cfg)
+    return out.view(t, top_k, h).sum(dim=1)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    use_triton: bool,
+) -> torch.Tensor:
+    """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token ``t``: the Triton grouped GEMM
+    or the torch loop."""
+    if use_triton:
+        return triton_experts(x, w13, w2, topk_weights, topk_ids)
+    return torch_experts(x, w13, w2, topk_weights, topk_ids)
