@@ -7,7 +7,7 @@ Checkpoint names map onto merged projections: ``q/k/v_proj`` -> ``qkv_proj`` and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 from sluice.core.models.errors import ModelLoadError
@@ -121,6 +121,19 @@ class LlamaMLP(nn.Module):
         out = self.down_proj(a)
         return out if self.tp is None else self.tp.all_reduce(out)
 
+    def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """``(mlp(norm(x + residual)), x + residual)``, the MLP half of a decoder layer: the interface every MLP
+        of a layer has (`core/models/moe.py`'s too); here each norm with the projection after it, one kernel for
+        few rows (`norm_then_linear`)."""
+        a, residual = norm_then_linear(norm, self.gate_up_proj, x, residual, self.act)
+        return self.forward_act(a), residual
+
+
+def llama_mlp(config, layer_idx: int, tp: TensorParallel | None) -> nn.Module:
+    """The MLP of decoder layer ``layer_idx``: the hook (`LlamaForCausalLM.mlp_factory`) a family with other MLPs
+    (mixture-of-experts layers) replaces."""
+    return LlamaMLP(config, tp)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
@@ -130,10 +143,11 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         tp: TensorParallel | None = None,
         attention_cls: type[LlamaAttention] = LlamaAttention,
+        mlp_factory: Callable = llama_mlp,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, qkv_bias, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = mlp_factory(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -141,8 +155,7 @@ class LlamaDecoderLayer(nn.Module):
         # each norm with the projection after it: one kernel for few rows (`norm_then_linear`)
         qkv, residual = norm_then_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
         h = self.self_attn.forward_qkv(qkv, positions, rotary, ctx)
-        a, residual = norm_then_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, h, residual, self.mlp.act)
-        return self.mlp.forward_act(a), residual
+        return self.mlp.forward_normed(self.post_attention_layernorm, h, residual)
 
 
 class LlamaModel(nn.Module):
@@ -152,6 +165,7 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         tp: TensorParallel | None = None,
         attention_cls: type[LlamaAttention] = LlamaAttention,
+        mlp_factory: Callable = llama_mlp,
     ) -> None:
         super().__init__()
         if tp is None:
@@ -159,7 +173,8 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, tp, attention_cls) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, tp, attention_cls, mlp_factory)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -169,13 +184,14 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_factory = staticmethod(llama_mlp)  # (config, layer_idx, tp) -> the layer's MLP
 
     def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls)
+        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls, self.mlp_factory)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # tensor parallel: the vocabulary rows of each rank (embedding and LM head alike)
         vocab = config.vocab_size
@@ -243,9 +259,10 @@ class LlamaForCausalLM(nn.Module):
             return tensor.narrow(dim, start, end - start)
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the merged parameters; fail on anything missing or unexpected."""
-        params = dict(self.named_parameters())
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], filled_elsewhere: Collection[str] = ()) -> None:
+        """Copy checkpoint tensors into the merged parameters; fail on anything missing or unexpected.
+        ``filled_elsewhere``: parameters another loader fills (stacked experts, `core/models/moe.py`)."""
+        params = {n: p for n, p in self.named_parameters() if n not in filled_elsewhere}
         # (param name, shard) pairs still to be filled
         pending: set[tuple[str, int]] = set()
         for name, _p in params.items():

@@ -5,15 +5,20 @@ from __future__ import annotations
 from sluice.core.models.default_model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 from sluice.core.models.errors import ModelLoadError
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from sluice.core.models.mixtral import MixtralForCausalLM
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
+from sluice.core.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
-# Random-weight models in real shapes (LlamaConfig keyword arguments), for benchmarks and tests.
+# Random-weight models in real shapes (config keyword arguments; LlamaConfig unless a shape names its
+# ``model_type`` and ``architectures``), for benchmarks and tests.
 DUMMY_SHAPES: dict[str, dict] = {
     "llama3-8b": dict(
         hidden_size=4096,
@@ -40,6 +45,46 @@ DUMMY_SHAPES: dict[str, dict] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         max_position_embeddings=8192,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1's config.json
+    "mixtral-8x7b": dict(
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+    ),
+    # Qwen/Qwen3-30B-A3B's config.json
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
     ),
     "tiny": dict(
         hidden_size=64,
