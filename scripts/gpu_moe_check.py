@@ -8,9 +8,10 @@
 2 per token, H 4096, I 14336) in bf16 with random weights and random routing, at 1 to 4096 tokens. Per case: the
 Triton path against the torch loop, as ``max|triton - torch| / max|torch|`` (PASS under 2e-2); the median ms of
 each (CUDA events; several weight copies cycled so that the L2 cache holds none of a decode step's experts);
-the bytes of the experts the tokens chose and the bandwidth the Triton path reached on them. Then a decode step's
-experts captured in a CUDA graph under torch's sync debug mode "error" (any host read-back raises) and replayed
-against eager. ``--sweep`` also times a few tile configurations per case (to tune `fused_moe.gemm_config`).
+the bytes of the experts the tokens chose and the bandwidth the Triton path reached on them. The fused routing
+kernel against its torch steps (equal, timed). Then a decode step's MoE from router logits captured in a CUDA
+graph under torch's sync debug mode "error" (any host read-back raises), replayed against eager and timed.
+``--sweep`` also times a few tile configurations per case (to tune `fused_moe.gemm_config`).
 
 ``floor``: the bytes a batch-1 decode step reads, from the model's parameters on the meta device: every weight but
 the embedding table (a lookup reads one row) with only ``top_k`` experts of each MoE layer; over the GPU's measured
@@ -104,31 +105,56 @@ def kernel_case(name: str, t: int, layers, dtype, device, sweep: bool, iters: in
 
 
 def graph_check(name: str, layers, dtype, device, t: int = 1) -> dict:
-    """A decode step's experts in a CUDA graph, captured with sync debug "error" on; replay equals eager."""
-    from sluice.core.models.fused_moe import triton_experts
+    """A decode step's MoE from router logits (the fused routing kernel, both GEMMs) in a CUDA graph, captured
+    with sync debug "error" on; replayed on other tokens routed to other experts, it equals eager."""
+    from sluice.core.models.fused_moe import moe_forward
 
     e, k, h, _ = SHAPES[name]
-    x, w, ids = _inputs(t, e, k, h, dtype, device, seed=99)
     w13, w2 = layers[0]
+    g = torch.Generator(device=device).manual_seed(99)
+    x = torch.randn(t, h, generator=g, device=device, dtype=dtype)
+    logits = torch.randn(t, e, generator=g, device=device, dtype=dtype)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
-            triton_experts(x, w13, w2, w, ids)  # compile and warm outside the capture
+            moe_forward(x, logits, w13, w2, k, True, use_triton=True)  # compile and warm outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
-            out = triton_experts(x, w13, w2, w, ids)
+            out = moe_forward(x, logits, w13, w2, k, True, use_triton=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    x2, w_new, ids_new = _inputs(t, e, k, h, dtype, device, seed=7)
-    x.copy_(x2), w.copy_(w_new), ids.copy_(ids_new)  # other tokens and other experts, same buffers
+    x.copy_(torch.randn(t, h, generator=g, device=device, dtype=dtype))
+    logits.copy_(torch.randn(t, e, generator=g, device=device, dtype=dtype))
     graph.replay()
     torch.cuda.synchronize()
-    want = triton_experts(x, w13, w2, w, ids)
-    return dict(shape=name, tokens=t, graph_equal=bool(torch.equal(out, want)))
+    want = moe_forward(x, logits, w13, w2, k, True, use_triton=True)
+    ref = moe_forward(x, logits, w13, w2, k, True, use_triton=False)
+    err = ((want.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    replay_ms = _time_ms(graph.replay, [()], 50)
+    equal = bool(torch.equal(out, want))
+    return dict(shape=name, tokens=t, graph_equal=equal, rel_err_vs_torch=err, replay_ms=replay_ms)
+
+
+def routing_case(name: str, t: int, device) -> dict:
+    """The fused routing-and-sorting kernel against its torch steps (`route`, `align_pairs`): equal, and timed."""
+    from sluice.core.models.fused_moe import align_pairs, route_and_align
+    from sluice.core.models.moe import route
+
+    e, k, _, _ = SHAPES[name]
+    logits = torch.randn(t, e, device=device)
+    w, ids, aligned = route_and_align(logits, k, True, 16)
+    want_w, want_ids = route(logits, k, True)
+    want = align_pairs(want_ids, 16, e)
+    same = torch.equal(ids.long(), want_ids) and all(torch.equal(a, b.to(a.dtype)) for a, b in zip(aligned, want))
+    row = dict(shape=name, tokens=t, routing_equal=bool(same and torch.allclose(w, want_w)))
+    if device.type == "cuda":
+        row["fused_ms"] = _time_ms(lambda: route_and_align(logits, k, True, 16), [()], 50)
+        row["torch_ms"] = _time_ms(lambda: align_pairs(route(logits, k, True)[1], 16, e), [()], 50)
+    return row
 
 
 def run_kernels(ns) -> int:
@@ -146,11 +172,17 @@ def run_kernels(ns) -> int:
             failed |= not row["ok"]
             print(json.dumps(row), flush=True)
             results.append(row)
-        if device.type == "cuda":
-            row = graph_check(name, layers, dtype, device)
-            failed |= not row["graph_equal"]
+        for t in (1, 5) if ns.tiny else (1, 8, 32):
+            row = routing_case(name, t, device)
+            failed |= not row["routing_equal"]
             print(json.dumps(row), flush=True)
             results.append(row)
+        if device.type == "cuda":
+            for t in (1, 8):
+                row = graph_check(name, layers, dtype, device, t)
+                failed |= not (row["graph_equal"] and row["rel_err_vs_torch"] < 2e-2)
+                print(json.dumps(row), flush=True)
+                results.append(row)
         del layers
     if ns.out:
         Path(ns.out).write_text(json.dumps(results, indent=2) + "\n")

@@ -99,3 +99,31 @@ def test_routing_is_each_familys():
     torch.testing.assert_close(w, probs[:, :2])
     w, _ = route(logits, 2, renormalize=True)  # Mixtral: a softmax over the two chosen logits
     torch.testing.assert_close(w, torch.softmax(logits[:, :2], dim=-1))
+
+
+@pytest.mark.parametrize(("t", "e", "k", "renormalize"), [(1, 8, 2, True), (3, 128, 8, True), (13, 16, 4, False)])
+def test_route_and_align_in_one_kernel_equals_its_torch_steps(t, e, k, renormalize):
+    """The one-program kernel of a decode step against `route` then `align_pairs`: the same experts, weights,
+    sorted pairs and blocks (and the rows past the padded total still mark no pair)."""
+    from sluice.core.models.fused_moe import route_and_align
+
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(t))
+    weights, ids, (pairs, blocks, total) = route_and_align(logits, k, renormalize, block_m=16)
+    want_w, want_ids = route(logits, k, renormalize)
+    want_pairs, want_blocks, want_total = align_pairs(want_ids, 16, e)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w)
+    assert int(total) == int(want_total)
+    assert torch.equal(pairs, want_pairs) and torch.equal(blocks, want_blocks)
+
+
+def test_moe_forward_takes_the_same_path_on_both_sides():
+    """`moe_forward` from router logits: the fused routing and the grouped GEMMs (Triton) against `route` and
+    the torch loop."""
+    from sluice.core.models.fused_moe import moe_forward
+
+    x, w13, w2, _, _ = _case(6, 8, 2, 64, 32, seed=3)
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+    want = moe_forward(x, logits, w13, w2, 2, True, use_triton=False)
+    got = moe_forward(x, logits, w13, w2, 2, True, use_triton=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from sluice.core.models.moe import route
 
 
 def torch_experts(
@@ -63,6 +64,123 @@ def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int):
     block_starts = torch.arange(0, cap, block_m, device=dev)
     block_experts = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_pairs, block_experts, ends[-1:]
+
+
+@triton.jit
+def _route_align_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    padded_total_ptr,
+    T,
+    E,
+    stride_l,
+    cap,
+    num_blocks,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    K_P2: tl.constexpr,
+    BLOCKS_P2: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    """`route` and `align_pairs` in one program, for a few tokens (a decode step): their torch forms are a dozen
+    small kernels per layer, each a node of the step's graph. Pairs live in a ``[BLOCK_T * K_P2]`` vector in pair
+    order; an expert's rank of a pair is the running count of the one-hot ``[pairs, experts]`` tile."""
+    rows = tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    kcols = tl.arange(0, K_P2)
+    row_ok = rows < T
+    lg = tl.load(
+        logits_ptr + rows[:, None] * stride_l + cols[None, :],
+        mask=row_ok[:, None] & (cols[None, :] < E),
+        other=-1e30,  # finite: a padding row stays free of NaN
+    ).to(tl.float32)
+    p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    top_w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
+    top_id = tl.zeros((BLOCK_T, K_P2), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):  # the largest left, TOP_K times
+        best = tl.argmax(p, axis=1, tie_break_left=True)
+        top_w = tl.where(kcols[None, :] == j, tl.max(p, axis=1)[:, None], top_w)
+        top_id = tl.where(kcols[None, :] == j, best[:, None], top_id)
+        p = tl.where(cols[None, :] == best[:, None], -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    pair_ok2 = row_ok[:, None] & (kcols[None, :] < TOP_K)
+    pair2 = rows[:, None] * TOP_K + kcols[None, :]
+    tl.store(weights_ptr + pair2, top_w, mask=pair_ok2)
+    tl.store(ids_ptr + pair2, top_id, mask=pair_ok2)
+    # the pairs, flattened in pair order (a row's padding columns are invalid)
+    pair = tl.reshape(pair2, (BLOCK_T * K_P2,))
+    pair_ok = tl.reshape(pair_ok2, (BLOCK_T * K_P2,))
+    expert = tl.reshape(top_id, (BLOCK_T * K_P2,))
+    onehot = ((expert[:, None] == cols[None, :]) & pair_ok[:, None]).to(tl.int32)
+    rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+    counts = tl.sum(onehot, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    dest = tl.sum(onehot * (ends - padded)[None, :], axis=1) + rank
+    n = T * TOP_K
+    for off in range(0, cap, FILL):  # padding first, then the pairs over it
+        offs = off + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + offs, tl.full((FILL,), 0, tl.int32) + n, mask=offs < cap)
+    tl.debug_barrier()
+    tl.store(sorted_pairs_ptr + dest, pair, mask=pair_ok)
+    blocks = tl.arange(0, BLOCKS_P2)
+    below = (ends[None, :] <= (blocks * BLOCK_M)[:, None]) & (cols[None, :] < E)
+    block_expert = tl.minimum(tl.sum(below.to(tl.int32), axis=1), E - 1)
+    tl.store(block_experts_ptr + blocks, block_expert, mask=blocks < num_blocks)
+    tl.store(padded_total_ptr, tl.sum(padded, axis=0))
+
+
+# `route_and_align` runs the one-program kernel up to this many token-expert pairs (and experts), torch beyond
+MAX_FUSED_PAIRS = 256
+MAX_FUSED_EXPERTS = 256
+
+
+def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int):
+    """``(weights, ids, (sorted_pairs, block_experts, padded_total))``: `route` then `align_pairs`, in one kernel
+    for few pairs (a decode step) and in torch ops beyond; the same values either way."""
+    t, e = logits.shape
+    if t * top_k > MAX_FUSED_PAIRS or e > MAX_FUSED_EXPERTS:
+        weights, ids = route(logits, top_k, renormalize)
+        return weights, ids, align_pairs(ids, block_m, e)
+    dev = logits.device
+    n = t * top_k
+    cap = -(-(n + min(n, e) * (block_m - 1)) // block_m) * block_m
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(cap, dtype=torch.int32, device=dev)
+    block_experts = torch.empty(cap // block_m, dtype=torch.int32, device=dev)
+    padded_total = torch.empty(1, dtype=torch.int32, device=dev)
+    _route_align_kernel[(1,)](
+        logits,
+        weights,
+        ids,
+        sorted_pairs,
+        block_experts,
+        padded_total,
+        t,
+        e,
+        logits.stride(0),
+        cap,
+        cap // block_m,
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_M=block_m,
+        BLOCK_T=triton.next_power_of_2(t),
+        BLOCK_E=triton.next_power_of_2(e),
+        K_P2=triton.next_power_of_2(top_k),
+        BLOCKS_P2=triton.next_power_of_2(cap // block_m),
+        FILL=256,
+        **({} if dev.type == "cpu" else {"num_warps": 8}),
+    )
+    return weights, ids, (sorted_pairs, block_experts, padded_total)
 
 
 @triton.jit
@@ -178,14 +296,16 @@ def triton_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: dict | None = None,
+    aligned: tuple | None = None,
 ) -> torch.Tensor:
     """The experts as two grouped GEMMs over the stacked weights (the module doc); the same result as
-    `torch_experts` up to the order of the sums."""
+    `torch_experts` up to the order of the sums. ``aligned``: `align_pairs` of ``topk_ids`` at the config's
+    ``BLOCK_M``, when already made."""
     t, top_k = topk_ids.shape
     e, two_i, h = w13.shape
     cfg = config or gemm_config(t)
     x = x.contiguous()
-    aligned = align_pairs(topk_ids, cfg["BLOCK_M"], e)
+    aligned = aligned or align_pairs(topk_ids, cfg["BLOCK_M"], e)
     pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
     act = torch.empty(t * top_k, two_i // 2, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, act, pair_weights, aligned, two_i // 2, True, False, top_k, cfg)
@@ -194,16 +314,20 @@ def triton_experts(
     return out.view(t, top_k, h).sum(dim=1)
 
 
-def fused_experts(
+def moe_forward(
     x: torch.Tensor,
+    router_logits: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
     use_triton: bool,
 ) -> torch.Tensor:
-    """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for every token ``t``: the Triton grouped GEMM
-    or the torch loop."""
-    if use_triton:
-        return triton_experts(x, w13, w2, topk_weights, topk_ids)
-    return torch_experts(x, w13, w2, topk_weights, topk_ids)
+    """The experts' weighted sum for every token of ``x`` from its router logits: on the Triton path routing and
+    sorting in one kernel (few tokens) and the two grouped GEMMs; otherwise `route` and the torch loop."""
+    if not use_triton:
+        weights, ids = route(router_logits, top_k, renormalize)
+        return torch_experts(x, w13, w2, weights, ids)
+    cfg = gemm_config(x.shape[0])
+    weights, ids, aligned = route_and_align(router_logits.contiguous(), top_k, renormalize, cfg["BLOCK_M"])
+    return triton_experts(x, w13, w2, weights, ids, cfg, aligned)

@@ -13,7 +13,7 @@ over the top-k logits); Qwen3-MoE does when ``norm_topk_prob``.
 
 Tensor parallel: every rank holds every expert, cut along the intermediate dim (gate/up rows, down columns), so
 each rank's experts give a partial sum that one all-reduce completes, as the dense MLP's do. The router is
-replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.fused_experts`).
+replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.moe_forward`).
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ class Experts(nn.Module):
         e, h, i = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        # the Triton grouped GEMM (True), the torch loop (False) or by device (None: Triton on a GPU)
+        # the Triton kernels (True), the torch loop (False) or by device (None: Triton on a GPU)
         self.use_triton: bool | None = None
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        from sluice.core.models.fused_moe import fused_experts
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+        from sluice.core.models.fused_moe import moe_forward
 
         triton = x.is_cuda if self.use_triton is None else self.use_triton
-        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, use_triton=triton)
+        return moe_forward(x, router_logits, self.gate_up_proj, self.down_proj, top_k, renormalize, triton)
 
 
 class SparseMoeBlock(nn.Module):
@@ -92,8 +92,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden_size, local)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, self.gate(x), self.top_k, self.renormalize)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
