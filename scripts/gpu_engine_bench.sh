@@ -31,6 +31,11 @@
 #   scripts/gpu_engine_bench.sh regroup|regroup-eq  # issue 35: this build vs 07bb7c6 (.stage/old), alternating:
 #                       # ShareGPT 200 and batch 1 | greedy equality on the real model (after stage1, stage2, stage3)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
+#   scripts/gpu_engine_bench.sh moe    # issue 38, mixture of experts (H200: Mixtral-8x7B bf16 is ~94 GB): the fused-MoE
+#                   # kernel check, then per model (MOE_MODELS, default both) ShareGPT 1000 offline beside the
+#                   # transformers peer on the first PEER_PROMPTS (default 100) of the same requests (output tok/s
+#                   # rates compared), batch 1 and its weight-read floor (active experts only); ~12 min, so
+#                   # over two calls of at most 10 min: moe-1 (kernels, Qwen3-30B-A3B) and moe-2 (Mixtral-8x7B)
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
@@ -85,7 +90,39 @@ rope_steps() {  # device time per step at 1-256 running with RoPE in the decode 
     done
 }
 
+moe_model() {  # one MoE dummy: ShareGPT 1000 with the peer's sample, batch 1, the floor (names from $1: qwen3|mixtral)
+    local name=$1 model=$2 req=$REQ
+    if [ "$name" = mixtral ]; then  # its vocabulary is 32,000: the borrowed tokenizer's ids above, folded into it
+        req=$PWD/.stage/sharegpt1000_v32000.json  # (random weights: only the lengths make the workload)
+        [ -n "${DRY:-}" ] || [ -s "$req" ] || python -c "import json,sys; r=json.load(open(sys.argv[1]))
+for q in r['requests']: q['prompt_token_ids'] = [t % 32000 for t in q['prompt_token_ids']]
+json.dump(r, open(sys.argv[2], 'w'))" "$REQ" "$req"
+    fi
+    run moe_${name}_tp1000 330 $bench throughput --model $model --requests-file "$req" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --peer hf --peer-num-prompts ${PEER_PROMPTS:-100} --peer-timeout 150 --out "$OUT/moe_${name}_tp1000.json"
+    run moe_${name}_lat_b1 120 $bench latency --model $model --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1 --out "$OUT/moe_${name}_lat_b1.json"
+    run moe_${name}_floor 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model $model --latency "$OUT/moe_${name}_lat_b1.json" --out "$OUT/moe_${name}_floor.json"
+    [ -n "${DRY:-}" ] || cat "$OUT/moe_${name}_floor.log"
+}
+moe_kernels() {  # the fused-MoE kernels at real shapes: against the torch loop, in a CUDA graph, timed
+    run moe_kernels 180 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels ${MOE_SWEEP:+--sweep} --out "$OUT/moe_kernels.json"
+    [ -n "${DRY:-}" ] || cat "$OUT/moe_kernels.log"
+}
+
 case ${1:-core} in
+moe)
+    moe_kernels
+    for m in ${MOE_MODELS:-qwen3 mixtral}; do
+        [ $m = qwen3 ] && moe_model qwen3 dummy:qwen3-30b-a3b
+        [ $m = mixtral ] && moe_model mixtral dummy:mixtral-8x7b
+    done
+    ;;
+moe-1)
+    moe_kernels
+    moe_model qwen3 dummy:qwen3-30b-a3b
+    ;;
+moe-2)
+    moe_model mixtral dummy:mixtral-8x7b
+    ;;
 core)
     tp1000 tp1000
     # the previous build, from .stage/old

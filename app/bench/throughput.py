@@ -49,6 +49,12 @@ def register(sub) -> None:
         help="seconds the peer may take (if it leaves requests unfinished: no ratio, and the JSON says why)",
     )
     p.add_argument(
+        "--peer-num-prompts",
+        type=int,
+        default=None,
+        help="the peer runs only the first N of the requests (a slow peer's sample: output tok/s rates compared)",
+    )
+    p.add_argument(
         "--peer-max-batch-tokens",
         type=int,
         default=None,
@@ -312,7 +318,9 @@ def main(ns: argparse.Namespace) -> int:
         write_result(ns.out, command_line(), ns.model, dataset, figures)
     if ns.peer == "hf":
         try:
-            peer = run_peer(ns.model, device, dtype, requests, ns.peer_timeout, ns.peer_max_batch_tokens)
+            sample = requests[: ns.peer_num_prompts] if ns.peer_num_prompts else requests
+            figures["peer_num_prompts"] = len(sample)
+            peer = run_peer(ns.model, device, dtype, sample, ns.peer_timeout, ns.peer_max_batch_tokens)
         except Exception as e:  # the engine's figures still count; say why the peer has none
             figures.update(peer_comparison(figures, None, f"{type(e).__name__}: {e}"))
         else:
