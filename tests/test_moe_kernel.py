@@ -42,6 +42,16 @@ def test_triton_experts_match_the_torch_loop(t, e, k, h, i, skew):
     assert want.abs().max() > 0.1  # the experts did something
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_wider_row_blocks_match_too(block_m):
+    """The row blocks of prefill-sized batches: an expert's pairs fill part of a block, or several."""
+    x, w13, w2, weights, ids = _case(50, 4, 2, 32, 32, seed=2, skew=True)
+    cfg = dict(SMALL, BLOCK_M=block_m)
+    torch.testing.assert_close(
+        triton_experts(x, w13, w2, weights, ids, cfg), torch_experts(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5
+    )
+
+
 def test_triton_experts_in_bf16_stay_within_bf16_rounding():
     x, w13, w2, weights, ids = _case(9, 8, 2, 64, 32, seed=1, dtype=torch.bfloat16)
     want = torch_experts(x.float(), w13.float(), w2.float(), weights, ids)

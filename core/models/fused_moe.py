@@ -251,11 +251,15 @@ def _grouped_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-def gemm_config(num_tokens: int) -> dict:
-    """Tile sizes: few pairs per expert (decode) want narrow N tiles for more programs over the weights (the
-    read is the cost); many want wide M and N tiles for reuse."""
-    if num_tokens <= 64:
+def gemm_config(num_tokens: int, top_k: int = 1, num_experts: int = 1) -> dict:
+    """Tile sizes by the pairs an expert gets on average: a few (decode) want the smallest row block (rows past an
+    expert's pairs are wasted work) and narrow N tiles, so that more programs share the weight read (the cost);
+    many want wide tiles for reuse."""
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if per_expert <= 48:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
@@ -303,7 +307,7 @@ def triton_experts(
     ``BLOCK_M``, when already made."""
     t, top_k = topk_ids.shape
     e, two_i, h = w13.shape
-    cfg = config or gemm_config(t)
+    cfg = config or gemm_config(t, top_k, e)
     x = x.contiguous()
     aligned = aligned or align_pairs(topk_ids, cfg["BLOCK_M"], e)
     pair_weights = topk_weights.flatten().to(torch.float32).contiguous()
@@ -328,6 +332,6 @@ def moe_forward(
     if not use_triton:
         weights, ids = route(router_logits, top_k, renormalize)
         return torch_experts(x, w13, w2, weights, ids)
-    cfg = gemm_config(x.shape[0])
+    cfg = gemm_config(x.shape[0], top_k, w13.shape[0])
     weights, ids, aligned = route_and_align(router_logits.contiguous(), top_k, renormalize, cfg["BLOCK_M"])
     return triton_experts(x, w13, w2, weights, ids, cfg, aligned)
