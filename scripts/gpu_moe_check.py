@@ -71,7 +71,7 @@ def _layer(e: int, h: int, i: int, dtype, device, seed: int):
 
 
 def _inputs(t: int, e: int, k: int, h: int, dtype, device, seed: int):
-    from sluice.core.models.moe import route
+    from sluice.core.models.fused_moe import route
 
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(t, h, generator=g, device=device, dtype=dtype)
@@ -141,8 +141,7 @@ def graph_check(name: str, layers, dtype, device, t: int = 1) -> dict:
 
 def routing_case(name: str, t: int, device) -> dict:
     """The fused routing-and-sorting kernel against its torch steps (`route`, `align_pairs`): equal, and timed."""
-    from sluice.core.models.fused_moe import align_pairs, route_and_align
-    from sluice.core.models.moe import route
+    from sluice.core.models.fused_moe import align_pairs, route, route_and_align
 
     e, k, _, _ = SHAPES[name]
     logits = torch.randn(t, e, device=device)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sluice.core.models.fused_moe import align_pairs, torch_experts, triton_experts
-from sluice.core.models.moe import route
+from sluice.core.models.fused_moe import align_pairs, route, torch_experts, triton_experts
 
 pytest.importorskip("triton")
 

@@ -20,7 +20,16 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from sluice.core.models.moe import route
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, expert ids)``, each ``[T, top_k]``: the fp32 softmax's ``top_k`` largest, renormalized to sum to
+    one when ``renormalize``."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 def torch_experts(

@@ -7,7 +7,7 @@ Checkpoint names map onto merged projections: ``q/k/v_proj`` -> ``qkv_proj`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 from sluice.core.models.errors import ModelLoadError
@@ -122,17 +122,11 @@ class LlamaMLP(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
-        """``(mlp(norm(x + residual)), x + residual)``, the MLP half of a decoder layer: the interface every MLP
-        of a layer has (`core/models/moe.py`'s too); here each norm with the projection after it, one kernel for
+        """``(mlp(norm(x + residual)), x + residual)``, the MLP half of a decoder layer: what every MLP a decoder
+        layer builds has (`core/models/moe.py`'s too). Here each norm with the projection after it, one kernel for
         few rows (`norm_then_linear`)."""
         a, residual = norm_then_linear(norm, self.gate_up_proj, x, residual, self.act)
         return self.forward_act(a), residual
-
-
-def llama_mlp(config, layer_idx: int, tp: TensorParallel | None) -> nn.Module:
-    """The MLP of decoder layer ``layer_idx``: the hook (`LlamaForCausalLM.mlp_factory`) a family with other MLPs
-    (mixture-of-experts layers) replaces."""
-    return LlamaMLP(config, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -143,13 +137,17 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         tp: TensorParallel | None = None,
         attention_cls: type[LlamaAttention] = LlamaAttention,
-        mlp_factory: Callable = llama_mlp,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, qkv_bias, tp)
-        self.mlp = mlp_factory(config, layer_idx, tp)
+        self.mlp = self.build_mlp(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def build_mlp(self, config, layer_idx: int, tp: TensorParallel | None) -> nn.Module:
+        """This layer's MLP (with `LlamaMLP.forward_normed`): the hook a family whose layers have other MLPs
+        overrides (mixture-of-experts layers, `core/models/moe.py`)."""
+        return LlamaMLP(config, tp)
 
     def forward(self, x, residual, positions, rotary, ctx):
         # each norm with the projection after it: one kernel for few rows (`norm_then_linear`)
@@ -165,7 +163,7 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         tp: TensorParallel | None = None,
         attention_cls: type[LlamaAttention] = LlamaAttention,
-        mlp_factory: Callable = llama_mlp,
+        layer_cls: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         if tp is None:
@@ -173,8 +171,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, tp, attention_cls, mlp_factory)
-            for i in range(config.num_hidden_layers)
+            layer_cls(config, i, qkv_bias, tp, attention_cls) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -184,14 +181,14 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     attention_cls: type[LlamaAttention] = LlamaAttention
-    mlp_factory = staticmethod(llama_mlp)  # (config, layer_idx, tp) -> the layer's MLP
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls, self.mlp_factory)
+        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls, self.decoder_layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # tensor parallel: the vocabulary rows of each rank (embedding and LM head alike)
         vocab = config.vocab_size

@@ -11,24 +11,25 @@ to the whole context.
 from __future__ import annotations
 
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.llama import LlamaForCausalLM
+from sluice.core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from sluice.core.models.moe import MoEWeightsLoading, SparseMoeBlock
 from sluice.core.models.parallel import TensorParallel
 
 
-def mixtral_mlp(config, layer_idx: int, tp: TensorParallel | None) -> SparseMoeBlock:
-    return SparseMoeBlock(
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_local_experts,
-        config.num_experts_per_tok,
-        renormalize=True,
-        tp=tp,
-    )
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    def build_mlp(self, config, layer_idx: int, tp: TensorParallel | None) -> SparseMoeBlock:
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            renormalize=True,
+            tp=tp,
+        )
 
 
 class MixtralForCausalLM(MoEWeightsLoading, LlamaForCausalLM):
-    mlp_factory = staticmethod(mixtral_mlp)
+    decoder_layer_cls = MixtralDecoderLayer
 
     def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         window = getattr(config, "sliding_window", None)

@@ -7,9 +7,9 @@ and the one the grouped GEMM of `core/models/fused_moe.py` reads. Checkpoints ho
 names) or one tensor per expert and projection (what ``save_pretrained`` writes, and older or converted checkpoints):
 `ExpertWeights` loads both into the stacked parameters.
 
-Routing as transformers defines it for both families: softmax over all experts' logits (fp32), the ``top_k``
-largest, and with ``renormalize`` those divided by their sum. Mixtral always renormalizes (which equals a softmax
-over the top-k logits); Qwen3-MoE does when ``norm_topk_prob``.
+Routing (`fused_moe.route`) as transformers defines it for both families: softmax over all experts' logits
+(fp32), the ``top_k`` largest, and with ``renormalize`` those divided by their sum. Mixtral always renormalizes
+(which equals a softmax over the top-k logits); Qwen3-MoE does when ``norm_topk_prob``.
 
 Tensor parallel: every rank holds every expert, cut along the intermediate dim (gate/up rows, down columns), so
 each rank's experts give a partial sum that one all-reduce completes, as the dense MLP's do. The router is
@@ -26,16 +26,6 @@ import torch.nn.functional as F
 from sluice.core.models.errors import ModelLoadError
 from sluice.core.models.parallel import TensorParallel, shard_range
 from torch import nn
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights, expert ids)``, each ``[T, top_k]``: the fp32 softmax's ``top_k`` largest, renormalized to sum to
-    one when ``renormalize``."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 class Router(nn.Module):

@@ -11,10 +11,11 @@ them is refused rather than served without it.
 from __future__ import annotations
 
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.llama import LlamaMLP
+from sluice.core.models.llama import LlamaDecoderLayer
 from sluice.core.models.moe import MoEWeightsLoading, SparseMoeBlock
 from sluice.core.models.parallel import TensorParallel
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
+from torch import nn
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
@@ -23,21 +24,22 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     return config.num_experts > 0 and layer_idx not in only_mlp and (layer_idx + 1) % step == 0
 
 
-def qwen3_moe_mlp(config, layer_idx: int, tp: TensorParallel | None):
-    if not is_sparse_layer(config, layer_idx):
-        return LlamaMLP(config, tp)
-    return SparseMoeBlock(
-        config.hidden_size,
-        config.moe_intermediate_size,
-        config.num_experts,
-        config.num_experts_per_tok,
-        renormalize=bool(config.norm_topk_prob),
-        tp=tp,
-    )
+class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
+    def build_mlp(self, config, layer_idx: int, tp: TensorParallel | None) -> nn.Module:
+        if not is_sparse_layer(config, layer_idx):
+            return super().build_mlp(config, layer_idx, tp)
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            renormalize=bool(config.norm_topk_prob),
+            tp=tp,
+        )
 
 
 class Qwen3MoeForCausalLM(MoEWeightsLoading, Qwen3ForCausalLM):
-    mlp_factory = staticmethod(qwen3_moe_mlp)
+    decoder_layer_cls = Qwen3MoeDecoderLayer
 
     def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         if getattr(config, "shared_expert_intermediate_size", 0):
