@@ -159,6 +159,7 @@ def gguf_to_hf_dir(gguf_path: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str:
     try:
         stages.set_postfix_str("config")
         config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+        _fill_gguf_config_gaps(config, gguf_path)
         stages.update()
         stages.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
@@ -190,6 +191,24 @@ def gguf_to_hf_dir(gguf_path: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+# GGUF metadata transformers' reader leaves out of a config (its class default would stand), by model type:
+# GGUF key (after the architecture's prefix) -> config attribute. Qwen3-MoE's expert width is one (768 by default).
+_GGUF_CONFIG_GAPS = {"qwen3_moe": {"expert_feed_forward_length": "moe_intermediate_size"}}
+
+
+def _fill_gguf_config_gaps(config, gguf_path: str) -> None:
+    gaps = _GGUF_CONFIG_GAPS.get(getattr(config, "model_type", ""))
+    if not gaps:
+        return
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    arch = fields["general.architecture"].contents()
+    for key, attr in gaps.items():
+        if f"{arch}.{key}" in fields:
+            setattr(config, attr, int(fields[f"{arch}.{key}"].contents()))
 
 
 def _dequantized_bytes(gguf_path: str) -> int:
