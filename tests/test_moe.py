@@ -170,17 +170,18 @@ def test_references_are_not_trivial(references):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_prefix_hits_and_preemption_give_the_solo_tokens(family, engines, default_tokenizer):
-    """A 32-token budget (prompts prefilled in chunks), a pool of 10 blocks for six requests needing 4-5 each at
+    """A 32-token budget (prompts prefilled in chunks), a pool of 10 blocks for six requests needing 4 each at
     their end (preemption), and one prompt run twice (its second run reads its blocks from the prefix cache): the
     tokens of each prompt run alone in a roomy engine."""
     d = engines[family].engine.args.model
     few = [prompt_of_length(default_tokenizer, 33 + 3 * i, f"Pool {i}:") for i in range(6)]
-    solo = [o.outputs[0].token_ids for o in (engines[family].generate([p], GREEDY, use_tqdm=False)[0] for p in few)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    solo = [o.outputs[0].token_ids for o in (engines[family].generate([p], params, use_tqdm=False)[0] for p in few)]
     kw = dict(num_kv_blocks=10, block_size=BLOCK_SIZE, max_model_len=128, max_num_batched_tokens=32)
     with LLM(model=d, device="cpu", **kw) as llm:
-        first, again = (llm.generate([few[-1]], GREEDY, use_tqdm=False)[0] for _ in range(2))
+        first, again = (llm.generate([few[-1]], params, use_tqdm=False)[0] for _ in range(2))
         assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 32
-        outs = llm.generate(few, GREEDY, use_tqdm=False)
+        outs = llm.generate(few, params, use_tqdm=False)
         assert llm.engine.stats().num_preemptions > 0
     assert first.outputs[0].token_ids == again.outputs[0].token_ids == solo[-1]
     assert [o.outputs[0].token_ids for o in outs] == solo

@@ -104,11 +104,9 @@ def _route_align_kernel(
     cols = tl.arange(0, BLOCK_E)
     kcols = tl.arange(0, K_P2)
     row_ok = rows < T
-    lg = tl.load(
-        logits_ptr + rows[:, None] * stride_l + cols[None, :],
-        mask=row_ok[:, None] & (cols[None, :] < E),
-        other=-1e30,  # finite: a padding row stays free of NaN
-    ).to(tl.float32)
+    ok = row_ok[:, None] & (cols[None, :] < E)
+    lg = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    lg = tl.where(ok, lg, -1e30)  # finite, in fp32: a padding row stays free of NaN
     p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
     top_w = tl.zeros((BLOCK_T, K_P2), dtype=tl.float32)
