@@ -167,8 +167,10 @@ class ExpertWeights:
         self.pending.discard((block, param, expert, part))
 
     def check_complete(self) -> None:
+        """Every expert's gate, up and down projection was loaded; else the missing ones, by per-expert name."""
         if self.pending:
-            names = sorted(f"{b}.experts.{e}.{p}[{part}]" for b, p, e, part in self.pending)
+            proj = {0: "gate_proj", 1: "up_proj", -1: "down_proj"}
+            names = sorted(f"{b}.experts.{e}.{proj[part]}" for b, _, e, part in self.pending)
             raise ModelLoadError(f"missing weights in checkpoint: {', '.join(names[:8])}")
 
 
