@@ -6,7 +6,9 @@ pair ``p`` being token ``p // top_k``'s ``p % top_k``-th choice. `align_pairs` s
 each expert's run to a multiple of ``BLOCK_M`` (the idea of vLLM's ``moe_align_block_size``), so every row block of
 the grouped GEMM belongs to one expert and reads that expert's weights once for up to ``BLOCK_M`` pairs. Two
 launches of `_grouped_gemm_kernel` follow: gate/up with the SiLU-and-mul in the epilogue (``[pairs, I]``), then down
-with each pair's routing weight applied (``[pairs, H]``); the ``top_k`` rows of each token are summed last.
+with each pair's routing weight applied (``[pairs, H]``); the ``top_k`` rows of each token are summed last. For a
+decode step's few pairs, the routing (`route`) and that sort are one Triton program (`route_and_align`): in torch
+ops they are a dozen small kernels per layer, each a node of the step's CUDA graph.
 
 Nothing is read back to the host: the sort runs on the device into buffers of a size fixed by ``T``, ``top_k``,
 ``E`` and ``BLOCK_M`` alone (the worst case of padding), and blocks past the padded total (a device scalar the
