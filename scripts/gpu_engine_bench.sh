@@ -32,10 +32,11 @@
 #                       # ShareGPT 200 and batch 1 | greedy equality on the real model (after stage1, stage2, stage3)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
 #   scripts/gpu_engine_bench.sh moe    # issue 38, mixture of experts (H200: Mixtral-8x7B bf16 is ~94 GB): the fused-MoE
-#                   # kernel check, then per model (MOE_MODELS, default both) ShareGPT 1000 offline beside the
-#                   # transformers peer on the first PEER_PROMPTS (default 100) of the same requests (output tok/s
-#                   # rates compared), batch 1 and its weight-read floor (active experts only); ~12 min, so
-#                   # over two calls of at most 10 min: moe-1 (kernels, Qwen3-30B-A3B) and moe-2 (Mixtral-8x7B)
+#                   # kernel check and greedy equality with transformers (fp32, head size 128), then per model
+#                   # (MOE_MODELS, default both) ShareGPT 1000 offline beside the transformers peer on the first
+#                   # PEER_PROMPTS (default 100) of the same requests (output tok/s rates compared), batch 1 and its
+#                   # weight-read floor (active experts only); ~17 min, so over calls of at most 10 min each:
+#                   # moe-1 (kernels, greedy; ~5 min), moe-2 (Qwen3-30B-A3B; ~6 min), moe-3 (Mixtral-8x7B; ~7 min)
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
@@ -103,9 +104,11 @@ json.dump(r, open(sys.argv[2], 'w'))" "$REQ" "$req"
     run moe_${name}_floor 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model $model --latency "$OUT/moe_${name}_lat_b1.json" --out "$OUT/moe_${name}_floor.json"
     [ -n "${DRY:-}" ] || cat "$OUT/moe_${name}_floor.log"
 }
-moe_kernels() {  # the fused-MoE kernels at real shapes: against the torch loop, in a CUDA graph, timed
+moe_kernels() {  # the fused-MoE kernels at real shapes (against the torch loop, in a CUDA graph, timed); greedy parity
     run moe_kernels 180 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels ${MOE_SWEEP:+--sweep} --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || cat "$OUT/moe_kernels.log"
+    run moe_greedy 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
+    [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
 }
 
 case ${1:-core} in
@@ -118,9 +121,11 @@ moe)
     ;;
 moe-1)
     moe_kernels
-    moe_model qwen3 dummy:qwen3-30b-a3b
     ;;
 moe-2)
+    moe_model qwen3 dummy:qwen3-30b-a3b
+    ;;
+moe-3)
     moe_model mixtral dummy:mixtral-8x7b
     ;;
 core)

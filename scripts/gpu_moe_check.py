@@ -3,6 +3,7 @@
     python scripts/gpu_moe_check.py kernels --out moe_kernels.json            # H200/H100: check, graph, time
     python scripts/gpu_moe_check.py kernels --tiny                             # CPU smoke (Triton interpreter)
     python scripts/gpu_moe_check.py floor --model dummy:qwen3-30b-a3b --latency lat_b1.json
+    python scripts/gpu_moe_check.py greedy --out moe_greedy.json              # GPU; --device cpu --small: CPU
 
 ``kernels``: one layer of Qwen3-30B-A3B (128 experts, 8 per token, H 2048, I 768) and of Mixtral-8x7B (8 experts,
 2 per token, H 4096, I 14336) in bf16 with random weights and random routing, at 1 to 4096 tokens. Per case: the
@@ -17,6 +18,9 @@ graph under torch's sync debug mode "error" (any host read-back raises), replaye
 the embedding table (a lookup reads one row) with only ``top_k`` experts of each MoE layer; over the GPU's measured
 copy bandwidth (and the nominal one, ``--nominal-tbps``) that is the floor; with ``--latency`` (the JSON of ``sluice
 bench latency --batch-size 1``) the step time beside it and their ratio.
+
+``greedy``: Qwen3-MoE and Mixtral built by transformers at the real head size (128), random weights, fp32: the
+engine's greedy tokens (batched; the first prompt also alone) against transformers' logits (`greedy_family`).
 """
 
 from __future__ import annotations
@@ -249,6 +253,101 @@ def run_floor(ns) -> int:
     return 0
 
 
+def moe_configs(small: bool) -> dict:
+    """family -> transformers config at the real head size (128; small: 32, CPU-sized), four layers, random weights:
+    Qwen3-MoE with 64 experts of which 8 per token, one dense layer; Mixtral with 8 experts, 2 per token."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+
+    head = 32 if small else 128
+    base = dict(
+        vocab_size=49152,  # the borrowed tokenizer's
+        hidden_size=8 * head,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
+    return {
+        "qwen3_moe": Qwen3MoeConfig(
+            **base,
+            head_dim=head,
+            intermediate_size=24 * head,
+            moe_intermediate_size=2 * head,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            mlp_only_layers=[2],
+            rms_norm_eps=1e-6,
+        ),
+        "mixtral": MixtralConfig(**base, intermediate_size=12 * head, num_local_experts=8, num_experts_per_tok=2),
+    }
+
+
+def _save_random(config, out: Path, seed: int):
+    """transformers' model of ``config`` with random weights (norms around 1), saved with the default model's
+    tokenizer; returned (fp32) as the reference."""
+    import shutil
+
+    from sluice.core.models.loader import default_tokenizer_dir
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else noise * 0.5 / p.shape[-1] ** 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in Path(default_tokenizer_dir()).iterdir():
+        shutil.copy(f, out / f.name)
+    return model.eval()
+
+
+def greedy_family(name: str, config, ns, work: Path) -> dict:
+    """The engine's greedy tokens (its defaults: Triton attention, the fused MoE, CUDA graphs) against transformers'
+    in fp32: every token the engine picks must be transformers' best there, or within ``--tol`` of it (teacher-forced
+    along the engine's tokens: random weights make near ties)."""
+    from sluice.core import LLM, SamplingParams
+
+    d = work / name
+    d.mkdir()
+    ref = _save_random(config, d, seed=len(name)).to(ns.device)
+    g = torch.Generator().manual_seed(1)
+    lens = [40, 70] if ns.small else [100, 300, 700]
+    prompts = [torch.randint(1000, 40000, (n,), generator=g).tolist() for n in lens]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    with LLM(model=str(d), device=ns.device, dtype="float32", max_model_len=2048, num_kv_blocks=512) as llm:
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        solo = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[:1]]
+    shortfall = 0.0
+    with torch.no_grad():
+        for p, o in zip(prompts, outs, strict=True):
+            logits = ref(torch.tensor([p + o], device=ns.device)).logits[0, len(p) - 1 : -1]
+            picked = logits.gather(1, torch.tensor(o, device=ns.device)[:, None])[:, 0]
+            shortfall = max(shortfall, (logits.max(dim=1).values - picked).max().item())
+    row = dict(family=name, architecture=type(ref).__name__, head_dim=128 if not ns.small else 32, prompt_lens=lens)
+    row.update(max_shortfall=shortfall, batched_equals_solo=solo[0] == outs[0], pass_=shortfall <= ns.tol)
+    row["pass"] = row.pop("pass_") and row["batched_equals_solo"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_greedy(ns) -> int:
+    import tempfile
+
+    configs = moe_configs(ns.small)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [greedy_family(name, cfg, ns, Path(tmp)) for name, cfg in configs.items()]
+    ok = all(r["pass"] for r in rows)
+    print("PASS" if ok else "FAIL")
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if ok else 1
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -262,8 +361,13 @@ def main() -> int:
     f.add_argument("--latency", default=None, help="a `sluice bench latency --batch-size 1` JSON")
     f.add_argument("--nominal-tbps", type=float, default=4.8, help="HBM bandwidth (H200 4.8, H100 SXM 3.35)")
     f.add_argument("--out", default=None)
+    g = sub.add_parser("greedy")
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--small", action="store_true", help="CPU-sized models (head size 32)")
+    g.add_argument("--tol", type=float, default=1e-3, help="largest logit shortfall of a picked token (fp32)")
+    g.add_argument("--out", default=None)
     ns = p.parse_args()
-    return run_kernels(ns) if ns.cmd == "kernels" else run_floor(ns)
+    return {"kernels": run_kernels, "floor": run_floor, "greedy": run_greedy}[ns.cmd](ns)
 
 
 if __name__ == "__main__":
