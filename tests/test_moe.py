@@ -259,3 +259,21 @@ def test_mixtral_with_a_short_sliding_window_is_refused():
 
     with pytest.raises(ModelLoadError, match="sliding window"):
         MixtralForCausalLM(moe_config("mixtral", 256, sliding_window=64), max_position=128)
+
+
+def test_a_tensor_parallel_rank_takes_its_cut_of_fused_expert_tensors(checkpoints):
+    """Rank 1 of 2 from transformers' fused names (what a random-weight TP run's checkpoint also holds): each
+    expert's second half of the gate rows, of the up rows and of the down columns."""
+    from sluice.core.models.mixtral import MixtralForCausalLM
+    from sluice.core.models.parallel import TensorParallel
+
+    _, ref = checkpoints["mixtral"]
+    state = ref.state_dict()
+    model = MixtralForCausalLM(ref.config, max_position=64, tp=TensorParallel(1, 2))
+    model.load_weights(state.items())
+    i = ref.config.intermediate_size
+    full_gu, full_down = state["model.layers.1.mlp.experts.gate_up_proj"], state["model.layers.1.mlp.experts.down_proj"]
+    experts = model.model.layers[1].mlp.experts
+    want = torch.cat([full_gu[:, i // 2 : i], full_gu[:, i + i // 2 :]], dim=1)
+    assert torch.equal(experts.gate_up_proj.data, want)
+    assert torch.equal(experts.down_proj.data, full_down[:, :, i // 2 :])
