@@ -5,12 +5,14 @@ from __future__ import annotations
 from sluice.core.models.default_model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 from sluice.core.models.errors import ModelLoadError
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from sluice.core.models.mistral import MistralForCausalLM
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
 }
 
 # Random-weight models in real shapes (LlamaConfig keyword arguments), for benchmarks and tests.
