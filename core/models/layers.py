@@ -141,6 +141,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
         super().__init__()
+        if layer_type is None and "full_attention" in (getattr(config, "rope_parameters", None) or {}):
+            layer_type = "full_attention"  # parameters per layer type (Gemma 3): the global layers'
         params = _rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":

@@ -156,6 +156,7 @@ class LlamaModel(nn.Module):
         qkv_bias: bool,
         tp: TensorParallel | None = None,
         attention_cls: type[LlamaAttention] = LlamaAttention,
+        layer_cls: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
         if tp is None:
@@ -163,7 +164,7 @@ class LlamaModel(nn.Module):
         else:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, tp, attention_cls) for i in range(config.num_hidden_layers)
+            layer_cls(config, i, qkv_bias, tp, attention_cls) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -173,13 +174,14 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
     attention_cls: type[LlamaAttention] = LlamaAttention
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config, max_position: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls)
+        self.model = LlamaModel(config, qkv_bias, tp, self.attention_cls, self.decoder_layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # tensor parallel: the vocabulary rows of each rank (embedding and LM head alike)
         vocab = config.vocab_size

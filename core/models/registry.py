@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from sluice.core.models.default_model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.gemma2 import Gemma2ForCausalLM
+from sluice.core.models.gemma3 import Gemma3ForCausalLM
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from sluice.core.models.mistral import MistralForCausalLM
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
@@ -13,6 +15,8 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 # Random-weight models in real shapes (LlamaConfig keyword arguments), for benchmarks and tests.
