@@ -143,7 +143,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if layer_type is None and "full_attention" in (getattr(config, "rope_parameters", None) or {}):
             layer_type = "full_attention"  # parameters per layer type (Gemma 3): the global layers'
-        params = _rope_parameters(config, layer_type)
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
@@ -237,7 +237,9 @@ def sliding_window_of(config, layer_idx: int) -> int:
     return window
 
 
-def _rope_parameters(config, layer_type: str | None = None) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """A config's RoPE parameters (``rope_type``, ``rope_theta``, scaling), those of ``layer_type`` where they differ
+    per layer type; transformers 4.x configs (``rope_scaling``, ``rope_theta``) read the same way."""
     params = getattr(config, "rope_parameters", None)
     if params and layer_type is not None and layer_type in params:
         return dict(params[layer_type])

@@ -8,6 +8,7 @@ from sluice.core.models.gemma2 import Gemma2ForCausalLM
 from sluice.core.models.gemma3 import Gemma3ForCausalLM
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from sluice.core.models.mistral import MistralForCausalLM
+from sluice.core.models.phi3 import Phi3ForCausalLM
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
@@ -17,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 # Random-weight models in real shapes (LlamaConfig keyword arguments), for benchmarks and tests.
