@@ -136,3 +136,23 @@ def test_no_variant_is_the_plain_kernel():
         backend.forward(query, cache, meta, SCALE), backend.forward(query, cache, meta, SCALE, window=0, softcap=0.0)
     )
     _assert_close(backend.forward(query, cache, meta, SCALE), dense_attention(query, cache, meta, SCALE), query.dtype)
+
+
+@pytest.mark.parametrize(("q_lens", "splits"), [([100, 40, 150], 1), ([1, 1, 1], 4)])
+def test_fp8_cache_with_window_and_softcap(q_lens, splits):
+    """An fp8 cache (scales per head) under a windowed, soft-capped layer: what the dense attention gives over
+    the dequantized cache, prefill and decode alike."""
+    from sluice.kv.attention import fp8
+
+    seq_lens = [100, 40, 150]
+    query, cache, meta = random_paged_batch(seq_lens, q_lens, 2, 2, 32, seed=9, device=DEVICE)
+    kv_scale = torch.tensor([[0.03, 0.05], [0.02, 0.04]], device=DEVICE)
+    shape = cache.shape[1:]
+    q8 = [fp8.quantize(cache[i].reshape(-1, 2, 32), kv_scale[i]).reshape(shape) for i in range(2)]
+    cache8 = torch.stack(q8)
+    deq = torch.stack([fp8.dequantize(c.reshape(-1, 2, 32), kv_scale[i], torch.float32) for i, c in enumerate(q8)])
+    want = dense_attention(query * 4, deq.reshape(cache.shape), meta, SCALE, 33, 5.0)
+    backends = (TorchAttentionBackend(), TritonAttentionBackend(decode_num_splits=splits))
+    for backend in backends:
+        out = backend.forward(query * 4, cache8, meta, SCALE, kv_scale=kv_scale, window=33, softcap=5.0)
+        _assert_close(out, want, torch.float32)

@@ -113,12 +113,13 @@ def _from_hf_dir(model_dir: str, name: str) -> ModelSource:
 
 
 def _dummy(model: str) -> ModelSource:
-    from transformers import LlamaConfig
+    from transformers import AutoConfig
 
     shape = model.split(":", 1)[1]
     if shape not in DUMMY_SHAPES:
         raise ModelLoadError(f"unknown dummy shape {shape!r}; choose from {sorted(DUMMY_SHAPES)}")
-    config = LlamaConfig(**DUMMY_SHAPES[shape], architectures=["LlamaForCausalLM"], eos_token_id=2)
+    kw = dict(architectures=["LlamaForCausalLM"]) | DUMMY_SHAPES[shape]
+    config = AutoConfig.for_model(kw.pop("model_type", "llama"), **kw, eos_token_id=2)
     tokenizer_dir = default_tokenizer_dir()
     with open(Path(tokenizer_dir) / "tokenizer.json", encoding="utf-8") as f:
         text_vocab = len(json.load(f)["model"]["vocab"])
