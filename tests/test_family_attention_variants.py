@@ -111,8 +111,7 @@ def test_prefill_and_mixed_steps(batch, window, softcap):
         _assert_close(backend.forward(query, cache, meta, SCALE, window=window, softcap=softcap), want, query.dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize(("splits", "dtype"), [(1, torch.float32), (4, torch.float32), (4, torch.bfloat16)])
 def test_decode(splits, dtype):
     """Contexts shorter and longer than the window, split into ranges of the window only."""
     seq_lens = [1, 15, 30, 31, 100, 200]
