@@ -107,12 +107,15 @@ def test_gemma2_engine_paths(gemma2, prompts):
 
 
 def test_gemma2_triton_kernels_window_and_softcap(gemma2, prompts):
-    """The Triton backend (the interpreter on the CPU): windowed and global layers, soft-capped, in prefill and
-    decode steps of a batch."""
+    """The Triton backend with the fused kernels (the interpreter on the CPU): windowed and global layers,
+    soft-capped, in prefill steps and in decode steps whose RoPE and KV write the decode kernel does itself
+    (`DecodeRope`), for a batch."""
     pytest.importorskip("triton")
     d, ref, refs = gemma2
-    kw = dict(model=d, device="cpu", attention_backend="triton", block_size=16, num_kv_blocks=48, max_model_len=256)
-    with LLM(**kw) as llm:
+    kw = dict(model=d, device="cpu", attention_backend="triton", fused_kernels="on", block_size=16)
+    with LLM(**kw, num_kv_blocks=48, max_model_len=256) as llm:
+        runner = llm.engine.local_core.executor.runner
+        assert runner.model.rotary.fused_write is not None and runner.backend.rope_in_decode
         batched = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     check_greedy(ref, prompts[1:], batched, refs[1:], "gemma2 triton batched")
 
