@@ -3,6 +3,10 @@
 #
 #   scripts/gpu_engine_bench.sh core   # this build: ShareGPT 1000 and 200 offline, latency b1 and b8, host/GPU per step
 #   scripts/gpu_engine_bench.sh peer   # ShareGPT 1000 with the transformers peer in the same run (~6 min)
+#   scripts/gpu_engine_bench.sh families  # issue 38: ShareGPT 1000 offline for dummy:qwen3-8b and dummy:llama3-8b,
+#                   # alternating (PAIRS, default 1), their per-parameter rates compared (~5 min)
+#   scripts/gpu_engine_bench.sh families-greedy  # each dense family's greedy tokens against transformers at real
+#                   # head sizes, fp32 (scripts/gpu_families_check.py; ~3 min)
 #   scripts/gpu_engine_bench.sh graphs-a|graphs-b   # mixed-step CUDA graphs on (default) and off, same build
 #   scripts/gpu_engine_bench.sh gemv   # the bf16 GEMV's sweep; batch 1 with it and with cuBLAS, alternating
 #   scripts/gpu_engine_bench.sh final  # ShareGPT 200 (GEMV and cuBLAS), 1000, batch 1 and 8
@@ -139,6 +143,18 @@ core)
     ;;
 peer)
     run tp1000_peer 500 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --peer hf --peer-timeout 400 --out "$OUT/tp1000_peer.json"
+    ;;
+families)  # issue 38: Qwen3-8B's per-parameter output rate against Llama-3-8B's (within 5%), same call, alternating
+    for i in ${PAIRS:-1}; do
+        M="--model dummy:qwen3-8b" tp1000 families_qwen3_$i
+        M="--model dummy:llama3-8b" tp1000 families_llama3_$i
+        [ -n "${DRY:-}" ] || env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_families_check.py rate \
+            --runs "$OUT/families_qwen3_$i.json" "$OUT/families_llama3_$i.json" --out "$OUT/families_rate_$i.json"
+    done
+    ;;
+families-greedy)  # Mistral, Gemma 2/3, Phi-3, Qwen3: greedy equality with transformers on random weights
+    run families_greedy 300 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_families_check.py greedy --out "$OUT/families_greedy.json"
+    [ -n "${DRY:-}" ] || cat "$OUT/families_greedy.log"
     ;;
 graphs-a)  # steps with prefill rows as CUDA graphs (default) against eager (--max-graph-tokens 0), same build, same call
     run kernels 120 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_check.py --no-bench --out "$OUT/kernels.json"

@@ -128,12 +128,22 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding with a precomputed cos/sin table indexed by position.
 
     The inverse frequencies come from transformers' own rope functions, so every rope type its
-    configs name (llama3 scaling, linear, yarn, ...) means here what it means there.
+    configs name (llama3 scaling, linear, yarn, ...) means here what it means there. ``layer_type`` picks one
+    of a config's per-layer-type RoPE parameters (Gemma 3's ``sliding_attention`` / ``full_attention``).
+
+    LongRoPE (Phi-3) has two sets of frequencies, short for sequences within the pretrained length
+    (``original_max_position_embeddings``) and long beyond it; transformers switches the whole sequence when it
+    grows past that length. Here the table holds the short frequencies for positions within it and the long ones
+    beyond, so a position always rotates the same way (a batch's tokens do not depend on their neighbours, and
+    a cached key never needs rotating again): exactly transformers' answer for sequences within the pretrained
+    length, the long factors' rotation for every position past it.
     """
 
-    def __init__(self, config, head_dim: int, max_position: int) -> None:
+    def __init__(self, config, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = _rope_parameters(config)
+        if layer_type is None and "full_attention" in (getattr(config, "rope_parameters", None) or {}):
+            layer_type = "full_attention"  # parameters per layer type (Gemma 3): the global layers'
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
@@ -144,9 +154,14 @@ class RotaryEmbedding(nn.Module):
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            kw = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kw)
         t = torch.arange(max_position, dtype=torch.float)
         freqs = torch.outer(t, inv_freq.float())
+        if rope_type == "longrope" and max_position > params["original_max_position_embeddings"]:
+            beyond = params["original_max_position_embeddings"]
+            long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=beyond + 1, **kw)
+            freqs[beyond:] = torch.outer(t[beyond:], long_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
@@ -209,8 +224,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _rope_parameters(config) -> dict:
+def sliding_window_of(config, layer_idx: int) -> int:
+    """How many keys (the query's own included) a query of layer ``layer_idx`` sees; 0 = all. A config's
+    ``layer_types`` names each layer's kind (Gemma 2/3, and Qwen2/3 with ``use_sliding_window`` off: all full);
+    without them, ``sliding_window`` is every layer's (Mistral, Phi-3), unless ``use_sliding_window`` says off."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return window if layer_types[layer_idx] == "sliding_attention" else 0
+    if getattr(config, "use_sliding_window", None) is False:
+        return 0
+    return window
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """A config's RoPE parameters (``rope_type``, ``rope_theta``, scaling), those of ``layer_type`` where they differ
+    per layer type; transformers 4.x configs (``rope_scaling``, ``rope_theta``) read the same way."""
     params = getattr(config, "rope_parameters", None)
+    if params and layer_type is not None and layer_type in params:
+        return dict(params[layer_type])
     if params:
         return dict(params)
     # transformers 4.x configs

@@ -19,6 +19,7 @@ from sluice.core.models.layers import (
     SiluAndMul,
     linear_then_act,
     norm_then_linear,
+    sliding_window_of,
 )
 from sluice.core.models.parallel import TensorParallel, VocabParallelEmbedding, plan_heads, shard_range, take_heads
 from sluice.kv.attention.base import DecodeRope
@@ -59,6 +60,9 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.layer_idx = layer_idx
         self.scale = self.head_dim**-0.5
+        # the keys a query sees (0: all; Mistral, Gemma, Phi-3) and the logit soft-cap (0: none; Gemma 2)
+        self.sliding_window = sliding_window_of(config, layer_idx)
+        self.softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, h, bias=False)
         # shard sizes along dim 0 of qkv_proj, in _STACKED order
@@ -95,7 +99,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = rotary(positions, q, k)
             ctx.backend.write_kv(k, v, kv_cache, meta.slot_mapping, self.kv_scale)
-        o = ctx.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale, rope)
+        o = ctx.backend.forward(q, kv_cache, meta, self.scale, self.kv_scale, rope, self.sliding_window, self.softcap)
         out = self.o_proj(o.reshape(t, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 

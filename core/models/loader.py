@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.layers import RotaryEmbedding
 from sluice.core.models.registry import DEFAULT_MODEL, DUMMY_SHAPES, model_class_for
 
 logger = logging.getLogger("sluice")
@@ -251,7 +252,9 @@ def load_model(
     with torch.device(device):
         model = cls(source.config, max_position=max_position, **({"tp": tp} if tp is not None else {}))
     model.to(dtype=dtype)
-    model.rotary.to(torch.float32)  # keep the cos/sin table in fp32; cast per use
+    for m in model.modules():  # keep the cos/sin tables in fp32 (Gemma 3 has two); cast per use
+        if isinstance(m, RotaryEmbedding):
+            m.to(torch.float32)
     if source.weights_dir is None and tp is not None:
         model.load_weights(
             _random_checkpoint(cls, source.config, max_position, dtype, device, seed, source.text_vocab_size)

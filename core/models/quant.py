@@ -289,9 +289,9 @@ class _AmaxRecorder(AttentionBackend):
         self.amax[i, 1] = torch.maximum(self.amax[i, 1], value.detach().abs().float().amax(dim=(0, 2)))
         self.inner.write_kv(key, value, kv_cache, slot_mapping)
 
-    def forward(self, query, kv_cache, meta, scale, kv_scale=None, rope=None):
+    def forward(self, query, kv_cache, meta, scale, kv_scale=None, rope=None, window=0, softcap=0.0):
         assert rope is None  # it must see every key through `write_kv` (`takes_rope` is False)
-        return self.inner.forward(query, kv_cache, meta, scale)
+        return self.inner.forward(query, kv_cache, meta, scale, window=window, softcap=softcap)
 
 
 @torch.inference_mode()

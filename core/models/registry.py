@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from sluice.core.models.default_model import DEFAULT_MODEL  # noqa: F401  (re-exported)
 from sluice.core.models.errors import ModelLoadError
+from sluice.core.models.gemma2 import Gemma2ForCausalLM
+from sluice.core.models.gemma3 import Gemma3ForCausalLM
 from sluice.core.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from sluice.core.models.mistral import MistralForCausalLM
 from sluice.core.models.mixtral import MixtralForCausalLM
+from sluice.core.models.phi3 import Phi3ForCausalLM
 from sluice.core.models.qwen3 import Qwen3ForCausalLM
 from sluice.core.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -13,6 +17,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
 }
@@ -98,6 +106,43 @@ DUMMY_SHAPES: dict[str, dict] = {
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         max_position_embeddings=4096,
+    ),
+    # Qwen/Qwen3-8B's config.json
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
+    # google/gemma-2-9b's config.json
+    "gemma2-9b": dict(
+        model_type="gemma2",
+        architectures=["Gemma2ForCausalLM"],
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=256000,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
     ),
 }
 

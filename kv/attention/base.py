@@ -100,10 +100,18 @@ class AttentionBackend:
         scale: float,
         kv_scale: torch.Tensor | None = None,
         rope: DecodeRope | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """Attention of ``query [num_tokens, num_heads, head_dim]`` over the paged context (``kv_scale``: as in
         `write_kv`). With ``rope`` (only where `takes_rope` says, 16-bit caches), ``query`` is not yet rotated and
-        the step's keys and values not yet written: the backend does both first."""
+        the step's keys and values not yet written: the backend does both first. ``window`` > 0 (a sliding-window
+        layer): a query at position ``p`` sees only keys ``p - window < key <= p``; ``softcap`` > 0: the scaled
+        logits are soft-capped, ``softcap * tanh(logit / softcap)``, before the softmax.
+
+        KV blocks are never freed for leaving every layer's window, even for window-only models: a sequence keeps
+        all its blocks, so the prefix cache (whose hits share whole blocks from position 0) stays exact, and
+        windows only narrow which keys a kernel reads."""
         raise NotImplementedError
 
 

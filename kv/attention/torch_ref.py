@@ -44,6 +44,7 @@ class _BatchedCall:
     num_blocks: int
     max_len: int
     mask: torch.Tensor  # [B, 1, q_len, max_len]: query j of a row sees keys up to its own position
+    last_visible: torch.Tensor  # [B, q_len]: that position (a sliding window's mask is cut below it)
 
 
 @dataclass(slots=True)
@@ -81,6 +82,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         kv_scale: torch.Tensor | None = None,
         rope: DecodeRope | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         assert rope is None, "the torch reference takes no RoPE (`takes_rope` is False)"
         if fp8.is_fp8(kv_cache):
@@ -89,12 +92,13 @@ class TorchAttentionBackend(AttentionBackend):
         if plan is None or plan.meta is not meta or plan.block_size != kv_cache.shape[2]:
             plan = self._plan = self._make_plan(meta, kv_cache.shape[2], query.device)
         out = torch.empty_like(query)
+        variant = _Variant(window, softcap) if window or softcap else None
         for call in plan.calls:
-            self._batched(query, kv_cache, call, scale, out, kv_scale)
+            self._batched(query, kv_cache, call, scale, out, kv_scale, variant)
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in plan.singles:
             s, e = qsl[i], qsl[i + 1]
-            out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale, kv_scale)
+            out[s:e] = self._one_seq(query[s:e], kv_cache, meta.block_tables[i], lens[i], scale, kv_scale, variant)
         return out
 
     @staticmethod
@@ -127,12 +131,15 @@ class TorchAttentionBackend(AttentionBackend):
                         num_blocks=nb,
                         max_len=max_len,
                         mask=mask[:, None],
+                        last_visible=last_visible,
                     )
                 )
         return _Plan(meta, block_size, calls, singles)
 
     @staticmethod
-    def _batched(query, kv_cache, call: _BatchedCall, scale: float, out: torch.Tensor, kv_scale=None) -> None:
+    def _batched(
+        query, kv_cache, call: _BatchedCall, scale: float, out: torch.Tensor, kv_scale=None, variant=None
+    ) -> None:
         b = call.rows_q.shape[0]
         shape = (b, call.num_blocks * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
         k, v = gather_kv(kv_cache, call.block_ids, shape)
@@ -140,12 +147,22 @@ class TorchAttentionBackend(AttentionBackend):
         # Strided [B, H, L, D] views: SDPA reads them in place (a contiguous copy would cost more).
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         q = query[call.rows_q].transpose(1, 2)  # [B, Hq, q_len, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=call.mask, scale=scale, enable_gqa=True)
+        mask = call.mask
+        if variant is not None and variant.window:
+            keys = torch.arange(call.max_len, device=q.device)
+            mask = mask & (keys > (call.last_visible - variant.window)[:, :, None])[:, None]
+        o = _attention(q, k, v, mask, scale, variant)
         out[call.rows_q] = o.transpose(1, 2)
 
     @staticmethod
     def _one_seq(
-        q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float, kv_scale=None
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        scale: float,
+        kv_scale=None,
+        variant=None,
     ):
         nb = -(-seq_len // kv_cache.shape[2])
         k, v = gather_kv(kv_cache, block_table[:nb].long(), (nb * kv_cache.shape[2], *kv_cache.shape[3:]))
@@ -155,14 +172,42 @@ class TorchAttentionBackend(AttentionBackend):
         qh = q.transpose(0, 1)[None]
         kh = k.transpose(0, 1)[None]
         vh = v.transpose(0, 1)[None]
-        if nq == seq_len:
+        if nq == seq_len and (variant is None or variant.plain):
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            # query j sits at position seq_len - nq + j and may see keys 0..that position
+            # query j sits at position seq_len - nq + j and may see keys 0..that position (the last window of them)
             qpos = torch.arange(seq_len - nq, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+            keys = torch.arange(seq_len, device=q.device)[None, :]
+            mask = keys <= qpos
+            if variant is not None and variant.window:
+                mask = mask & (keys > qpos - variant.window)
+            o = _attention(qh, kh, vh, mask, scale, variant)
         return o[0].transpose(0, 1)
+
+
+@dataclass(slots=True)
+class _Variant:
+    """A layer's sliding window (0: none) and logit soft-cap (0: none)."""
+
+    window: int
+    softcap: float
+
+    @property
+    def plain(self) -> bool:
+        return not self.window and not self.softcap
+
+
+def _attention(q, k, v, mask: torch.Tensor, scale: float, variant: _Variant | None) -> torch.Tensor:
+    """SDPA over ``[B, H, L, D]`` (K/V with fewer heads: GQA); with a soft-cap, the same in plain torch, since
+    SDPA has no hook between the logits and the softmax (the softmax in fp32, as transformers' eager path)."""
+    if variant is None or not variant.softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    logits = variant.softcap * torch.tanh(logits / variant.softcap)
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.softmax(logits.float(), dim=-1).to(q.dtype) @ v
 
 
 def _upcast(k: torch.Tensor, v: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype):

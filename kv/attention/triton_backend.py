@@ -108,6 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         kv_scale: torch.Tensor | None = None,
         rope: DecodeRope | None = None,
+        window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_seqs = meta.num_seqs
@@ -118,12 +120,12 @@ class TritonAttentionBackend(AttentionBackend):
             tk.paged_decode(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
                 num_seqs, splits, block_n=self.decode_block_n, kv_scale=kv_scale,
-                counters=self.split_counters(query.device), rope=rope,
+                counters=self.split_counters(query.device), rope=rope, window=window, softcap=softcap,
             )  # fmt: skip
         else:
             assert rope is None, "RoPE in the attention kernel: pure decode steps only"
             tk.paged_prefill(
                 query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale,
-                num_seqs, kv_scale=kv_scale,
+                num_seqs, kv_scale=kv_scale, window=window, softcap=softcap,
             )  # fmt: skip
         return out

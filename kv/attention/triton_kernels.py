@@ -22,6 +22,14 @@ token by token through the block table (``block_tables[seq, pos // block_size]``
   the GQA group) pairs, so K/V tiles are loaded once per group. Keys every query of the tile can see are
   processed without a mask, the causal tail with one.
 
+Sliding windows and logit soft-capping (``SLIDING``, ``SOFTCAP``; Mistral, Gemma 2/3, Phi-3): a windowed query
+at position ``p`` sees keys ``p - window < key <= p`` (transformers' ``sliding_window_overlay``). The decode
+kernel splits only the last ``window`` keys of the context; the prefill kernel starts at the first tile its
+first query sees and masks every tile (rows of a tile see different ranges). Soft-capping,
+``cap * tanh(logit / cap)``, applies to the scaled logits before any mask. Both are compile-time switches over
+runtime values (``window``, ``softcap_log2``): a layer without them runs the very kernel it did before, and the
+layers of one model share at most two variants (windowed or not), never one per layer.
+
 fp8 caches (``KV_FP8``, e4m3 with a static scale per KV head, `kv/attention/fp8.py`): the write kernel divides
 by the head's scale, saturates and rounds to nearest even explicitly (so it agrees bit for bit with torch's
 cast, and with itself under the interpreter, whose own fp8 cast rounds differently). The attention kernels
@@ -59,6 +67,16 @@ def _dot(a, b, DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _softcap(x, cap):
+    """``cap * tanh(x / cap)`` (the logit soft-cap), tanh from ``exp2`` of a non-positive argument: exact at
+    the tails and free of overflow; ``x`` and ``cap`` are both in the log2 domain, which the cap commutes with."""
+    y = x / cap
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(y))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(y < 0, -t, t)
 
 
 @triton.jit
@@ -167,7 +185,7 @@ def _fp8_v_operand(v, nmask, DT: tl.constexpr):
     return tl.where(nmask[:, None], v.to(DT), 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -217,6 +235,10 @@ def _decode_kernel(
     stride_vh=0,
     stride_cos=0,
     ROPE_KV: tl.constexpr = False,
+    window=0,
+    softcap_log2=0.0,
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     wait_then_release(PDL)  # kv/attention/pdl.py
     seq = tl.program_id(0)
@@ -225,9 +247,13 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     row = tl.load(qsl_ptr + seq).to(tl.int64)
 
-    # Equal ranges of whole key tiles; trailing splits of a short sequence are empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # Equal ranges of whole key tiles over the keys the query sees (``SLIDING``: the last ``window``);
+    # trailing splits of a short sequence are empty.
+    first_key = 0
+    if SLIDING:
+        first_key = tl.maximum(seq_len - window, 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first_key + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -280,6 +306,8 @@ def _decode_kernel(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
         qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        if SOFTCAP:
+            qk = _softcap(qk, softcap_log2)
         qk = tl.where(nmask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -423,9 +451,16 @@ def _attend_range(
     CAUSAL: tl.constexpr,
     DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
+    window,
+    softcap_log2,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """Online-softmax pass over keys ``[lo, hi)``; ``CAUSAL`` masks key > query position and key >= hi.
-    K/V tiles are converted to the query's dtype; an fp8 cache's scales are the caller's (see the module doc)."""
+    """Online-softmax pass over keys ``[lo, hi)``; ``CAUSAL`` masks key > query position and key >= hi,
+    ``SLIDING`` (with ``CAUSAL``) also key <= query position - ``window``; a row may then see no key of a tile,
+    so its running max stays -inf and is read as 0 (no NaN from ``-inf - -inf``). ``SOFTCAP`` caps the logits
+    before the masks. K/V tiles are converted to the query's dtype; an fp8 cache's scales are the caller's (see
+    the module doc)."""
     for t0 in range(lo, hi, BLOCK_N):
         pos = t0 + offs_n
         if CAUSAL:
@@ -436,11 +471,19 @@ def _attend_range(
             head_base, bt, pos, nmask, offs_d, dmask, stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE
         )
         qk = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32, PRECISION) * scale_log2
+        if SOFTCAP:
+            qk = _softcap(qk, softcap_log2)
         if CAUSAL:
-            qk = tl.where(nmask[None, :] & (pos[None, :] <= q_pos[:, None]), qk, float("-inf"))
+            seen = nmask[None, :] & (pos[None, :] <= q_pos[:, None])
+            if SLIDING:
+                seen = seen & (pos[None, :] > q_pos[:, None] - window)
+            qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        m_ref = m_new
+        if SLIDING:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_F32, PRECISION)
         m_i = m_new
@@ -449,7 +492,7 @@ def _attend_range(
 
 # ``num_seqs`` only bounds a search: not specialized on (Triton compiles a variant per argument that is 1, a
 # multiple of 16, or neither), so a step with a new kind of sequence count compiles nothing while serving.
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -480,6 +523,10 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     F16_DOT: tl.constexpr,
+    window=0,
+    softcap_log2=0.0,
+    SLIDING: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = False,
 ):
     # Tile t belongs to the last sequence s whose first tile, qsl[s] // BLOCK_Q + s, is <= t (found by
     # binary search); sequence s has at least as many tile numbers as it needs (see `paged_prefill`).
@@ -530,14 +577,24 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt = bt_ptr + seq.to(tl.int64) * stride_bt
     head_base = cache_ptr + kvh.to(tl.int64) * stride_c_head
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2,
-        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, head_base, bt, full_end, last_pos + 1, offs_n, offs_d, dmask, scale_log2,
-        stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
-    )  # fmt: skip
+    if SLIDING:  # one masked pass from the first key the tile's first query sees (whole tiles)
+        first_key = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, head_base, bt, first_key, last_pos + 1, offs_n, offs_d, dmask, scale_log2,
+            stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+            window, softcap_log2, True, SOFTCAP,
+        )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, head_base, bt, 0, full_end, offs_n, offs_d, dmask, scale_log2,
+            stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, False, DOT_F32, PRECISION,
+            window, softcap_log2, False, SOFTCAP,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_range(
+            acc, m_i, l_i, q, q_pos, head_base, bt, full_end, last_pos + 1, offs_n, offs_d, dmask, scale_log2,
+            stride_c_kv, stride_c_blk, stride_c_tok, BLOCK_SIZE, BLOCK_N, True, DOT_F32, PRECISION,
+            window, softcap_log2, False, SOFTCAP,
+        )  # fmt: skip
 
     if KV_FP8:  # the V scale multiplies the output
         acc = acc * tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
@@ -573,6 +630,14 @@ def _fp8_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple[to
     kv_scale = fp8.require_scale(kv_scale)
     assert kv_scale.is_contiguous() and kv_scale.dtype == torch.float32
     return kv_scale, True
+
+
+def _variant_args(window: int, softcap: float) -> dict:
+    """A layer's sliding window and logit soft-cap as kernel arguments: runtime values (one compiled variant for
+    every window) behind compile-time switches (none when unused, so the plain kernel is unchanged)."""
+    if not window and not softcap:
+        return {}
+    return dict(window=int(window), softcap_log2=float(softcap) * LOG2E, SLIDING=window > 0, SOFTCAP=softcap > 0)
 
 
 def _f16_dot(kv_fp8: bool, query_dtype: torch.dtype) -> bool:
@@ -622,6 +687,8 @@ def paged_decode(
     kv_scale: torch.Tensor | None = None,
     counters: torch.Tensor | None = None,
     rope: DecodeRope | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query per sequence at row ``query_start_loc[i]``; grid ``(num_seqs, num_kv_heads, num_splits)``.
     The default tile (128 keys, 4 warps, 3 stages) was the fastest on the H200 for both cache dtypes at
@@ -629,7 +696,10 @@ def paged_decode(
     head) at least): the last split of each pair merges the partials (one kernel) and sets its counter back to
     zero; without them (or too few) a reduce kernel runs after the decode kernel. With ``rope`` the query is not yet
     rotated and this step's keys and values not yet in a 16-bit cache: the kernel does what `rope_and_write_kv_`
-    (`core/models/fused.py`) would have done first (``query`` itself is left as it was)."""
+    (`core/models/fused.py`) would have done first (``query`` itself is left as it was). ``window`` > 0: each query
+    sees its last ``window`` keys only (a sliding-window layer); ``softcap`` > 0: logits are ``softcap *
+    tanh(logit / softcap)`` (Gemma 2). Both are runtime arguments behind a compile-time switch: a layer without
+    them runs the kernel it always did, and every windowed layer shares one variant."""
     query = _last_dim_contiguous(query)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
@@ -665,8 +735,8 @@ def paged_decode(
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
         F16_DOT=_f16_dot(kv_fp8, query.dtype), FUSED_REDUCE=counters is not None,
-        SPLITS_P2=triton.next_power_of_2(num_splits), **pdl, **rope_args, num_warps=num_warps,
-        num_stages=num_stages,
+        SPLITS_P2=triton.next_power_of_2(num_splits), **pdl, **rope_args, **_variant_args(window, softcap),
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1 and counters is None:
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](
@@ -692,8 +762,11 @@ def paged_prefill(
     num_warps: int = 4,
     num_stages: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's query rows over its paged context (any query lengths). Default
+    """Causal attention of each sequence's query rows over its paged context (any query lengths); ``window`` and
+    ``softcap`` as in `paged_decode`. Default
     tiles (H200 sweep, `scripts/gpu_kernel_sweep.py attn`): 64 keys and 2 stages over a 16-bit cache, 128 keys
     and 1 stage over fp8 (whose tiles are converted in registers before the dot)."""
     query = _last_dim_contiguous(query)
@@ -721,6 +794,7 @@ def paged_prefill(
         block_tables.stride(0), head_dim, num_seqs,
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_D=_block_d(head_dim),
         BLOCK_N=block_n, DOT_F32=dot_f32, PRECISION=precision, KV_FP8=kv_fp8,
-        F16_DOT=_f16_dot(kv_fp8, query.dtype), num_warps=num_warps, num_stages=num_stages,
+        F16_DOT=_f16_dot(kv_fp8, query.dtype), **_variant_args(window, softcap), num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
     return out
