@@ -5,7 +5,10 @@ it ends and replays as fast as possible on request, `chat` is quiet with a pool 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
+import pytest
 from sluice.app.commands.cli import main
 
 TINY = ("--model", "dummy:tiny", "--device", "cpu")
@@ -31,3 +34,50 @@ def test_bench_prefix_trace_shows_progress_and_can_ignore_arrival_times(tmp_path
     assert [r["prefix_caching"] for r in runs] == [True, False]
     assert all(r["duration_s"] < 60 and r["num_failed"] == 0 for r in runs), runs
     assert json.loads(out.read_text())["dataset"]["ignore_arrival_times"] is True
+
+
+def test_chat_pool_holds_one_conversation():
+    from sluice.app.commands.chat import chat_engine_args
+    from sluice.app.commands.cli import build_parser
+    from sluice.core.args import MAX_MODEL_LEN_DEFAULT
+
+    parse = build_parser().parse_args
+    assert chat_engine_args(parse(["chat", "--max-model-len", "500"])).num_kv_blocks == 32 + 1  # ceil(500/16) + 1
+    assert chat_engine_args(parse(["chat", "--block-size", "32"])).num_kv_blocks == MAX_MODEL_LEN_DEFAULT // 32 + 1
+    assert chat_engine_args(parse(["chat", "--num-kv-blocks", "100"])).num_kv_blocks == 100  # the flag wins
+
+
+CHAT_TWICE = """
+import io, sys
+from sluice.app.commands.cli import main
+for flags in (["--verbose"], []):
+    sys.stdin = io.StringIO("hi\\n/exit\\n")
+    print("=== chat", *flags, file=sys.stderr, flush=True)
+    assert main(["chat", "--model", "dummy:tiny", "--device", "cpu", "--max-tokens", "3", *flags]) == 0
+"""
+
+
+def test_chat_is_quiet_unless_verbose():
+    """One process (torch imports once) chats with --verbose, then without: only the first shows INFO lines."""
+    run = subprocess.run([sys.executable, "-c", CHAT_TWICE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    verbose, quiet = run.stderr.split("=== chat --verbose\n")[1].split("=== chat\n")
+    assert run.stdout.count(">>> hi") == 2
+    assert " INFO " in verbose  # there is something to hide
+    assert " INFO " not in quiet, quiet
+
+
+def test_chat_line_editing_keeps_history_across_sessions(tmp_path):
+    readline = pytest.importorskip("readline")
+    from sluice.app.commands.chat import line_editing
+
+    history = tmp_path / "state" / "chat_history"
+    readline.clear_history()
+    with line_editing(history) as on:
+        assert on
+        readline.add_history("what is a prefix cache?")
+    assert "what is a prefix cache?" in history.read_text()
+    readline.clear_history()
+    with line_editing(history):  # the next session starts with the last one's lines
+        items = [readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)]
+    assert items == ["what is a prefix cache?"]
