@@ -81,3 +81,19 @@ def test_chat_line_editing_keeps_history_across_sessions(tmp_path):
     with line_editing(history):  # the next session starts with the last one's lines
         items = [readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)]
     assert items == ["what is a prefix cache?"]
+
+
+def test_bench_host_baseline_outside_a_git_checkout_is_one_line(tmp_path, monkeypatch, capsys):
+    from sluice.app.bench import host
+
+    installed = tmp_path / "site-packages" / "sluice"  # what a pip install has: no .git anywhere above
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(host, "REPO", installed)
+    assert main(["bench", "host", "--baseline", "main", "--rounds", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--baseline needs a git checkout" in line and str(installed) in line and "Traceback" not in line
+    monkeypatch.undo()
+    # in the checkout, a ref git does not know is one line too, before anything runs
+    assert main(["bench", "host", "--baseline", "no-such-ref-42", "--rounds", "1"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--baseline no-such-ref-42" in line, line
