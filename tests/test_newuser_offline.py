@@ -1,0 +1,49 @@
+"""The offline API's corners a new user meets (issue 42): logprobs in vLLM's shape, and an LLM used after close."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from sluice.core import LLM, EngineStoppedError, SamplingParams
+from sluice.core.outputs import Logprob
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(model="dummy:tiny", device="cpu", num_kv_blocks=64, max_model_len=256) as llm:
+        yield llm
+
+
+def test_logprobs_are_vllms_dict_of_logprob(llm):
+    """Per position {token_id: Logprob(logprob, rank, decoded_token)}: the top 3 ranked 1..3 best first, the
+    sampled token among them (greedy: rank 1), each with its text."""
+    (out,) = llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))
+    (c,) = out.outputs
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    for pos, token in zip(c.logprobs, c.token_ids):
+        assert all(isinstance(k, int) and isinstance(v, Logprob) for k, v in pos.items())
+        ranked = sorted(pos.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3]
+        assert [lp.logprob for lp in ranked] == sorted((lp.logprob for lp in ranked), reverse=True)
+        assert pos[token].rank == 1  # greedy
+        assert all(lp.decoded_token == llm.tokenizer.decode([tid]) for tid, lp in pos.items())
+    assert c.cumulative_logprob == pytest.approx(sum(pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)))
+
+
+def test_a_sampled_token_outside_the_top_has_no_rank(llm):
+    """At a high temperature the sampled token is often not the most likely: with logprobs=1 it is then its own
+    entry beside the top one, its rank unknown."""
+    params = SamplingParams(max_tokens=24, temperature=5.0, seed=3, logprobs=1, ignore_eos=True)
+    (c,) = llm.generate([5, 6, 7, 8], params)[0].outputs
+    outside = [pos[t] for pos, t in zip(c.logprobs, c.token_ids) if len(pos) == 2]
+    assert outside and all(lp.rank is None and math.isfinite(lp.logprob) for lp in outside)
+
+
+def test_generate_after_close_says_the_llm_is_closed():
+    llm = LLM(model="dummy:tiny", device="cpu", num_kv_blocks=16, max_model_len=64)
+    llm.close()
+    with pytest.raises(EngineStoppedError, match="LLM is closed"):
+        llm.generate("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(EngineStoppedError, match="LLM is closed"):
+        llm.chat([{"role": "user", "content": "hi"}])
