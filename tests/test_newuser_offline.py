@@ -47,3 +47,29 @@ def test_generate_after_close_says_the_llm_is_closed():
         llm.generate("hi", SamplingParams(max_tokens=2))
     with pytest.raises(EngineStoppedError, match="LLM is closed"):
         llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_truncated_gguf_says_it_is_truncated(tmp_path):
+    """A GGUF cut short (an interrupted download) names itself truncated, with both sizes, not a reshape error."""
+    import numpy as np
+    from gguf import GGUFWriter
+    from sluice.core.errors import ModelLoadError
+    from sluice.core.models.loader import resolve_model
+
+    whole = tmp_path / "whole.gguf"
+    writer = GGUFWriter(str(whole), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 64), np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(64, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) - 4096])
+    with pytest.raises(ModelLoadError) as e:
+        resolve_model(str(cut), tmp_path / "cache")
+    message = str(e.value)
+    assert "is truncated" in message and f"{len(data) - 4096:,} bytes of the " in message, message
+    expected = int(message.split("bytes of the ")[1].split()[0].replace(",", ""))
+    assert len(data) - 4096 < expected <= len(data)
