@@ -1,4 +1,5 @@
-"""The offline API's corners a new user meets (issue 42): logprobs in vLLM's shape, and an LLM used after close."""
+"""Small corners a new user meets (issue 42 item 10): logprobs in vLLM's shape, an LLM used after close, a truncated
+GGUF, a client leaving the inspector's step stream early."""
 
 from __future__ import annotations
 
@@ -73,3 +74,38 @@ def test_a_truncated_gguf_says_it_is_truncated(tmp_path):
     assert "is truncated" in message and f"{len(data) - 4096:,} bytes of the " in message, message
     expected = int(message.split("bytes of the ")[1].split()[0].replace(",", ""))
     assert len(data) - 4096 < expected <= len(data)
+
+
+def test_a_client_leaving_the_step_stream_early_floods_no_log(tmp_path, caplog):
+    """`sluice inspect --trace`'s /inspect/steps sends a trace's every step in one batch: a client that reads
+    the first bytes and resets the connection must be noticed at once, not after thousands of sends into the
+    dead socket, each logging asyncio's "socket.send() raised exception."."""
+    import json
+    import logging
+    import socket
+    import struct
+    import time
+
+    import httpx
+    from sluice.app.inspector.web import build_trace_app
+
+    from tests.server_helpers import ServerThread
+
+    trace = tmp_path / "trace.jsonl"
+    meta = {"type": "meta", "version": 1, "source": "test", "model": "m", "block_size": 16, "num_blocks": 8}
+    lines = [json.dumps(meta)] + [json.dumps({"type": "step", "step_id": i, "pad": "x" * 1000}) for i in range(1, 5001)]
+    trace.write_text("\n".join(lines) + "\n")
+    srv = ServerThread(build_trace_app(str(trace))).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncio"):
+            client = socket.create_connection(("127.0.0.1", srv.port))
+            client.sendall(b"GET /inspect/steps HTTP/1.1\r\nHost: test\r\n\r\n")
+            assert client.recv(4096).startswith(b"HTTP/1.1 200")
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+            client.close()
+            time.sleep(1.5)
+        flood = [r for r in caplog.records if "socket.send()" in r.getMessage()]
+        assert not flood, f"{len(flood)} x {flood[0].getMessage()}"
+        assert httpx.get(f"{srv.url}/inspect", timeout=10).status_code == 200  # still serving
+    finally:
+        srv.stop()
