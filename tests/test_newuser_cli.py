@@ -97,3 +97,18 @@ def test_bench_host_baseline_outside_a_git_checkout_is_one_line(tmp_path, monkey
     assert main(["bench", "host", "--baseline", "no-such-ref-42", "--rounds", "1"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "--baseline no-such-ref-42" in line, line
+
+
+def test_cache_sim_record_trace_fills_best_unbounded(tmp_path, capsys):
+    """The one replayed configuration's row says the unbounded pool's hit rate too, as a sweep's rows do: a
+    pool of 4 blocks evicts what 2 groups x 3 prompts share, an unbounded one keeps it."""
+    out, trace = tmp_path / "result.json", tmp_path / "sim.jsonl"
+    argv = ["cache-sim", "--model", "dummy:tiny", "--groups", "2", "--prompts-per-group", "3", "--system-len", "32"]
+    argv += ["--question-len", "8", "--output-len", "2", "--pool-blocks", "4", "--block-sizes", "16"]
+    assert main([*argv, "--record-trace", str(trace), "--out", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["best_hit_rate"] is not None and result["best_hit_rate"] > result["hit_rate"]
+    assert main([*argv, "--out", str(out)]) == 0  # the sweep of the same one size says the same
+    (swept,) = json.loads(out.read_text())["results"]
+    assert swept["best_hit_rate"] == result["best_hit_rate"]
+    assert trace.exists() and "None" not in capsys.readouterr().out
