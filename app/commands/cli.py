@@ -104,6 +104,11 @@ class CommandParser(argparse.ArgumentParser):
         self.subcommands = super().add_subparsers(**kwargs)
         return self.subcommands
 
+    def error(self, message: str):
+        """A mistake on the command line is one line, as every other user error is: not argparse's usage first
+        (forty lines of flags for `serve`), which `--help` shows."""
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="sluice", description=__doc__)
