@@ -193,9 +193,9 @@ def gguf_to_hf_dir(gguf_path: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str:
 
 
 def _truncation(gguf_path: str) -> str | None:
-    """"GGUF file X is truncated: ..." when the tensor table in its header places data past the file's end, else
-    None (a header too short to read says nothing). Reads the header through gguf's reader, stopping where it
-    would map the tensors."""
+    """The message "GGUF file X is truncated: ..." when the tensor table in its header places data past the
+    file's end, else None (a header too short to read says nothing). Reads the header through gguf's reader,
+    stopping where it would map the tensors."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
