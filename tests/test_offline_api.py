@@ -43,8 +43,10 @@ def test_generate_returns_one_output_per_prompt_with_its_sequences(llm):
 def test_cumulative_logprob_sums_the_sampled_tokens(llm):
     (out,) = llm.generate("Once upon a time", SamplingParams(max_tokens=5, temperature=0, logprobs=0, ignore_eos=True))
     (c,) = out.outputs
-    assert [lp.token_id for lp in c.logprobs] == c.token_ids
-    assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in c.logprobs))
+    # vLLM's shape: per position {token_id: Logprob}, here the sampled token's alone (logprobs=0)
+    assert [list(pos) for pos in c.logprobs] == [[t] for t in c.token_ids]
+    sampled = [pos[t] for pos, t in zip(c.logprobs, c.token_ids)]
+    assert c.cumulative_logprob == pytest.approx(sum(lp.logprob for lp in sampled))
     assert c.cumulative_logprob < 0
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from sluice.app.bench.common import print_figures
 from sluice.app.bench.results import command_line, machine_line, write_result
+from sluice.core.errors import SluiceError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -165,6 +166,26 @@ def namespace_dir(tree: Path, into: Path) -> Path:
     return into
 
 
+def add_baseline_tree(ref: str, into: Path) -> None:
+    """Check ``ref`` of this repository out at ``into`` (a detached git worktree). Only a git checkout has other
+    commits: an installed copy, a missing git or an unknown ref is one line (a `SluiceError`), not git's
+    traceback."""
+    try:
+        top = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SluiceError("--baseline needs git, which is not installed") from None
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != REPO:
+        raise SluiceError(
+            f"--baseline needs a git checkout of sluice, and this one is installed at {REPO}: clone the "
+            "repository and run `sluice bench host` from the clone (PYTHONPATH=$(scripts/namespace_path.sh))"
+        )
+    add = ["git", "-C", str(REPO), "worktree", "add", "--detach", str(into), ref]
+    run = subprocess.run(add, capture_output=True, text=True)
+    if run.returncode != 0:
+        why = (run.stderr.strip().splitlines() or ["git worktree add failed"])[-1]
+        raise SluiceError(f"--baseline {ref}: {why}")
+
+
 def run_child(path_dir: Path, cfg: dict, intra_op_threads: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(path_dir), OMP_NUM_THREADS=str(intra_op_threads))
     proc = subprocess.run(
@@ -203,7 +224,7 @@ def main(ns: argparse.Namespace) -> int:
         trees = {"this": (namespace_dir(REPO, Path(tmp) / "this"), this_cfg)}
         if ns.baseline:
             base = Path(tmp) / "baseline-tree"
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), ns.baseline], check=True)
+            add_baseline_tree(ns.baseline, base)
             trees["baseline"] = (namespace_dir(base, Path(tmp) / "baseline"), {**cfg, "engine": {}})
         try:
             runs: dict[str, list[dict]] = {k: [] for k in trees}

@@ -13,8 +13,9 @@ import argparse
 import dataclasses
 import math
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -56,10 +57,13 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def run_workload(engine, workload: Workload, max_concurrency: int | None = None) -> dict:
+async def run_workload(
+    engine, workload: Workload, max_concurrency: int | None = None, on_done: Callable[[], object] = lambda: None
+) -> dict:
     """Replay ``workload`` on a running engine: each request starts at its arrival time, after the request
     it depends on (a previous turn) has finished, and when fewer than ``max_concurrency`` are in flight
-    (first come, first served). Returns per-request TTFTs and the totals."""
+    (first come, first served); ``on_done`` is called as each one ends (a progress bar). Returns per-request
+    TTFTs and the totals."""
     from sluice.core.sampling_params import SamplingParams
 
     reqs = workload.requests
@@ -93,6 +97,7 @@ async def run_workload(engine, workload: Workload, max_concurrency: int | None =
             failed.append(f"{i}: {type(e).__name__}: {e}")
         finally:
             done[i].set()
+            on_done()
 
     async with anyio.create_task_group() as tg:
         for i, r in enumerate(reqs):
@@ -106,7 +111,12 @@ async def run_workload(engine, workload: Workload, max_concurrency: int | None =
 
 
 async def run_engine(
-    args, workload: Workload, round_: int, max_concurrency: int | None = None, warmup: bool = True
+    args,
+    workload: Workload,
+    round_: int,
+    max_concurrency: int | None = None,
+    warmup: bool = True,
+    on_done: Callable[[], object] = lambda: None,
 ) -> RunFigures:
     """One fresh engine with ``args``: warm up, replay the workload, and measure."""
     from sluice.core import AsyncEngine
@@ -117,7 +127,7 @@ async def run_engine(
             async for _ in engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=4, temperature=0.0)):
                 pass
         before = engine.stats()
-        res = await run_workload(engine, workload, max_concurrency)
+        res = await run_workload(engine, workload, max_concurrency, on_done)
         after = engine.stats()
     q = after.prefix_cache_queries - before.prefix_cache_queries
     h = after.prefix_cache_hits - before.prefix_cache_hits
@@ -166,10 +176,22 @@ def summarize_runs(runs: Sequence[RunFigures]) -> dict:
     return out
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)  # each phase's figures as it ends, also when stdout is a pipe or a file
+
+
 async def bench_prefix(
-    engine_args, workload: Workload, repeats: int = 1, max_concurrency: int | None = None, log=print
+    engine_args,
+    workload: Workload,
+    repeats: int = 1,
+    max_concurrency: int | None = None,
+    log=_log,
+    progress: bool = False,
 ) -> tuple[list[RunFigures], dict]:
-    """Alternate cache on and off for ``repeats`` rounds (on-off, then off-on, ...)."""
+    """Alternate cache on and off for ``repeats`` rounds (on-off, then off-on, ...); ``progress`` draws a bar of
+    the requests finished in each phase (on stderr)."""
+    from tqdm import tqdm
+
     runs: list[RunFigures] = []
     for k in range(repeats):
         order = (True, False) if k % 2 == 0 else (False, True)
@@ -179,7 +201,11 @@ async def bench_prefix(
                 enable_prefix_caching=flag,
                 max_waiting_requests=max(engine_args.max_waiting_requests, len(workload.requests)),
             )
-            fig = await run_engine(args, workload, k, max_concurrency)
+            desc = f"round {k} cache {'on' if flag else 'off'}"
+            with tqdm(
+                total=len(workload.requests), desc=desc, unit="req", file=sys.stderr, disable=not progress
+            ) as bar:
+                fig = await run_engine(args, workload, k, max_concurrency, on_done=bar.update)
             release_device_memory()  # the closed engine lingers in reference cycles: free it before the next loads
             log(
                 f"round {k} cache {'on ' if flag else 'off'}: {fig.duration_s:.1f}s, hit rate "
@@ -204,11 +230,14 @@ def cmd_bench_prefix(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     source = resolve_model(args.model, envs.SLUICE_CACHE_DIR)
     workload = build_workload(ns, lambda: load_tokenizer(source.tokenizer_dir), source.config.vocab_size)
+    if ns.ignore_arrival_times:
+        workload.requests = [dataclasses.replace(r, arrival_time=0.0) for r in workload.requests]
+        workload.shape["ignore_arrival_times"] = True
     summary = workload.summary()
     m, v = machine_info(), versions()
     print(f"machine: {m['cpu']} ({m['cores']} cores), {m['gpu'] or 'no GPU'}; torch {v['torch']}; {args.model}")
     print(f"workload: {summary}")
-    runs, figures = anyio.run(bench_prefix, args, workload, ns.repeats, ns.max_concurrency)
+    runs, figures = anyio.run(bench_prefix, args, workload, ns.repeats, ns.max_concurrency, _log, True)
     cols = ["cache", "hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "total_tokens_per_s", "requests_per_s"]
     rows = []
     for side in ("cache_on", "cache_off"):
@@ -265,6 +294,12 @@ def register(subparsers) -> None:
     add_workload_args(p)
     p.add_argument("--repeats", type=int, default=1, help="rounds of (cache on, cache off), alternating order")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at once (default: all)")
+    p.add_argument(
+        "--ignore-arrival-times",
+        action="store_true",
+        help="replay as fast as possible: every request arrives at once (a trace's recorded arrival times, or "
+        "a workload's, are dropped; a later turn still waits for the one it follows, and --max-concurrency holds)",
+    )
     p.add_argument("--out", default=None, help="result JSON (default sluice-bench-prefix-WORKLOAD.json)")
     add_engine_args(p)
     p.set_defaults(func=cmd_bench_prefix)

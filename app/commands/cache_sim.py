@@ -257,6 +257,12 @@ def default_pool_sizes(workload: Workload, block_size: int, points: int = 8) -> 
     return sorted({round(lo * ratio**k) for k in range(points)} | {hi})
 
 
+def unbounded_replay(workload: Workload, base: SimConfig, block_size: int) -> SimResult:
+    """The replay on a pool that holds every request's blocks at once: nothing is ever evicted."""
+    unbounded = max(workload.max_blocks_touched(block_size), 1)
+    return simulate(workload, SimConfig(**{**asdict(base), "num_kv_blocks": unbounded, "block_size": block_size}))
+
+
 def sweep(
     workload: Workload, pool_sizes: Sequence[int] | None, block_sizes: Sequence[int], base: SimConfig
 ) -> tuple[list[SimResult], dict[int, SimResult]]:
@@ -265,7 +271,7 @@ def sweep(
     out, best = [], {}
     for bs in block_sizes:
         unbounded = max(workload.max_blocks_touched(bs), 1)
-        best[bs] = simulate(workload, SimConfig(**{**asdict(base), "num_kv_blocks": unbounded, "block_size": bs}))
+        best[bs] = unbounded_replay(workload, base, bs)
         for n in pool_sizes or default_pool_sizes(workload, bs):
             cfg = SimConfig(**{**asdict(base), "num_kv_blocks": n, "block_size": bs})
             result = best[bs] if n == unbounded else simulate(workload, cfg)
@@ -403,7 +409,10 @@ def cmd_cache_sim(ns: argparse.Namespace) -> int:
         if len(pool_blocks or ()) != 1 or len(ns.block_sizes) != 1:
             raise ValueError("--record-trace replays one configuration: give one --pool-blocks and one --block-sizes")
         base.num_kv_blocks, base.block_size = pool_blocks[0], ns.block_sizes[0]
-        results = [simulate(workload, base, trace=ns.record_trace, model=ns.model)]
+        best = unbounded_replay(workload, base, base.block_size)  # the table's best_unbounded, as a sweep's
+        results = [
+            replace(simulate(workload, base, trace=ns.record_trace, model=ns.model), best_hit_rate=best.hit_rate)
+        ]
         print(f"wrote {ns.record_trace} (open it with: sluice inspect --trace {ns.record_trace})")
     else:
         results, _ = sweep(workload, pool_blocks, ns.block_sizes, base)

@@ -2,7 +2,10 @@
 
 Replies stream as they are generated. The conversation is kept: each turn sends the whole history through the
 model's chat template (the prefix cache serves what earlier turns already computed). ``/reset`` starts over,
-``/exit`` or Ctrl-D leaves, Ctrl-C stops a reply (and at the prompt, leaves).
+``/exit`` or Ctrl-D leaves, Ctrl-C stops a reply (and at the prompt, leaves). In a terminal, lines are edited
+as in a shell (readline: arrows, Ctrl-R) and earlier sessions' lines are kept in
+``$SLUICE_CACHE_DIR/chat_history``. The KV pool holds one conversation (max_model_len tokens), not a server's
+load, and the engine's log lines stay hidden unless ``--verbose``.
 
 The engine runs on its own event loop in a background thread (an anyio blocking portal, as `LLM` does), so the
 terminal's ``input()`` and Ctrl-C stay in the main thread, where Python delivers them.
@@ -11,9 +14,12 @@ terminal's ``input()`` and Ctrl-C stay in the main thread, where Python delivers
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import queue
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from sluice.core.sampling_params import SamplingParams
@@ -103,14 +109,52 @@ def chat_loop(session: ChatSession, stdin: TextIO, stdout: TextIO) -> None:
         stdout.write("\n")
 
 
+HISTORY_LINES = 1000
+
+
+@contextlib.contextmanager
+def line_editing(history: Path) -> Iterator[bool]:
+    """readline's line editing for ``input()`` where Python has it (not on Windows), with ``history`` read at
+    the start and written back at the end (at most `HISTORY_LINES`). Yields whether it is on."""
+    try:
+        import readline
+    except ImportError:
+        yield False
+        return
+    with contextlib.suppress(OSError):
+        readline.read_history_file(history)
+    readline.set_history_length(HISTORY_LINES)
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            history.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history)
+
+
+def chat_engine_args(ns: argparse.Namespace):
+    """The engine for one conversation: the flags, with a KV pool of one sequence unless --num-kv-blocks."""
+    import dataclasses
+
+    from sluice.app.commands.cli import engine_args_from, one_sequence_kv_blocks
+
+    return dataclasses.replace(engine_args_from(ns), num_kv_blocks=one_sequence_kv_blocks(ns))
+
+
 def cmd_chat(ns: argparse.Namespace) -> int:
     from anyio.from_thread import start_blocking_portal
-    from sluice.app.commands.cli import engine_args_from
+    from sluice.core import envs
     from sluice.core.frontend.engine import AsyncEngine  # the engine (torch) loads here, not for `sluice --help`
 
-    args = engine_args_from(ns)
+    if not ns.verbose:  # the conversation, not the engine's start-up lines (warnings and errors still show)
+        logging.getLogger().setLevel(logging.WARNING)
+    args = chat_engine_args(ns)
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.sampling_seed)
-    with start_blocking_portal() as portal, portal.wrap_async_context_manager(AsyncEngine(args)) as engine:
+    with contextlib.ExitStack() as stack:
+        if sys.stdin.isatty():
+            stack.enter_context(line_editing(envs.SLUICE_CACHE_DIR / "chat_history"))
+        portal = stack.enter_context(start_blocking_portal())
+        engine = stack.enter_context(portal.wrap_async_context_manager(AsyncEngine(args)))
         chat_loop(ChatSession(portal, engine, params, ns.system), sys.stdin, sys.stdout)
     return 0
 
@@ -126,5 +170,6 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling (default: %(default)s)")
     p.add_argument("--sampling-seed", type=int, default=None, help="seed for reproducible replies (default: none)")
+    p.add_argument("--verbose", action="store_true", help="show the engine's log lines (INFO) too")
     add_engine_args(p)
     p.set_defaults(func=cmd_chat)

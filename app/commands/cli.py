@@ -43,6 +43,16 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
 
 
+def one_sequence_kv_blocks(ns: argparse.Namespace) -> int:
+    """``--num-kv-blocks`` for a command that runs one sequence at a time (`generate`, `chat`): the flag's value
+    if given, else a pool for the longest sequence max_model_len allows and a block of headroom, rather than one
+    sized for a server (2 GiB on the CPU)."""
+    if ns.num_kv_blocks is not None:
+        return ns.num_kv_blocks
+    longest = ns.max_model_len or MAX_MODEL_LEN_DEFAULT
+    return -(-longest // ns.block_size) + 1
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from sluice.core import LLM, SamplingParams
 
@@ -50,10 +60,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.sampling_seed)
     messages = _read_messages(ns.messages_file) if ns.messages_file else None
     kwargs = {f.name: getattr(ns, f.name) for f in fields(EngineArgs)}
-    if kwargs["num_kv_blocks"] is None:
-        # One sequence: a pool for its longest possible length, not one sized for a server (2 GiB on the CPU).
-        longest = kwargs["max_model_len"] or MAX_MODEL_LEN_DEFAULT
-        kwargs["num_kv_blocks"] = -(-longest // kwargs["block_size"]) + 1
+    kwargs["num_kv_blocks"] = one_sequence_kv_blocks(ns)
     with LLM(**kwargs) as llm:
         outs = llm.chat([messages], params) if messages is not None else llm.generate([ns.prompt], params)
     for o in outs[0].outputs:
@@ -96,6 +103,11 @@ class CommandParser(argparse.ArgumentParser):
     def add_subparsers(self, **kwargs):
         self.subcommands = super().add_subparsers(**kwargs)
         return self.subcommands
+
+    def error(self, message: str):
+        """A mistake on the command line is one line, as every other user error is: not argparse's usage first
+        (forty lines of flags for `serve`), which `--help` shows."""
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

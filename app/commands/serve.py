@@ -10,8 +10,52 @@ failed step) ends every request with an error, then the server stops and exits 1
 from __future__ import annotations
 
 import argparse
+import socket
 
 from sluice.core import envs
+from sluice.core.errors import SluiceError
+
+DEFAULT_MAX_TOKENS = 1024  # app.server.app.DEFAULT_MAX_TOKENS, without importing the server to build --help
+
+
+def port_number(text: str) -> int:
+    """``--port``'s type: a TCP port, 0..65535 (0: any free port), refused at parse time with argparse's one line."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {port}")
+    return port
+
+
+def token_count(text: str) -> int:
+    """``--default-max-tokens``' type: a count >= 0, refused at parse time."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind ``host:port`` once and let go, before the model loads (which takes a minute on a CPU): a port in
+    use, or an address not on this machine, is one line now rather than uvicorn's after the load. The socket
+    takes SO_REUSEADDR as uvicorn's does, so a port left in TIME_WAIT by the last run counts as free."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SluiceError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            hint = " (another server there? pick another --port)" if port else ""
+            raise SluiceError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
 
 
 def register(subparsers) -> None:
@@ -20,7 +64,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    p.add_argument("--port", type=port_number, default=8000, help="port to listen on, 0..65535 (default: %(default)s)")
     p.add_argument(
         "--api-key",
         default=envs.SLUICE_API_KEY,
@@ -44,6 +88,15 @@ def register(subparsers) -> None:
         default=32 << 20,
         help="refuse (400) a request whose whole response could be larger (n x max_tokens x logprobs) "
         "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=token_count,
+        default=DEFAULT_MAX_TOKENS,
+        metavar="N",
+        help="the most tokens a chat completion that sends no max_tokens (nor max_completion_tokens) generates, "
+        "within what is left of the context; 0 = up to the end of the context, vLLM's default. A completion's "
+        "default stays OpenAI's 16 (default: %(default)s)",
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default: %(default)s)"
@@ -107,6 +160,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from sluice.core.frontend.engine import AsyncEngine
     from sluice.core.models.loader import resolve_model
 
+    check_port_free(ns.host, ns.port)  # before anything loads
     args = engine_args_from(ns)
     if ns.api_server_count != 1:
         from sluice.app.server.api_servers import check_api_server_count

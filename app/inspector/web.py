@@ -20,6 +20,7 @@ from importlib import resources
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from sluice.app.inspector.trace import Trace, load_trace, step_dict
 from sluice.app.server.errors import APIError
 from sse_starlette import EventSourceResponse
@@ -152,6 +153,10 @@ def inspector_routes(
                 for rec in source.steps_after(after):
                     after = rec["step_id"]
                     yield {"event": "step", "id": str(after), "data": json.dumps(rec, separators=(",", ":"))}
+                    # A send into an unpaused transport never suspends: without a turn of the event loop per
+                    # event, a client that left is noticed only after the whole batch (a trace's every step),
+                    # each send into the dead socket logging asyncio's "socket.send() raised exception."
+                    await anyio.lowlevel.checkpoint()
                 await source.wait(after)
 
         return make_sse(events())

@@ -62,6 +62,10 @@ COMPLETION_LOGPROB_BYTES = 48
 # before sse-starlette (and, later, uvicorn) cut what is left.
 SHUTDOWN_MARGIN_S = 2.0
 
+# The most tokens a chat request that sends no max_tokens gets (`sluice serve --default-max-tokens`): an openai
+# client's request without one would otherwise run to the end of the context (8k tokens), minutes on a CPU.
+DEFAULT_MAX_TOKENS = 1024
+
 
 @dataclass(slots=True)
 class ServerConfig:
@@ -74,6 +78,7 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds to receive a whole request body (a slow sender holds a connection)
     max_response_bytes: int = 32 << 20  # the estimated size of one whole response (see `response_size_error`)
     metrics_require_key: bool = False  # /metrics shows every tenant's counts: behind the API key too
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # a chat request that sends none; None: the context's rest
 
 
 def build_app(
@@ -89,6 +94,7 @@ def build_app(
     body_timeout: float = 30.0,
     max_response_bytes: int = 32 << 20,
     metrics_require_key: bool = False,
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS,
 ) -> Starlette:
     """The OpenAI-compatible API over ``engine`` (an `AsyncEngine`, started or not).
 
@@ -96,7 +102,9 @@ def build_app(
     GET /health, GET /version, GET /metrics, GET /openapi.json (and POST /v1/embeddings, which says it is not
     supported). With ``api_key`` set, /v1/* requires ``Authorization: Bearer KEY`` (and
     /metrics too with ``metrics_require_key``). A request body must arrive within ``body_timeout`` seconds (else
-    408); a request whose whole response could exceed ``max_response_bytes`` is refused (400).
+    408); a request whose whole response could exceed ``max_response_bytes`` is refused (400). A chat request
+    that sends no ``max_tokens`` (nor ``max_completion_tokens``) gets at most ``default_max_tokens`` (None: up to
+    the end of the context, vLLM's default); a completion's default stays OpenAI's 16.
     With the engine's ``enable_inspector``: GET /inspect (a page), /inspect/steps, /inspect/kv
     (`app.inspector.web`; the data endpoints take the key too); ``record_trace`` writes the steps to a trace
     file while the app's lifespan runs (`app.inspector.trace`).
@@ -108,6 +116,8 @@ def build_app(
         raise InvalidRequestError("record_trace: needs the engine's enable_inspector", param="record_trace")
     if metrics_require_key and api_key is None:
         raise InvalidRequestError("metrics_require_key: needs an api_key", param="metrics_require_key")
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise InvalidRequestError(f"default_max_tokens: must be >= 1, got {default_max_tokens}", param="max_tokens")
     for name, value in (("body_timeout", body_timeout), ("max_response_bytes", max_response_bytes)):
         if not value > 0:
             raise InvalidRequestError(f"{name}: must be > 0, got {value}", param=name)
@@ -121,6 +131,7 @@ def build_app(
         body_timeout,
         max_response_bytes,
         metrics_require_key,
+        default_max_tokens,
     )
     api = OpenAIServer(engine, config)
 
@@ -514,6 +525,8 @@ class OpenAIServer:
         req: S.ChatCompletionRequest = await self._parse(request, S.ChatCompletionRequest)
         model = self._check_model(req.model)
         params = req.sampling_params()
+        if params.max_tokens is None and self.config.default_max_tokens is not None:
+            params.max_tokens = max(self.config.default_max_tokens, params.min_tokens)
         self._check_response_size(params, CHAT_LOGPROB_BYTES)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None

@@ -32,6 +32,7 @@ def build_server(
         body_timeout=ns.body_timeout,
         max_response_bytes=ns.max_response_bytes,
         metrics_require_key=ns.metrics_require_key,
+        default_max_tokens=ns.default_max_tokens or None,
     )
     config = uvicorn.Config(
         app,

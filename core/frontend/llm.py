@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import sys
@@ -12,7 +13,7 @@ from typing import Any
 
 import anyio
 from sluice.core.args import EngineArgs
-from sluice.core.errors import InvalidRequestError
+from sluice.core.errors import EngineStoppedError, InvalidRequestError
 from sluice.core.frontend.engine import AsyncEngine
 from sluice.core.frontend.request_actor import make_requests
 from sluice.core.outputs import PromptOutput, RequestOutput
@@ -93,6 +94,8 @@ class LLM:
         return self._run(list(conversations), params, use_tqdm)
 
     def _run(self, prompts: list, params, use_tqdm: bool) -> list[PromptOutput]:
+        if self._engine_cm is None:
+            raise EngineStoppedError("LLM is closed: its engine has stopped; make a new LLM to generate again")
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
@@ -115,6 +118,11 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm or len(prompts) < 2)
         in_tokens = out_tokens = 0
         errors: list[Exception] = []
+        tokenizer = self.engine.tokenizer
+
+        @functools.lru_cache(maxsize=4096)
+        def decode_token(token_id: int) -> str:  # Logprob.decoded_token
+            return tokenizer.decode([token_id])
 
         async def one(i: int) -> None:
             nonlocal in_tokens, out_tokens
@@ -134,7 +142,7 @@ class LLM:
             prompt = prompts[i] if isinstance(prompts[i], str) else None
             if isinstance(prompts[i], list) and prompts[i] and isinstance(prompts[i][0], dict):
                 prompt = self.engine.tokenizer.decode(ids[i])
-            results[i] = PromptOutput.from_final(prompt, finals[i])
+            results[i] = PromptOutput.from_final(prompt, finals[i], decode_token)
             if not bar.disable:  # vLLM's progress bar: prompts, and input and output tokens per second
                 in_tokens += len(ids[i])
                 out_tokens += sum(len(o.token_ids) for o in finals[i])

@@ -148,7 +148,8 @@ def gguf_to_hf_dir(gguf_path: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> str:
     try:
         size = _dequantized_bytes(gguf_path)
     except Exception as e:
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+        short = _truncation(gguf_path)  # a partial download or copy reads as a reshape error: say what it is
+        raise ModelLoadError(short or f"cannot read GGUF file {gguf_path}: {e}") from e
     logger.info(
         "first use of %s: converting it once into %s (writes about %.1f GB; later loads read that folder in seconds)",
         fname,
@@ -210,6 +211,36 @@ def _fill_gguf_config_gaps(config, gguf_path: str) -> None:
     for key, attr in gaps.items():
         if f"{arch}.{key}" in fields:
             setattr(config, attr, int(fields[f"{arch}.{key}"].contents()))
+
+
+def _truncation(gguf_path: str) -> str | None:
+    """The message "GGUF file X is truncated: ..." when the tensor table in its header places data past the
+    file's end, else None (a header too short to read says nothing). Reads the header through gguf's reader,
+    stopping where it would map the tensors."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class Header(GGUFReader):
+        def _build_tensors(self, start_offs, fields) -> None:
+            ends = [0]
+            for field in fields:
+                dims, raw_dtype, offset = field.parts[3], field.parts[4], field.parts[5]
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+                ends.append(int(offset[0]) + int(np.prod(dims)) * type_size // block)
+            self.expected_size = start_offs + max(ends)
+            self.tensors = []
+
+    try:
+        expected = Header(gguf_path).expected_size
+    except Exception:
+        return None
+    actual = os.path.getsize(gguf_path)
+    if actual >= expected:
+        return None
+    return (
+        f"GGUF file {gguf_path} is truncated: {actual:,} bytes of the {expected:,} its header describes "
+        "(an interrupted download or copy?)"
+    )
 
 
 def _dequantized_bytes(gguf_path: str) -> int:
