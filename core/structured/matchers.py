@@ -43,7 +43,7 @@ class GrammarRows:
         self._rows_host = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
         self._dev = torch.empty((max_rows, self.words), dtype=torch.int32, device=device)
         self._rows_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
-        # the host's time filling masks (and the rows filled), for the metrics
+        # the host's time filling and uploading masks since the runner last reported it, and the rows filled
         self.fill_seconds = 0.0
         self.rows_filled = 0
 

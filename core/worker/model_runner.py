@@ -619,11 +619,13 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens; its output for the scheduler, with the requests whose grammar failed
-        since the last one (they fail alone)."""
+        since the last one (they fail alone) and the host's time on grammar masks since then."""
         out = self._collect(step)
         failed = self.grammar.take_failures()
         if failed:
             out.failed = {**(out.failed or {}), **failed}
+        if self.grammar.fill_seconds:
+            out.grammar_mask_s, self.grammar.fill_seconds = self.grammar.fill_seconds, 0.0
         return out
 
     def _collect(self, step: LaunchedStep) -> ModelOutput:
