@@ -356,10 +356,11 @@ class ModelRunner:
         for rid in self.batch.apply(so):
             self.generators.drop(rid)
             self.grammar.drop(rid)
-        for nr in so.new_requests:
-            spec = nr.sampling_params.structured_outputs
-            if spec is not None:  # resumed or handed over: caught up with the outputs it arrived with
-                self.grammar.add(nr.request_id, spec, nr.token_ids[nr.num_prompt_tokens :])
+        if self.tp is None or self.tp.rank == 0:  # the rank that samples
+            for nr in so.new_requests:
+                spec = nr.sampling_params.structured_outputs
+                if spec is not None:  # resumed or handed over: caught up with the outputs it arrived with
+                    self.grammar.add(nr.request_id, spec, nr.token_ids[nr.num_prompt_tokens :])
         if self.drafter is not None:
             self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
         if not so.req_ids:
