@@ -28,6 +28,12 @@ def test_exactly_one_valid_kind(kwargs):
     assert isinstance(e.value, InvalidRequestError) and e.value.param == "structured_outputs"
 
 
+def test_min_tokens_is_refused_with_a_grammar():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(choice=["a"]))
+    assert e.value.param == "min_tokens"
+
+
 def test_kind_and_dict_form():
     assert StructuredOutputsParams(json_object=True).kind == "json_object"
     sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})

@@ -39,9 +39,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
         return LLMatcher.grammar_from_lark(spec.grammar)
-    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-        if isinstance(e, InvalidStructuredOutput):
-            raise
+    except InvalidStructuredOutput:
+        raise
+    except Exception as e:  # a bad schema's text, a value llguidance refuses: the request's fault, never a 500
         raise InvalidStructuredOutput(f"structured_outputs.{kind}: {e}") from None
 
 
@@ -113,7 +113,10 @@ class LLGuidanceBackend:
             if known:
                 self._checked.move_to_end(text)
         if not known:
-            failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+            try:
+                failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+            except Exception as e:  # llguidance reports errors as values; anything raised is the grammar's too
+                failed, messages = True, [str(e)]
             if failed:
                 raise InvalidStructuredOutput(f"structured_outputs.{spec.kind}: {messages[0].strip()}")
             with self._lock:
@@ -128,7 +131,10 @@ class LLGuidanceBackend:
     def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         from llguidance import LLMatcher
 
-        m = LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        try:
+            m = LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        except Exception as e:
+            raise InvalidStructuredOutput(f"structured_outputs.{grammar.kind}: {e}") from None
         if m.is_error():
             raise InvalidStructuredOutput(f"structured_outputs.{grammar.kind}: {m.get_error()}")
         return LLGuidanceMatcher(m)
