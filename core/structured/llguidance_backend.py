@@ -9,6 +9,7 @@ choice (a Lark alternation of the literal strings), or a Lark grammar as given.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 
@@ -18,6 +19,7 @@ from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar
 
 _CACHE_SIZE = 256  # checked grammars kept (the same schema tends to come again and again)
+_MASK_THREADS = 8  # at most: llguidance's threads filling a step's masks (the host's other work needs cores too)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -75,6 +77,11 @@ class LLGuidanceMatcher:
         return LLGuidanceMatcher(self._m.deep_copy())
 
     @property
+    def raw(self):
+        """The `llguidance.LLMatcher` (for the backend's batched fill)."""
+        return self._m
+
+    @property
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
 
@@ -94,6 +101,7 @@ class LLGuidanceBackend:
         self._tokenizer = None
         self._lock = threading.Lock()  # compiles run in several threads; the tokenizer is built once
         self._checked: OrderedDict[str, None] = OrderedDict()
+        self._executor = None  # llguidance's thread pool for a step's masks, at the first step with several
 
     @property
     def tokenizer(self):
@@ -124,6 +132,20 @@ class LLGuidanceBackend:
                 while len(self._checked) > _CACHE_SIZE:
                     self._checked.popitem(last=False)
         return CompiledGrammar(text, spec.kind)
+
+    def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
+        """One row alone in the caller's thread; several on llguidance's threads, without the GIL."""
+        if len(rows) == 1:
+            m, row = rows[0]
+            m.fill_bitmask(bitmask, row)
+            return
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor(num_threads=max(1, min(_MASK_THREADS, (os.cpu_count() or 2) - 1)))
+        one_row = bitmask.shape[1] * bitmask.itemsize
+        pairs = [(m.raw, row) for m, row in rows]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, one_row, len(bitmask))
 
     def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         return CompiledGrammar(grammar_text(spec), spec.kind)
