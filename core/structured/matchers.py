@@ -32,6 +32,7 @@ import torch
 from sluice.core.errors import RequestFailedError
 from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_words
+from sluice.core.structured.bitmask import apply_token_bitmask_
 
 _TEMPLATES = 64  # grammars kept compiled (a matcher at their start), most recently used: new requests fork them
 
@@ -145,6 +146,16 @@ class GrammarRows:
         self.matchers.pop(request_id, None)
 
     # -- one step's mask -----------------------------------------------------------------------------
+    def mask_logits(
+        self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
+    ) -> None:
+        """Mask ``logits`` rows ``rows`` (of requests ``req_ids``, after ``drafts``: see `fill`) in place; the
+        host's time on it counts in ``fill_seconds``."""
+        bitmask, row_idx = self.fill(req_ids, rows, drafts)
+        t0 = time.perf_counter()
+        apply_token_bitmask_(logits, bitmask, row_idx)
+        self.fill_seconds += time.perf_counter() - t0
+
     def fill(
         self, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
