@@ -245,3 +245,15 @@ def test_preempted_requests_resume_their_grammar():
     assert runs[0] == runs[1]
     for name, text in zip(names, runs[1]):
         jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_the_inspector_marks_constrained_rows():
+    llm = LLM(MODEL, seed=0, enable_inspector=True, **COMMON)
+    try:
+        free = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        llm.generate(["free", "json"], [free, _json(SCHEMAS["ref"], seed=1)], use_tqdm=False)
+        rows = [(r.request_id, r.constrained) for rec in llm.engine.inspector.steps for r in rec.requests]
+    finally:
+        llm.close()
+    marked = {rid for rid, c in rows if c}
+    assert len(marked) == 1 and {rid for rid, _ in rows} - marked  # the constrained one only
