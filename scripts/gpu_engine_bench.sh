@@ -24,6 +24,8 @@
 #   scripts/gpu_engine_bench.sh rope|rope-short|rope200|rope1000  # RoPE and the KV write in the decode attention
 #                         # kernel (default) vs their own kernel: steps and batch 1 | in 5 min | ShareGPT 200 | 1000
 #   scripts/gpu_engine_bench.sh lat    # batch 1 and batch 8 only
+#   scripts/gpu_engine_bench.sh structured  # issue 37: 64 concurrent ShareGPT requests unconstrained vs every one
+#                       # under a JSON schema, same call (ratio, mask ms per step), then batch 256's mask share
 #   scripts/gpu_engine_bench.sh submit  # callers spawned 64 at a time vs all at once: ShareGPT 1000 (and 200)
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
@@ -31,8 +33,6 @@
 #   scripts/gpu_engine_bench.sh regroup|regroup-eq  # issue 35: this build vs 07bb7c6 (.stage/old), alternating:
 #                       # ShareGPT 200 and batch 1 | greedy equality on the real model (after stage1, stage2, stage3)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
-#   scripts/gpu_engine_bench.sh structured  # issue 37: 64 concurrent ShareGPT requests unconstrained vs every one
-#                       # under a JSON schema, same call (ratio, mask ms per step), then batch 256's mask share
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
