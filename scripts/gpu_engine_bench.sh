@@ -28,6 +28,8 @@
 #   scripts/gpu_engine_bench.sh rope|rope-short|rope200|rope1000  # RoPE and the KV write in the decode attention
 #                         # kernel (default) vs their own kernel: steps and batch 1 | in 5 min | ShareGPT 200 | 1000
 #   scripts/gpu_engine_bench.sh lat    # batch 1 and batch 8 only
+#   scripts/gpu_engine_bench.sh structured  # issue 37: 64 concurrent ShareGPT requests unconstrained vs every one
+#                       # under a JSON schema, same call (ratio, mask ms per step), then batch 256's mask share
 #   scripts/gpu_engine_bench.sh submit  # callers spawned 64 at a time vs all at once: ShareGPT 1000 (and 200)
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
@@ -430,6 +432,10 @@ same = now["rows"] == prev["rows"]
 print(f"equality: this build pass={now['pass']} equal={now['equal']} near_ties={now['near_ties']} "
       f"mismatches={now['mismatches']}; previous pass={prev['pass']}; rows identical: {same}")
 PY
+    ;;
+structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
+    run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats 2 --out "$OUT/structured64.json"
+    run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -49,6 +49,7 @@ class StepRequestModel(_Strict):
     num_cached_tokens: int
     num_output_tokens: int
     forks: list[str]
+    constrained: bool
 
 
 class StepModel(_Strict):

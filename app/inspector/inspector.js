@@ -283,14 +283,14 @@ function detail(rec) {
   box.append(h);
   const table = el("table");
   const head = el("tr");
-  for (const c of ["request", "kind", "tokens", "drafts (accepted)", "positions", "from cache", "emitted", "forks"]) head.append(el("th", null, c));
+  for (const c of ["request", "kind", "tokens", "drafts (accepted)", "positions", "from cache", "emitted", "forks", "grammar"]) head.append(el("th", null, c));
   table.append(head);
   for (const r of rec.requests) {
     const tr = el("tr", r.request_id === S.selected ? "sel" : "");
     const cells = [
       null, r.kind, r.num_tokens, r.num_draft_tokens ? `${r.num_draft_tokens} (${r.num_accepted_tokens})` : "",
       `${r.start_pos}..${r.start_pos + r.num_tokens + r.num_draft_tokens - 1}`, r.num_cached_tokens || "",
-      r.num_output_tokens || "", r.forks.length || "",
+      r.num_output_tokens || "", r.forks.length || "", r.constrained ? "yes" : "",
     ];
     const first = el("td");
     first.append(ridLink(r.request_id));

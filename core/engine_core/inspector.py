@@ -36,6 +36,7 @@ class StepRequest:
     num_cached_tokens: int  # admitted this step: prompt tokens found in the prefix cache (not computed)
     num_output_tokens: int  # tokens this step emitted
     forks: list[str]  # n > 1: siblings that sampled their first token from this request's logits
+    constrained: bool  # sampled under a grammar (structured outputs)
 
 
 @dataclass(slots=True)
@@ -149,6 +150,7 @@ class StepRecorder:
         emitted = {ev.request_id: ev for ev in events}
         spec = out.spec_token_ids or {}
         running = mark.running
+        requests = s.requests
         reqs = []
         # Positional arguments, in field order: this loop runs for every request of every step.
         for rid, q, start, sample in zip(so.req_ids, so.num_scheduled_tokens, so.num_computed_tokens, so.samples):
@@ -167,6 +169,7 @@ class StepRecorder:
                     0 if rid in running else start,
                     len(ev.token_ids) if ev is not None else 0,
                     so.forks.get(rid, []),
+                    _constrained(requests.get(rid)),
                 )
             )
         ttft, itl = [], []
@@ -272,3 +275,8 @@ class StepRecorder:
             "owners": {str(b): rids for b, rids in sorted(owners.items())},
             "requests": requests,
         }
+
+
+def _constrained(req) -> bool:
+    """Whether a request (None: ended within the step) samples under a grammar."""
+    return req is not None and req.sampling_params.structured_outputs is not None

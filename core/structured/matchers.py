@@ -1,0 +1,214 @@
+"""`GrammarRows`: the grammar matchers of the requests in the executor's persistent batch, and the bitmask their
+rows are sampled under.
+
+The matchers live beside the persistent batch because that is where every token a request accepts passes, in
+order: the plain steps' samples when they are read back, the speculative steps' accepted drafts. A matcher is
+made when its request arrives in the batch (`NewRequest`), from its compiled grammar, and is caught up with the
+output tokens it arrived with (a request resumed after a preemption, or a decode engine's hand-over); it is
+dropped when the request finishes or is aborted (`SchedulerOutput.finished_request_ids`). Compiling takes
+milliseconds, so it runs in a thread of its own (llguidance releases the GIL meanwhile): the step that brought
+the request goes on, and only its first mask waits for it, after that step's forward is enqueued.
+
+The mask of a step's constrained rows is filled on the host into one pinned buffer, only after the step before
+it is read back (its tokens advance the matchers). The runner has enqueued the step's forward by then, so the
+fill overlaps the forward on the device; the mask then goes to the device without a sync (non-blocking) and is
+applied in place before sampling (`bitmask.apply_token_bitmask_`). Rows without a grammar cost nothing: a step
+without a constrained row touches none of this.
+
+A row whose grammar can go nowhere (an error, or no token allowed) fails its request alone (`failures`, which
+the runner reports in its `ModelOutput.failed`); its row is sampled unmasked and its token dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from sluice.core.errors import RequestFailedError
+from sluice.core.sampling_params import StructuredOutputsParams
+from sluice.core.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_words
+from sluice.core.structured.bitmask import apply_token_bitmask_
+
+_TEMPLATES = 64  # grammars kept compiled (a matcher at their start), most recently used: new requests fork them
+
+
+class GrammarRows:
+    def __init__(self, make_backend: Callable[[], GrammarBackend], vocab_size: int, max_rows: int, device) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None  # built at the first constrained request (reads the tokenizer)
+        self.device = device
+        self.words = bitmask_words(vocab_size)
+        # request -> its matcher, or the compile that will give it (`_matcher` waits for it)
+        self.matchers: dict[str, GrammarMatcher | Future] = {}
+        self._compiler: ThreadPoolExecutor | None = None
+        self._templates: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar source -> its start
+        self._templates_lock = threading.Lock()  # the compile thread adds, the executor's thread forks
+        self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
+        self.max_rows = max_rows
+        self._buffers: tuple[torch.Tensor, ...] | None = None  # the mask's, at the first constrained step
+        # the host's time filling and uploading masks since the runner last reported it, and the rows filled
+        self.fill_seconds = 0.0
+        self.rows_filled = 0
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            self._backend = self._make_backend()
+        return self._backend
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add(self, request_id: str, spec: StructuredOutputsParams, output_tokens: list[int]) -> None:
+        """A request arrives in the batch: its matcher, forked from a grammar compiled before (microseconds) or
+        compiled in the background, then caught up with the output tokens it already has."""
+        grammar = self.backend.grammar_of(spec)
+        fork = self._fork(grammar.source)
+        if fork is not None and not output_tokens:
+            self.matchers[request_id] = fork
+            return
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
+        self.matchers[request_id] = self._compiler.submit(self._build, grammar, output_tokens)
+
+    def _build(self, grammar: CompiledGrammar, output_tokens: list[int]) -> GrammarMatcher:
+        """In the compile thread: a matcher at the grammar's start (kept, to fork for later requests), caught up."""
+        m = self._fork(grammar.source)
+        if m is None:
+            m = self.backend.matcher(grammar)
+            with self._templates_lock:
+                self._templates[grammar.source] = m.fork()
+                while len(self._templates) > _TEMPLATES:
+                    self._templates.popitem(last=False)
+        if output_tokens and not m.accept_tokens(output_tokens):
+            raise RequestFailedError(f"the grammar rejects the output so far: {_first_line(m.error)}")
+        return m
+
+    def _fork(self, source: str) -> GrammarMatcher | None:
+        with self._templates_lock:
+            template = self._templates.get(source)
+            if template is None:
+                return None
+            self._templates.move_to_end(source)
+            return template.fork()
+
+    def _matcher(self, request_id: str) -> GrammarMatcher | None:
+        """The request's matcher (once its compile is done), or None: not constrained, or failed."""
+        m = self.matchers.get(request_id)
+        if isinstance(m, Future):
+            try:
+                m = m.result()
+            except Exception as e:  # checked by the front end already: only a broken backend gets here
+                self._fail(request_id, str(e))
+                return None
+            if request_id in self.matchers:  # not dropped meanwhile
+                self.matchers[request_id] = m
+        return m
+
+    def drop(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, tokens: list[int]) -> None:
+        """The request's next tokens. Tokens after the grammar's end (its EOS, when ``ignore_eos`` goes on) are
+        not the grammar's."""
+        m = self._matcher(request_id)
+        if m is None or m.is_terminated:
+            return
+        if not m.accept_tokens(tokens):
+            self._fail(request_id, f"the grammar rejected token(s) {tokens}: {_first_line(m.error)}")
+
+    def accept_rows(self, req_ids: list[str], tokens: list[int], rows: np.ndarray) -> None:
+        """A read-back step's tokens, for its constrained ``rows`` only."""
+        for j in rows.tolist():
+            self.accept(req_ids[j], [tokens[j]])
+
+    def accept_step(self, sampled: dict[str, int], emitted: dict[str, list[int]]) -> None:
+        """A speculative step's tokens: the plain rows' samples, the verifying rows' accepted drafts and the token
+        after them (the rejected drafts never reached the matchers: nothing to roll back)."""
+        for rid, t in sampled.items():
+            if rid in self.matchers:
+                self.accept(rid, [t])
+        for rid, tokens in emitted.items():
+            if rid in self.matchers:
+                self.accept(rid, tokens)
+
+    def take_failures(self) -> dict[str, Exception] | None:
+        if not self.failures:
+            return None
+        out, self.failures = self.failures, {}
+        return out
+
+    def _fail(self, request_id: str, why: str) -> None:
+        self.failures[request_id] = RequestFailedError(f"structured output: {why}")
+        self.matchers.pop(request_id, None)
+
+    # -- one step's mask -----------------------------------------------------------------------------
+    def mask_logits(
+        self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
+    ) -> None:
+        """Mask ``logits`` rows ``rows`` (of requests ``req_ids``, after ``drafts``: see `fill`) in place; the
+        host's time on it counts in ``fill_seconds``."""
+        bitmask, row_idx = self.fill(req_ids, rows, drafts)
+        t0 = time.perf_counter()
+        apply_token_bitmask_(logits, bitmask, row_idx)
+        self.fill_seconds += time.perf_counter() - t0
+
+    def fill(
+        self, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the mask of a step's constrained ``rows`` (row ``rows[i]`` of the step's logits belongs to request
+        ``req_ids[i]``) and start copying it to the device: ``(bitmask [C, words], rows [C])`` there, ready for
+        `apply_token_bitmask_`. A verification row samples after ``drafts[i]`` (the drafts before it): its mask
+        is the grammar's after them; one behind a draft the grammar rejects is never reached (its draft is
+        rejected first, masked out of the row before it) and is left unmasked."""
+        t0 = time.perf_counter()
+        c = len(rows)
+        if c > self.max_rows:
+            raise RuntimeError(f"{c} constrained rows, more than the {self.max_rows} the mask holds")
+        host_t, rows_t, dev, rows_dev = self._buffers or self._allocate()
+        host = host_t.numpy()
+        plain: list[tuple[GrammarMatcher, int]] = []  # filled together (in parallel, where the backend can)
+        for i, rid in enumerate(req_ids):
+            m = self._matcher(rid)
+            before = drafts[i] if drafts is not None else None
+            if m is None or (before and m.validate_tokens(before) < len(before)):
+                host[i] = -1  # failed earlier (its token is dropped), or a row past a rejected draft
+            elif before:
+                m.accept_tokens(before)
+                m.fill_bitmask(host, i)
+                m.rollback(len(before))
+            else:
+                plain.append((m, i))
+        if plain:
+            self.backend.fill_bitmasks(plain, host)
+        for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
+            m = self._matcher(req_ids[i])
+            self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
+            host[i] = -1
+        rows_t.numpy()[:c] = rows
+        nb = self.device.type == "cuda"
+        bitmask = dev[:c].copy_(host_t[:c], non_blocking=nb)
+        row_idx = rows_dev[:c].copy_(rows_t[:c], non_blocking=nb)
+        self.fill_seconds += time.perf_counter() - t0
+        self.rows_filled += c
+        return bitmask, row_idx
+
+    def _allocate(self) -> tuple[torch.Tensor, ...]:
+        """The mask's buffers: host (pinned on a GPU: the copies do not wait) and device, for the rows and their
+        indices. One set serves every step: a step's mask is filled only after the step before it is read back,
+        so every copy from them has completed by then."""
+        pin, n = self.device.type == "cuda", self.max_rows
+        self._buffers = (
+            torch.full((n, self.words), -1, dtype=torch.int32, pin_memory=pin),
+            torch.zeros(n, dtype=torch.int64, pin_memory=pin),
+            torch.empty((n, self.words), dtype=torch.int32, device=self.device),
+            torch.empty(n, dtype=torch.int64, device=self.device),
+        )
+        return self._buffers
+
+
+def _first_line(error: str | None) -> str:
+    return (error or "the grammar failed").strip().splitlines()[0]
