@@ -99,9 +99,6 @@ def test_metrics_key_needs_an_api_key():
 
 
 UNSUPPORTED = [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
-    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
