@@ -18,6 +18,7 @@ if TYPE_CHECKING:
         EngineOverloaded,
         EngineStoppedError,
         InvalidRequestError,
+        InvalidStructuredOutput,
         ModelLoadError,
         RequestFailedError,
         SluiceError,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from sluice.core.frontend.engine import AsyncEngine
     from sluice.core.frontend.llm import LLM
     from sluice.core.outputs import RequestOutput, Usage
-    from sluice.core.sampling_params import SamplingParams
+    from sluice.core.sampling_params import SamplingParams, StructuredOutputsParams
     from sluice.core.stats import EngineStats
 
 _PUBLIC = {
@@ -37,11 +38,13 @@ _PUBLIC = {
     "EngineStoppedError": "sluice.core.errors",
     "EngineStats": "sluice.core.stats",
     "InvalidRequestError": "sluice.core.errors",
+    "InvalidStructuredOutput": "sluice.core.errors",
     "ModelLoadError": "sluice.core.errors",
     "RequestFailedError": "sluice.core.errors",
     "RequestOutput": "sluice.core.outputs",
     "SamplingParams": "sluice.core.sampling_params",
     "SluiceError": "sluice.core.errors",
+    "StructuredOutputsParams": "sluice.core.sampling_params",
     "Usage": "sluice.core.outputs",
 }
 
@@ -59,11 +62,13 @@ __all__ = [
     "EngineStoppedError",
     "EngineStats",
     "InvalidRequestError",
+    "InvalidStructuredOutput",
     "ModelLoadError",
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
     "SluiceError",
+    "StructuredOutputsParams",
     "Usage",
     "__version__",
 ]

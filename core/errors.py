@@ -9,6 +9,7 @@ __all__ = [
     "EngineOverloaded",
     "EngineStoppedError",
     "InvalidRequestError",
+    "InvalidStructuredOutput",
     "ModelLoadError",
     "RequestFailedError",
     "SluiceError",
@@ -22,6 +23,14 @@ class InvalidRequestError(SluiceError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class InvalidStructuredOutput(InvalidRequestError):
+    """A request's structured output (JSON schema, regex, choice, grammar) is invalid or uses what the grammar
+    engine does not support (HTTP 400): refused, never ignored."""
+
+    def __init__(self, message: str, param: str | None = "structured_outputs") -> None:
+        super().__init__(message, param)
 
 
 class EngineOverloaded(SluiceError):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from sluice.core.errors import InvalidRequestError
+from sluice.core.errors import InvalidRequestError, InvalidStructuredOutput
 from sluice.core.param_ranges import (  # noqa: F401 - re-exported: the names callers import from here
     FLOAT32_MAX,
     MAX_LOGPROBS,
@@ -32,6 +33,54 @@ _RANGED = (
 _NONE_ALLOWED = frozenset({"max_tokens", "seed", "logprobs"})
 
 
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """What a request's output must match, enforced token by token (`core/structured/`): exactly one of
+
+    - ``json``: a JSON schema (a dict, or its text);
+    - ``json_object``: any JSON object;
+    - ``regex``: a regular expression the whole output matches;
+    - ``choice``: one of these strings, verbatim;
+    - ``grammar``: a grammar in llguidance's Lark syntax (which may embed JSON schemas: ``%json {...}``).
+
+    JSON comes out compact (``{"a":1}``) unless ``whitespace_flexible``: the grammar then allows the whitespace
+    JSON allows, which a weak model may spend its whole token budget on."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidStructuredOutput(
+                "structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
+                + (f" (got {', '.join(given)})" if given else "")
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidStructuredOutput("structured_outputs.json: must be a JSON schema (an object or its text)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise InvalidStructuredOutput("structured_outputs.regex: must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise InvalidStructuredOutput("structured_outputs.grammar: must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise InvalidStructuredOutput("structured_outputs.choice: must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -52,12 +101,16 @@ class SamplingParams:
     cache_salt: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # the output must match this (a JSON schema, a regex, a choice, a grammar); None: free text
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):  # a library caller's or the wire's plain mapping
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

@@ -16,13 +16,16 @@ SOURCE_DIRS = (*PARTS, "tests", "scripts")
 # The floors, lowest first: a module may import its own floor and the floors below it, never one above.
 # `vocab` is the root of core/ (args, sampling params, errors, outputs, the step contract, the inbox messages);
 # the other core floors are its sub-packages. The process bridge (`ipc`) sits just above the vocabulary it
-# carries; the policy (`sched`) and the model runner (`worker`) know nothing of the actors that drive them.
+# carries; the grammar engine (`structured`: backends, matchers, the bitmask kernel) above it, for the model
+# runner and the front end; the policy (`sched`) and the model runner (`worker`) know nothing of the actors that
+# drive them.
 FLOORS = (
     "kv",
     "models",
     "spec",
     "core.vocab",
     "core.ipc",
+    "core.structured",
     "core.sched",
     "core.worker",
     "core.engine_core",

@@ -32,8 +32,10 @@ from sluice.core.messages import AbortRequest, EndAllRequests, submit_to
 from sluice.core.models.loader import ModelSource, resolve_model
 from sluice.core.outputs import RequestOutput
 from sluice.core.request_ids import LiveRequestIds
-from sluice.core.sampling_params import SamplingParams
+from sluice.core.sampling_params import SamplingParams, StructuredOutputsParams
 from sluice.core.stats import EngineStats
+from sluice.core.structured.backend import CompiledGrammar, GrammarBackend
+from sluice.core.structured.registry import DEFAULT_BACKEND, make_backend
 
 if TYPE_CHECKING:
     import torch
@@ -146,6 +148,10 @@ class AsyncEngine:
         self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1) or 1
         self.max_model_len = max_model_len_for(self.args, source.config)
         self.eos_token_ids = tuple(source.eos_token_ids)
+        # structured outputs: requests' grammars are checked here, in the front end, before they are sent
+        self.grammars: GrammarBackend = make_backend(
+            DEFAULT_BACKEND, self.tokenizer, source.config.vocab_size, list(self.eos_token_ids)
+        )
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: Prompt) -> list[int]:
@@ -173,6 +179,13 @@ class AsyncEngine:
             return await anyio.to_thread.run_sync(self.tokenize_prompt, prompt, limiter=self._tokenizers)
         return self.tokenize_prompt(prompt)
 
+    async def compile_structured_outputs(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """Check a structured output (JSON schema, regex, choice, grammar) against the tokenizer, in a worker
+        thread (a compile takes milliseconds; the first one also builds the grammar engine's view of the
+        tokenizer): `InvalidStructuredOutput` (HTTP 400) if it is invalid or unsupported. `generate` calls it for
+        every request that has one."""
+        return await anyio.to_thread.run_sync(self.grammars.compile, spec, limiter=self._tokenizers)
+
     async def generate(
         self,
         prompt: Prompt,
@@ -194,6 +207,8 @@ class AsyncEngine:
         if dead is not None:
             raise dead if isinstance(dead, EngineDeadError) else EngineDeadError(f"engine is dead: {dead}")
         params = params or SamplingParams()
+        if params.structured_outputs is not None:
+            await self.compile_structured_outputs(params.structured_outputs)
         prompt_ids = await self.tokenize_off_loop(prompt)
         request_id = self._live_ids.claim(request_id)
         try:

@@ -120,6 +120,7 @@ _KNOWN = {
         E.EngineOverloaded,
         E.EngineStoppedError,
         E.InvalidRequestError,
+        E.InvalidStructuredOutput,
         E.ModelLoadError,
         E.RequestFailedError,
         E.WorkerDiedError,
@@ -135,7 +136,7 @@ def error_from_wire(w: WireError) -> Exception:
     cls = _KNOWN.get(w.kind)
     if cls is None:
         return RuntimeError(w.message if w.kind == "RuntimeError" else f"{w.kind}: {w.message}")
-    if cls is E.InvalidRequestError:
+    if issubclass(cls, E.InvalidRequestError):
         return cls(w.message, param=w.param)
     return cls(w.message)
 

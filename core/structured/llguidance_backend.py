@@ -1,0 +1,128 @@
+"""The default grammar backend: llguidance (a Rust grammar engine; compiles in milliseconds, computes a mask
+without the GIL, and its fast-forward tokens respect the tokenizer's canonical tokenization).
+
+Every `StructuredOutputsParams` kind becomes one llguidance grammar text: a JSON schema (compact separators
+unless ``whitespace_flexible``; keywords llguidance does not implement are refused, never ignored), a regex, a
+choice (a Lark alternation of the literal strings), or a Lark grammar as given.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import numpy as np
+from sluice.core.errors import InvalidStructuredOutput
+from sluice.core.sampling_params import StructuredOutputsParams
+from sluice.core.structured.backend import CompiledGrammar
+
+_CACHE_SIZE = 256  # checked grammars kept (the same schema tends to come again and again)
+
+
+def grammar_text(spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for ``spec`` (not yet checked against a tokenizer)."""
+    from llguidance import LLMatcher
+
+    kind = spec.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = spec.json if kind == "json" else {"type": "object"}
+            if isinstance(schema, str):
+                schema = json.loads(schema)
+            if not isinstance(schema, dict):
+                raise InvalidStructuredOutput("structured_outputs.json: a JSON schema is an object")
+            options = {"whitespace_flexible": spec.whitespace_flexible}
+            return LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(spec.regex)
+        if kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+        return LLMatcher.grammar_from_lark(spec.grammar)
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        if isinstance(e, InvalidStructuredOutput):
+            raise
+        raise InvalidStructuredOutput(f"structured_outputs.{kind}: {e}") from None
+
+
+class LLGuidanceMatcher:
+    """A `GrammarMatcher` over `llguidance.LLMatcher` (which never raises for grammar errors: it enters an error
+    state, read here as ``error``)."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, matcher) -> None:
+        self._m = matcher
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        words = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)  # drops the GIL
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        return self._m.consume_tokens(tokens)
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return self._m.validate_tokens(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
+    def forced_tokens(self) -> list[int]:
+        return self._m.compute_ff_tokens()
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() or None if self._m.is_error() else None
+
+
+class LLGuidanceBackend:
+    """A `GrammarBackend`. Building llguidance's view of the tokenizer takes a fraction of a second: once, on the
+    first compile (off the event loop, like every compile)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self._hf_tokenizer = hf_tokenizer
+        self._eos = list(eos_token_ids) or None
+        self._tokenizer = None
+        self._lock = threading.Lock()  # compiles run in several threads; the tokenizer is built once
+        self._checked: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf
+
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
+            return self._tokenizer
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        from llguidance import LLMatcher
+
+        text = grammar_text(spec)
+        with self._lock:
+            known = text in self._checked
+            if known:
+                self._checked.move_to_end(text)
+        if not known:
+            failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+            if failed:
+                raise InvalidStructuredOutput(f"structured_outputs.{spec.kind}: {messages[0].strip()}")
+            with self._lock:
+                self._checked[text] = None
+                while len(self._checked) > _CACHE_SIZE:
+                    self._checked.popitem(last=False)
+        return CompiledGrammar(text, spec.kind)
+
+    def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        if m.is_error():
+            raise InvalidStructuredOutput(f"structured_outputs.{grammar.kind}: {m.get_error()}")
+        return LLGuidanceMatcher(m)

@@ -1,0 +1,77 @@
+"""Structured outputs' request fields: `StructuredOutputsParams` validation, the wire, and the compile check that
+refuses invalid or unsupported grammars."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from sluice.core.errors import InvalidRequestError, InvalidStructuredOutput
+from sluice.core.ipc.wire import error_from_wire, error_to_wire
+from sluice.core.models.loader import default_tokenizer_dir
+from sluice.core.sampling_params import SamplingParams, StructuredOutputsParams
+from sluice.core.structured.registry import make_backend
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from transformers import AutoTokenizer
+
+    return make_backend("llguidance", AutoTokenizer.from_pretrained(default_tokenizer_dir()), 49152, [2])
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"choice": [1]}, {"regex": ""}, {"json": 3}]
+)
+def test_exactly_one_valid_kind(kwargs):
+    with pytest.raises(InvalidStructuredOutput) as e:
+        StructuredOutputsParams(**kwargs)
+    assert isinstance(e.value, InvalidRequestError) and e.value.param == "structured_outputs"
+
+
+def test_kind_and_dict_form():
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+    sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert sp.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        StructuredOutputsParams(regex=r"\d+", whitespace_flexible=True),
+        StructuredOutputsParams(grammar='start: "x" %json {"type": "integer"}'),
+        None,
+    ],
+)
+def test_sampling_params_cross_the_wire(so):
+    sp = SamplingParams(max_tokens=5, structured_outputs=so)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(sp), type=SamplingParams)
+    assert back == sp
+
+
+def test_the_error_crosses_the_wire_as_itself():
+    back = error_from_wire(error_to_wire(InvalidStructuredOutput("bad schema")))
+    assert type(back) is InvalidStructuredOutput and back.param == "structured_outputs"
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        StructuredOutputsParams(json={"type": "strng"}),
+        StructuredOutputsParams(json="{not json"),
+        StructuredOutputsParams(json="[1, 2]"),
+        StructuredOutputsParams(regex="[a-z"),
+        StructuredOutputsParams(grammar="start: undefined_rule"),
+    ],
+)
+def test_invalid_grammars_are_refused(backend, so):
+    with pytest.raises(InvalidStructuredOutput):
+        backend.compile(so)
+
+
+def test_valid_grammars_compile_to_the_same_source(backend):
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    a, b = backend.compile(so), backend.compile(so)
+    assert a == b and a.kind == "json"
+    m = backend.matcher(a)
+    assert m.error is None and not m.is_terminated
