@@ -82,15 +82,17 @@ def _arguments_schema(parameters: dict | None, where: str) -> dict:
     schema = {**parameters, "type": "object"}
     import llguidance
 
-    grammar = llguidance.LLMatcher.grammar_from_lark(f"start: %json {arguments_json(schema)}")
-    ok, errors = _validate(llguidance, grammar)
+    ok, errors = _validate(llguidance, f"start: %json {arguments_json(schema)}")
     if not ok:
         raise InvalidRequestError(f"{where}: not a usable JSON schema: {errors}", param=where)
     return schema
 
 
-def _validate(llguidance: Any, grammar: str) -> tuple[bool, str]:
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
+def _validate(llguidance: Any, lark: str) -> tuple[bool, str]:
+    try:
+        error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), None)
+    except (ValueError, TypeError, RuntimeError) as e:  # a schema it cannot even read
+        error = str(e) or type(e).__name__
     # The message points into the one-line grammar built here: its first line says what is wrong.
     return not error, error.strip().splitlines()[0] if error else ""
 
