@@ -103,8 +103,7 @@ class Scheduler:
         `allocate_slots` replaces with a private copy (copy-on-write) before the step's attention.
         A parent that ends before its prompt is computed (aborted) hands its place to the first sibling.
         """
-        # logprobs are reported per sampled token; verification does not compute them
-        req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
+        req.draft_synced = self._may_draft(req)
         for sib in forks:
             sib.draft_synced = False  # forks decode without the draft head
         max_len = self.config.max_model_len
@@ -116,6 +115,11 @@ class Scheduler:
         if forks:
             self._pending_forks[req.request_id] = list(forks)
         self.waiting.append(req)
+
+    def _may_draft(self, req: Request) -> bool:
+        """Whether ``req`` may speculate: a draft head, and no logprobs (reported per sampled token; verification
+        does not compute them)."""
+        return self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
@@ -144,11 +148,12 @@ class Scheduler:
 
     def _uniform_eligible(self, req: Request) -> bool:
         """Whether ``req``'s verification needs nothing but greedy argmax matching (no penalties, no min_tokens
-        ban, no logprobs, no siblings to fork)."""
+        ban, no logprobs, no grammar mask, no siblings to fork)."""
         sp = req.sampling_params
         return (
             sp.is_greedy
             and sp.logprobs is None
+            and sp.structured_outputs is None
             and not sp.has_penalties
             and len(req.output_token_ids) >= sp.min_tokens
             and req.request_id not in self._pending_forks
@@ -465,7 +470,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_uniform_inflight = 0
         # recomputed from scratch, so the draft head can follow again
-        req.draft_synced = self.config.num_speculative_tokens > 0 and req.sampling_params.logprobs is None
+        req.draft_synced = self._may_draft(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

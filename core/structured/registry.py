@@ -15,3 +15,11 @@ def make_backend(name: str, hf_tokenizer, vocab_size: int, eos_token_ids: list[i
 
         return LLGuidanceBackend(hf_tokenizer, vocab_size, eos_token_ids)
     raise InvalidStructuredOutput(f"unknown grammar backend {name!r} (available: llguidance)", param=None)
+
+
+def load_backend(name: str, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
+    """`make_backend` over the tokenizer in ``tokenizer_dir`` (the engine core's side, which holds no tokenizer
+    of its own)."""
+    from transformers import AutoTokenizer
+
+    return make_backend(name, AutoTokenizer.from_pretrained(tokenizer_dir), vocab_size, eos_token_ids)

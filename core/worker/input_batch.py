@@ -73,6 +73,7 @@ class InputBatch:
         self.num_logprobs = np.full(max_slots, -1, np.int64)
         self.penalized = np.zeros(max_slots, bool)
         self.seeded = np.zeros(max_slots, bool)
+        self.structured = np.zeros(max_slots, bool)  # sampled under a grammar (`GrammarRows`)
         self.output_tokens: list[list[int] | None] = [None] * max_slots  # penalized slots only
 
     # -- changes -------------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ class InputBatch:
         penalized = p.has_penalties
         self.penalized[slot] = penalized
         self.seeded[slot] = p.seed is not None and p.temperature != 0
+        self.structured[slot] = p.structured_outputs is not None
         self.output_tokens[slot] = list(nr.token_ids[nr.num_prompt_tokens :]) if penalized else None
 
     # -- one step's inputs ---------------------------------------------------------------------------

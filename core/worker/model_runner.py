@@ -29,6 +29,9 @@ from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
+from sluice.core.structured.bitmask import apply_token_bitmask_
+from sluice.core.structured.matchers import GrammarRows
+from sluice.core.structured.registry import DEFAULT_BACKEND, load_backend
 from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.drafter import Drafter, SpecRows
@@ -76,6 +79,7 @@ class ModelRunner:
         self.fused_kernels = self._fuse_kernels()  # the draft head follows the target
         self.num_layers = source.config.num_hidden_layers
         self.vocab_size = source.config.vocab_size
+        self.source = source
         self.max_num_seqs = args.max_num_seqs
         self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
         self.drafter = None  # speculative decoding: the draft head, verification and drafting
@@ -141,6 +145,14 @@ class ModelRunner:
         # prefill/decode disaggregation (core/disagg/engine.py): a decode engine skips the prefill engine's draw
         self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, self.args.kv_role == "decode")
         self.sampling = SamplingBatchBuilder(self.batch, self.generators, self.device)
+        # structured outputs: the constrained requests' matchers and their rows' bitmask (core/structured/)
+        src = self.source
+        self.grammar = GrammarRows(
+            lambda: load_backend(DEFAULT_BACKEND, src.tokenizer_dir, self.vocab_size, list(src.eos_token_ids)),
+            self.vocab_size,
+            self.max_num_seqs * (k + 1),
+            self.device,
+        )
         self._inflight: LaunchedStep | None = None  # the last launched step, until it is read back
         self._last_sampled: torch.Tensor | None = None  # its sampled tokens, on the device
         self.rings = ReadBackRings(self.device, self.max_num_tokens)
@@ -343,6 +355,11 @@ class ModelRunner:
     def launch(self, so: SchedulerOutput) -> LaunchedStep:
         for rid in self.batch.apply(so):
             self.generators.drop(rid)
+            self.grammar.drop(rid)
+        for nr in so.new_requests:
+            spec = nr.sampling_params.structured_outputs
+            if spec is not None:  # resumed or handed over: caught up with the outputs it arrived with
+                self.grammar.add(nr.request_id, spec, nr.token_ids[nr.num_prompt_tokens :])
         if self.drafter is not None:
             self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
         if not so.req_ids:
@@ -437,6 +454,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[b.logit_rows[:head_rows]])[:num_rows]
         eager = graph_bs is None and graph_t is None
         step = LaunchedStep(so, req_ids=req_ids, slots=slots, prepared_at=prepared_at, started=started, eager=eager)
+        if rank0:
+            step.grammar_rows = self._mask_constrained(logits, req_ids, slots)
         if not rank0:
             tokens = torch.empty(num_rows, dtype=torch.long, device=self.device)
         elif sampling is None:  # every row greedy, no penalties, bans or logprobs
@@ -451,6 +470,36 @@ class ModelRunner:
         self._enqueue_read_back(step, tokens)
         self._last_sampled = tokens
         return step
+
+    def _mask_constrained(self, logits: torch.Tensor, req_ids: list[str], slots: np.ndarray) -> np.ndarray | None:
+        """Mask the logits of a step's constrained sampling rows in place (their indices are returned, for the
+        read-back to advance their matchers); None, and nothing done, when no row is constrained.
+
+        The step's forward is enqueued already: the step before it is read back now (its tokens advance the
+        matchers), and the mask is filled on the host while the device runs this step's forward. The mask
+        reaches the device without a sync, ahead of the sampling kernels on the same stream."""
+        if not self.grammar.matchers:
+            return None
+        rows = np.flatnonzero(self.batch.structured[slots])
+        if not rows.size:
+            return None
+        self._read_back(self._inflight)
+        bitmask, row_idx = self.grammar.fill([req_ids[j] for j in rows.tolist()], rows)
+        apply_token_bitmask_(logits, bitmask, row_idx)
+        return rows
+
+    def _mask_verifying(self, logits: torch.Tensor, spec: SpecRows) -> None:
+        """A speculative step's constrained sampling rows (every step before it is read back): a verification
+        row's mask is the grammar's after the drafts before it, so a draft the grammar rejects is rejected by
+        verification, and the token that replaces it is one the grammar allows."""
+        if not self.grammar.matchers:
+            return
+        ib = self.batch
+        rows = np.flatnonzero(ib.structured[spec.slots])
+        if rows.size:
+            rids = [ib.req_ids[s] for s in spec.slots[rows].tolist()]
+            bitmask, row_idx = self.grammar.fill(rids, rows, [spec.extra_outputs[i] for i in rows.tolist()])
+            apply_token_bitmask_(logits, bitmask, row_idx)
 
     def _step_inputs(
         self, so: SchedulerOutput, decode_graphs: bool
@@ -508,6 +557,8 @@ class ModelRunner:
             hidden, features = self.target(b.input_ids[:t], b.positions[:t], attention_metadata(rows, b))
         host, plain_out = self._sample_and_verify(hidden, spec, batch, req_ids)
         out, sampled, spec_tokens = drafter.step_output(so, req_ids, spec, host, ib)
+        if self.grammar.matchers:
+            self.grammar.accept_step(sampled, spec_tokens)
         if plain_out is not None and plain_out.logprobs is not None:
             p = len(spec.plain)
             lps = token_logprobs(ib.num_logprobs[spec.slots[:p]].tolist(), host[:p], plain_out)
@@ -528,6 +579,7 @@ class ModelRunner:
         if not spec.logit_rows:
             return [], None
         logits = self.model.compute_logits(hidden[torch.tensor(spec.logit_rows, device=self.device)]).float()
+        self._mask_verifying(logits, spec)
         p = len(spec.plain)
         parts: list[torch.Tensor] = []
         plain_out = None
@@ -566,7 +618,15 @@ class ModelRunner:
         self._inflight = step
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
-        """Wait for a launched step's tokens; its output for the scheduler."""
+        """Wait for a launched step's tokens; its output for the scheduler, with the requests whose grammar failed
+        since the last one (they fail alone)."""
+        out = self._collect(step)
+        failed = self.grammar.take_failures()
+        if failed:
+            out.failed = {**(out.failed or {}), **failed}
+        return out
+
+    def _collect(self, step: LaunchedStep) -> ModelOutput:
         if step.output is not None:
             return step.output
         self._read_back(step)
@@ -598,6 +658,8 @@ class ModelRunner:
             return
         self.batch.read_back(step.slots, step.so.step_id, host)
         step.token_list = host.tolist()
+        if step.grammar_rows is not None:
+            self.grammar.accept_rows(step.req_ids, step.token_list, step.grammar_rows)
         ib = self.batch
         if ib.penalized[step.slots].any():
             for slot, t in zip(step.slots.tolist(), step.token_list):

@@ -34,6 +34,7 @@ class LaunchedStep:
     read: bool = False  # the host has the tokens (`ModelRunner._read_back`)
     uniform: bool = False  # a uniform speculative step: ``tokens`` is its output vector (`Drafter.uniform_step`)
     token_list: list[int] = field(default_factory=list)
+    grammar_rows: np.ndarray | None = None  # its sampling rows under a grammar (their matchers read its tokens)
     # for the host profile: when the inputs were ready, how long the host waited for the tokens, and events
     # around the step's device work
     prepared_at: float = 0.0

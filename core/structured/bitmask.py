@@ -1,0 +1,52 @@
+"""Apply a packed next-token bitmask to logits, in place: ``logits[rows[i], t] = -inf`` wherever bit ``t % 32`` of
+``bitmask[i, t // 32]`` is clear. Only the constrained rows are named (``rows``): the others are not touched.
+
+One Triton kernel on the GPU (a program per row and block of the vocabulary: one read of the row's words, one
+masked store), vectorised torch on the CPU (the bits unpacked by a shift against ``arange(32)``). Both are
+launched on the current stream after the mask's host-to-device copy, so neither waits for the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_BLOCK = 1024  # vocabulary entries per program: 32 words
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """``logits`` [R, V] (any float dtype), ``bitmask`` [C, ceil(V / 32)] int32 and ``rows`` [C] int64 (which
+    row of ``logits`` each mask row constrains), all on one device."""
+    if rows.numel() == 0:
+        return
+    if logits.is_cuda:
+        _apply_triton(logits, bitmask, rows)
+    else:
+        apply_token_bitmask_torch_(logits, bitmask, rows)
+
+
+def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """The vectorised torch path (the CPU's, and the kernel's reference)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    from sluice.core.structured.bitmask_kernel import apply_bitmask_kernel
+
+    vocab = logits.shape[-1]
+    grid = (rows.numel(), triton_cdiv(vocab, _BLOCK))
+    apply_bitmask_kernel[grid](
+        logits, bitmask, rows, vocab, logits.stride(0), bitmask.stride(0), BLOCK=_BLOCK, num_warps=4
+    )
+
+
+def apply_token_bitmask_triton_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """The Triton kernel on any device Triton runs on (the GPU; the CPU under ``TRITON_INTERPRET=1``, for tests)."""
+    if rows.numel():
+        _apply_triton(logits, bitmask, rows)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

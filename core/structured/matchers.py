@@ -1,0 +1,148 @@
+"""`GrammarRows`: the grammar matchers of the requests in the executor's persistent batch, and the bitmask their
+rows are sampled under.
+
+The matchers live beside the persistent batch because that is where every token a request accepts passes, in
+order: the plain steps' samples when they are read back, the speculative steps' accepted drafts. A matcher is
+made when its request arrives in the batch (`NewRequest`), from its compiled grammar, and is caught up with the
+output tokens it arrived with (a request resumed after a preemption, or a decode engine's hand-over); it is
+dropped when the request finishes or is aborted (`SchedulerOutput.finished_request_ids`).
+
+The mask of a step's constrained rows is filled on the host into one pinned buffer, only after the step before
+it is read back (its tokens advance the matchers). The runner has enqueued the step's forward by then, so the
+fill overlaps the forward on the device; the mask then goes to the device without a sync (non-blocking) and is
+applied in place before sampling (`bitmask.apply_token_bitmask_`). Rows without a grammar cost nothing: a step
+without a constrained row touches none of this.
+
+A row whose grammar can go nowhere (an error, or no token allowed) fails its request alone (`failures`, which
+the runner reports in its `ModelOutput.failed`); its row is sampled unmasked and its token dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from sluice.core.errors import RequestFailedError
+from sluice.core.sampling_params import StructuredOutputsParams
+from sluice.core.structured.backend import GrammarBackend, GrammarMatcher, bitmask_words
+
+
+class GrammarRows:
+    def __init__(self, make_backend: Callable[[], GrammarBackend], vocab_size: int, max_rows: int, device) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None  # built at the first constrained request (reads the tokenizer)
+        self.device = device
+        self.words = bitmask_words(vocab_size)
+        self.matchers: dict[str, GrammarMatcher] = {}
+        self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
+        pin = device.type == "cuda"
+        self._host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._rows_host = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.empty((max_rows, self.words), dtype=torch.int32, device=device)
+        self._rows_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
+        # the host's time filling masks (and the rows filled), for the metrics
+        self.fill_seconds = 0.0
+        self.rows_filled = 0
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            self._backend = self._make_backend()
+        return self._backend
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add(self, request_id: str, spec: StructuredOutputsParams, output_tokens: list[int]) -> None:
+        """A request arrives in the batch: its matcher, caught up with the output tokens it already has."""
+        try:
+            backend = self.backend
+            m = backend.matcher(backend.compile(spec))
+        except Exception as e:  # checked by the front end already: only a broken backend gets here
+            self.failures[request_id] = RequestFailedError(f"structured output: {e}")
+            return
+        self.matchers[request_id] = m
+        if output_tokens:
+            self.accept(request_id, output_tokens)
+
+    def drop(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def accept(self, request_id: str, tokens: list[int]) -> None:
+        """The request's next tokens. Tokens after the grammar's end (its EOS, when ``ignore_eos`` goes on) are
+        not the grammar's."""
+        m = self.matchers.get(request_id)
+        if m is None or m.is_terminated:
+            return
+        if not m.accept_tokens(tokens):
+            self._fail(request_id, f"the grammar rejected token(s) {tokens}: {_first_line(m.error)}")
+
+    def accept_rows(self, req_ids: list[str], tokens: list[int], rows: np.ndarray) -> None:
+        """A read-back step's tokens, for its constrained ``rows`` only."""
+        for j in rows.tolist():
+            self.accept(req_ids[j], [tokens[j]])
+
+    def accept_step(self, sampled: dict[str, int], emitted: dict[str, list[int]]) -> None:
+        """A speculative step's tokens: the plain rows' samples, the verifying rows' accepted drafts and the token
+        after them (the rejected drafts never reached the matchers: nothing to roll back)."""
+        for rid, t in sampled.items():
+            if rid in self.matchers:
+                self.accept(rid, [t])
+        for rid, tokens in emitted.items():
+            if rid in self.matchers:
+                self.accept(rid, tokens)
+
+    def take_failures(self) -> dict[str, Exception] | None:
+        if not self.failures:
+            return None
+        out, self.failures = self.failures, {}
+        return out
+
+    def _fail(self, request_id: str, why: str) -> None:
+        self.failures[request_id] = RequestFailedError(f"structured output: {why}")
+        self.matchers.pop(request_id, None)
+
+    # -- one step's mask -----------------------------------------------------------------------------
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self.matchers
+
+    def fill(
+        self, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the mask of a step's constrained ``rows`` (row ``rows[i]`` of the step's logits belongs to request
+        ``req_ids[i]``) and start copying it to the device: ``(bitmask [C, words], rows [C])`` there, ready for
+        `apply_token_bitmask_`. A verification row samples after ``drafts[i]`` (the drafts before it): its mask
+        is the grammar's after them; one behind a draft the grammar rejects is never reached (its draft is
+        rejected first, masked out of the row before it) and is left unmasked."""
+        t0 = time.perf_counter()
+        c = len(rows)
+        if c > self._host.shape[0]:
+            raise RuntimeError(f"{c} constrained rows, more than the {self._host.shape[0]} the mask holds")
+        host = self._host_np
+        for i, rid in enumerate(req_ids):
+            m = self.matchers.get(rid)
+            before = drafts[i] if drafts is not None else None
+            if m is None or (before and m.validate_tokens(before) < len(before)):
+                host[i] = -1  # failed earlier (its token is dropped), or a row past a rejected draft
+            elif before:
+                m.accept_tokens(before)
+                m.fill_bitmask(host, i)
+                m.rollback(len(before))
+            else:
+                m.fill_bitmask(host, i)
+        for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
+            m = self.matchers.get(req_ids[i])
+            self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
+            host[i] = -1
+        self._rows_host.numpy()[:c] = rows
+        nb = self.device.type == "cuda"
+        bitmask = self._dev[:c].copy_(self._host[:c], non_blocking=nb)
+        row_idx = self._rows_dev[:c].copy_(self._rows_host[:c], non_blocking=nb)
+        self.fill_seconds += time.perf_counter() - t0
+        self.rows_filled += c
+        return bitmask, row_idx
+
+
+def _first_line(error: str | None) -> str:
+    return (error or "the grammar failed").strip().splitlines()[0]
