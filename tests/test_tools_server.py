@@ -36,7 +36,7 @@ FLAGS = {
 }
 SCHEMAS = {"get_weather": WEATHER, "set_flags": FLAGS}
 TOOLS = [{"type": "function", "function": {"name": n, "description": n, "parameters": p}} for n, p in SCHEMAS.items()]
-MAX_TOKENS = 160
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +74,16 @@ def check_calls(choice, names=tuple(SCHEMAS), whole: bool = True) -> list[tuple[
 
 
 def test_required_calls_validate_for_many_seeds(client):
-    r = create(client, tool_choice="required", parallel_tool_calls=False, seed=0, n=8)
+    r = create(client, tool_choice="required", parallel_tool_calls=False, seed=0, n=6)
     seen = {name for choice in r.choices for name, _ in check_calls(choice)}
     assert seen == set(SCHEMAS)
     assert all(len(c.message.tool_calls) == 1 for c in r.choices)  # parallel calls off: one call
 
 
 def test_a_named_tool_is_the_one_called(client):
-    r = create(client, tool_choice={"type": "function", "function": {"name": "set_flags"}}, seed=1, n=3)
-    for choice in r.choices:
-        check_calls(choice, names=("set_flags",), whole=False)
+    named = {"type": "function", "function": {"name": "set_flags"}}
+    for choice in create(client, tool_choice=named, parallel_tool_calls=False, seed=1, n=2).choices:
+        check_calls(choice, names=("set_flags",))
 
 
 def reassemble(stream) -> tuple[dict[int, dict], dict, dict]:
@@ -110,7 +110,7 @@ def reassemble(stream) -> tuple[dict[int, dict], dict, dict]:
 
 def test_streamed_fragments_reassemble_into_the_non_streamed_calls(client):
     """Parallel calls on (the default): several calls in a turn, each with its own index and id."""
-    kw = {"tool_choice": "required", "seed": 5, "n": 4, "temperature": 1.0}
+    kw = {"tool_choice": "required", "seed": 5, "n": 3, "temperature": 1.0, "max_tokens": 80}
     whole = create(client, **kw)
     calls, finish, content = reassemble(create(client, stream=True, **kw))
     several = 0
@@ -126,7 +126,7 @@ def test_streamed_fragments_reassemble_into_the_non_streamed_calls(client):
 
 
 def test_auto_answers_text_or_a_valid_call(client):
-    for choice in create(client, tool_choice="auto", seed=2, max_tokens=24, n=3).choices:
+    for choice in create(client, tool_choice="auto", seed=2, max_tokens=8, n=3).choices:
         if choice.message.tool_calls:
             check_calls(choice)
         else:
@@ -152,9 +152,9 @@ def test_tool_results_go_back_through_the_template(client):
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "-3 C and snow"},
     ]
-    again = create(client, messages=history, tool_choice="auto", max_tokens=8)
+    again = create(client, messages=history, tool_choice="auto", max_tokens=2)
     assert again.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) // 8
-    no_tools = client.chat.completions.create(model="dummy:tiny", messages=history, max_tokens=4)
+    no_tools = client.chat.completions.create(model="dummy:tiny", messages=history, max_tokens=2)
     assert no_tools.choices[0].message.tool_calls is None and no_tools.usage.prompt_tokens > 10
 
 
