@@ -14,9 +14,10 @@ import pytest
 from sluice.app.server.app import build_app
 from sluice.core import AsyncEngine, EngineArgs
 
-from tests.server_helpers import ServerThread, assert_openai_error
+from tests.server_helpers import ServerThread, assert_openai_error, parse_sse
 
 KEY = "tools-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 MSG = [{"role": "user", "content": "What is the weather in Oslo?"}]
 WEATHER = {
     "type": "object",
@@ -125,6 +126,25 @@ def test_streamed_fragments_reassemble_into_the_non_streamed_calls(client):
     assert several, "no choice made parallel calls"
 
 
+def test_the_stream_on_the_wire(server):
+    """Every chunk a chat.completion.chunk; the role with the first fragment; the end a chunk of its own with an
+    empty delta; each token's logprob sent once; the usage last."""
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "seed": 1}
+    body |= {"max_tokens": MAX_TOKENS, "stream": True, "logprobs": True, "stream_options": {"include_usage": True}}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+    datas = parse_sse(resp.content)
+    assert datas[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in datas[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" in c for c in chunks)
+    *calls, end, usage = chunks
+    assert calls[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] and c["choices"][0]["finish_reason"] is None for c in calls[1:])
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "tool_calls"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] > 0
+    logprobs = [lp for c in calls + [end] for lp in (c["choices"][0]["logprobs"] or {}).get("content", [])]
+    assert len(logprobs) == usage["usage"]["completion_tokens"]
+
+
 def test_auto_answers_text_or_a_valid_call(client):
     for choice in create(client, tool_choice="auto", seed=2, max_tokens=8, n=3).choices:
         if choice.message.tool_calls:
@@ -175,7 +195,7 @@ def test_bad_tools_are_400s(server, body, param):
     resp = httpx.post(
         server.url + "/v1/chat/completions",
         json={"messages": MSG, "max_tokens": 4, **body},
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers=AUTH,
         timeout=60,
     )
     assert_openai_error(resp, 400, param)

@@ -614,7 +614,9 @@ class OpenAIServer:
             )
 
         def write(choice: S.ChatChunkChoice) -> str:
-            c = S.ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice], **usage_field)
+            c = S.ChatCompletionChunk(
+                id=rid, object="chat.completion.chunk", created=created, model=model, choices=[choice], **usage_field
+            )
             return c.model_dump_json(exclude_unset=True)
 
         stream = ToolCallStream(plan, write)
@@ -624,7 +626,9 @@ class OpenAIServer:
             return stream.chunks(out.index, out.delta_text, out.finish_reason, lps)
 
         def usage_chunk(u: Usage) -> str:
-            c = S.ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=self._usage(u))
+            c = S.ChatCompletionChunk(
+                id=rid, object="chat.completion.chunk", created=created, model=model, choices=[], usage=self._usage(u)
+            )
             return c.model_dump_json(exclude_unset=True)
 
         gen = self._generate(prompt, params, rid)
