@@ -24,6 +24,11 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # structured outputs: sequences admitted under a grammar; the host's time filling (and uploading) the grammar
+    # masks of constrained rows, and the steps that had any
+    structured_requests: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_mask_steps: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -113,3 +113,4 @@ class ModelOutput:
     # token (their entry in token_ids is the last of these); and the next drafts proposed per request
     spec_token_ids: dict[str, list[int]] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    grammar_mask_s: float = 0.0  # the host's time on this step's grammar masks (structured outputs)

@@ -31,6 +31,8 @@
 #   scripts/gpu_engine_bench.sh regroup|regroup-eq  # issue 35: this build vs 07bb7c6 (.stage/old), alternating:
 #                       # ShareGPT 200 and batch 1 | greedy equality on the real model (after stage1, stage2, stage3)
 #   scripts/gpu_engine_bench.sh spec   # EAGLE on the default model: batch 1 (async scheduling on and off), 64 concurrent
+#   scripts/gpu_engine_bench.sh structured  # issue 37: 64 concurrent ShareGPT requests unconstrained vs every one
+#                       # under a JSON schema, same call (ratio, mask ms per step), then batch 256's mask share
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
@@ -372,6 +374,10 @@ same = now["rows"] == prev["rows"]
 print(f"equality: this build pass={now['pass']} equal={now['equal']} near_ties={now['near_ties']} "
       f"mismatches={now['mismatches']}; previous pass={prev['pass']}; rows identical: {same}")
 PY
+    ;;
+structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
+    run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats 2 --out "$OUT/structured64.json"
+    run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

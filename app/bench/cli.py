@@ -16,6 +16,7 @@ BENCHMARKS = (
     "sluice.app.bench.steps",
     "sluice.app.bench.clients",
     "sluice.app.bench.disagg",
+    "sluice.app.bench.structured",
 )
 
 

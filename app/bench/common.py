@@ -111,13 +111,15 @@ async def drive_engine(
     tag: str = "bench",
     final_only: bool = False,
     submit_chunk: int = SUBMIT_CHUNK,
+    structured_outputs=None,
 ) -> EngineRun:
     """Submit every request at once (greedy, EOS ignored, forced output lengths) and wait for all. With
     ``final_only`` each request yields only its final output, so its first-token time is its finish time.
 
     "At once": one task per request, spawned ``submit_chunk`` at a time (0: all) with a turn of the event loop between
     chunks, so the callers spawned first reach the engine while the harness spawns the rest, as requests
-    arriving over a network would; the clock starts before the first spawn."""
+    arriving over a network would; the clock starts before the first spawn. ``structured_outputs``: every request
+    under that grammar (`StructuredOutputsParams`)."""
     import anyio
     import anyio.lowlevel
     from sluice.core import SamplingParams
@@ -130,7 +132,9 @@ async def drive_engine(
 
     async def one(i: int) -> None:
         r = requests[i]
-        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=r.output_len, temperature=0.0, ignore_eos=True, structured_outputs=structured_outputs
+        )
         async for out in engine.generate(r.prompt_token_ids, params, request_id=f"{tag}-{i}", final_only=final_only):
             now = time.perf_counter() - t0
             if out.delta_token_ids and first[i] != first[i]:

@@ -44,6 +44,11 @@ _COUNTERS = (
     ("prompt_tokens", "prompt_tokens", "Prompt tokens admitted."),
     ("generation_tokens", "generation_tokens", "Tokens generated."),
 )
+_STRUCTURED_COUNTERS = (
+    ("structured_requests", "structured_output_requests", "Sequences admitted under a grammar (structured outputs)."),
+    ("grammar_mask_seconds", "grammar_mask_seconds", "Host seconds filling and uploading grammar masks."),
+    ("grammar_mask_steps", "grammar_mask_steps", "Steps with at least one row under a grammar."),
+)
 _SPEC_COUNTERS = (
     ("spec_num_drafts", "spec_decode_num_drafts", "Speculative verification steps with at least one draft."),
     ("spec_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified."),
@@ -52,6 +57,7 @@ _SPEC_COUNTERS = (
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 # The hit-rate gauge's window, in requests (vLLM logs its prefix-cache hit rate over the last 1000 too).
@@ -147,7 +153,7 @@ class _EngineCollector(Collector):
             "Fraction of KV blocks held by requests, 0 to 1 (unreferenced cached blocks count as free).",
             value=stats.kv_cache_usage,
         )
-        for attr, name, doc in _COUNTERS:
+        for attr, name, doc in (*_COUNTERS, *_STRUCTURED_COUNTERS):
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(stats, attr))
         yield GaugeMetricFamily(
             PREFIX + "prefix_cache_hit_rate",
@@ -201,6 +207,14 @@ class ServerMetrics:
         self.request_success = Counter(
             PREFIX + "request_success", "Finished sequences by finish reason.", ["finished_reason"], registry=r
         )
+        self.grammar_compile = Histogram(
+            PREFIX + "grammar_compile_seconds",
+            "Checking a request's structured output (JSON schema, regex, grammar) against the tokenizer.",
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        if hasattr(engine, "on_grammar_compile"):
+            engine.on_grammar_compile = self.grammar_compile.observe
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
+from sluice.app.server.structured import StructuredOutputFields
 from sluice.core.param_ranges import PARAM_RANGES
 from sluice.core.sampling_params import SamplingParams
 
@@ -111,7 +112,6 @@ _UNSUPPORTED = "Not supported: a request that sets it is refused (400) rather th
 # this server does not implement, with the values that ask for nothing (accepted as if unset). Any other value is
 # refused naming the field, rather than silently ignored (a 200 with prose instead).
 _HARMLESS: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -140,7 +140,6 @@ def _refuse_unsupported(req: BaseModel, names: tuple[str, ...]) -> None:
             raise InvalidRequestError(f"{name}: not supported by this server", param=name)
 
 
-ResponseFormat = _only_harmless("response_format")
 Functions = _only_harmless("functions")
 FunctionCall = _only_harmless("function_call")
 LogitBias = _only_harmless("logit_bias")
@@ -148,8 +147,9 @@ Suffix = _only_harmless("suffix")
 BestOf = _only_harmless("best_of")
 
 
-class _SamplingFields(_Request):
-    """Fields shared by chat and text completions; ``None`` means the default."""
+class _SamplingFields(_Request, StructuredOutputFields):
+    """Fields shared by chat and text completions; ``None`` means the default. Structured outputs
+    (``response_format``, ``structured_outputs``, ``guided_*``): `app/server/structured.py`."""
 
     model: str | None = Field(None, description="The served model name; omitted means the served model.")
     stream: bool | None = False
@@ -204,7 +204,8 @@ class _SamplingFields(_Request):
         }
         # Unset fields keep SamplingParams' own defaults, so there is one place that defines them.
         kwargs = {k: v for k, v in given.items() if v is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        structured = self.structured_outputs_params()
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, **kwargs)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -219,16 +220,13 @@ class ChatCompletionRequest(_SamplingFields):
         None, description='"auto" when there are tools, else "none"; "required" or a named function forces a call.'
     )
     parallel_tool_calls: bool | None = Field(None, description="Several calls in one turn (default true).")
-    response_format: ResponseFormat = Field(
-        None, description='Only {"type": "text"} (or unset): no JSON mode or schema.'
-    )
     functions: Functions = Field(None, description=_UNSUPPORTED)
     function_call: FunctionCall = Field(None, description='Only "none" (or unset): functions are not supported.')
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
-        _refuse_unsupported(self, ("response_format", "functions", "function_call", "logit_bias"))
+        _refuse_unsupported(self, ("functions", "function_call", "logit_bias"))
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

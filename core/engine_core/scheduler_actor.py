@@ -53,6 +53,9 @@ class SchedulerActor:
         self.dead: Exception | None = None
         self.closed: Exception | None = None  # set by EndAllRequests: every new request is refused with it
         self.prompt_tokens = 0
+        self.structured_requests = 0  # sequences admitted under a grammar
+        self.grammar_mask_seconds = 0.0  # the executor's host time on grammar masks, and the steps that had any
+        self.grammar_mask_steps = 0
         self.stats = EngineStats()
         # Called after every publish: a core in its own process sends the new counters to the front end.
         self.on_publish: Callable[[], None] | None = None
@@ -68,6 +71,9 @@ class SchedulerActor:
             healthy=self.dead is None,
             spec_num_draft_tokens=s.spec_stats.num_draft_tokens,
             spec_accepted_per_position=tuple(s.spec_stats.accepted_per_position),
+            structured_requests=self.structured_requests,
+            grammar_mask_seconds=self.grammar_mask_seconds,
+            grammar_mask_steps=self.grammar_mask_steps,
         )
         if self.on_publish is not None:
             self.on_publish()
@@ -138,6 +144,7 @@ class SchedulerActor:
             self.streams[req.request_id] = msg.events
             req.final_only = msg.final_only
             self.prompt_tokens += req.num_prompt_tokens
+            self.structured_requests += req.sampling_params.structured_outputs is not None
         if self.recorder is not None:
             self.recorder.admitted(msg.requests)
         self.scheduler.add_request(msg.requests[0], msg.requests[1:])  # n > 1: one prefill, then forks
@@ -228,6 +235,9 @@ class SchedulerActor:
                 prof.deliver += time.perf_counter() - t1
                 prof.update += t1 - t0
                 prof.steps += 1
+                if out.grammar_mask_s:
+                    self.grammar_mask_seconds += out.grammar_mask_s
+                    self.grammar_mask_steps += 1
                 if rec is not None:
                     rec.record(mark, so, out, events)
                 if out.fatal:

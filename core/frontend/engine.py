@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -73,6 +73,8 @@ class AsyncEngine:
         self._live_ids = LiveRequestIds()
         self._entered = False  # inside `async with` (starting, running or stopping)
         self._client: EngineCoreClient | None = None  # the engine core, once started
+        # called with each structured output's compile time, in seconds (the server's histogram)
+        self.on_grammar_compile: Callable[[float], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -184,7 +186,11 @@ class AsyncEngine:
         thread (a compile takes milliseconds; the first one also builds the grammar engine's view of the
         tokenizer): `InvalidStructuredOutput` (HTTP 400) if it is invalid or unsupported. `generate` calls it for
         every request that has one."""
-        return await anyio.to_thread.run_sync(self.grammars.compile, spec, limiter=self._tokenizers)
+        t0 = time.perf_counter()
+        grammar = await anyio.to_thread.run_sync(self.grammars.compile, spec, limiter=self._tokenizers)
+        if self.on_grammar_compile is not None:
+            self.on_grammar_compile(time.perf_counter() - t0)
+        return grammar
 
     async def generate(
         self,

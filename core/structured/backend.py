@@ -56,6 +56,11 @@ class GrammarMatcher(Protocol):
         """The tokens the grammar forces from here (fast-forward), possibly none."""
         ...
 
+    def fork(self) -> GrammarMatcher:
+        """A matcher at the same position, independent from here on (cheap: how a request starts from a
+        grammar compiled for an earlier one)."""
+        ...
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete: nothing but the end of the sequence may follow."""
@@ -75,4 +80,11 @@ class GrammarBackend(Protocol):
         May take milliseconds: call it off the event loop."""
         ...
 
-    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher: ...
+    def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """``spec``'s grammar without the check (`matcher` fails on what the check would refuse): for the engine
+        core, whose requests the front end checked."""
+        ...
+
+    def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
+        """A matcher at the grammar's start; `InvalidStructuredOutput` if the grammar does not compile."""
+        ...

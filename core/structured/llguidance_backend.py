@@ -71,6 +71,9 @@ class LLGuidanceMatcher:
     def forced_tokens(self) -> list[int]:
         return self._m.compute_ff_tokens()
 
+    def fork(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._m.deep_copy())
+
     @property
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
@@ -118,6 +121,9 @@ class LLGuidanceBackend:
                 while len(self._checked) > _CACHE_SIZE:
                     self._checked.popitem(last=False)
         return CompiledGrammar(text, spec.kind)
+
+    def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        return CompiledGrammar(grammar_text(spec), spec.kind)
 
     def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         from llguidance import LLMatcher

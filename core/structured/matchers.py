@@ -5,7 +5,9 @@ The matchers live beside the persistent batch because that is where every token 
 order: the plain steps' samples when they are read back, the speculative steps' accepted drafts. A matcher is
 made when its request arrives in the batch (`NewRequest`), from its compiled grammar, and is caught up with the
 output tokens it arrived with (a request resumed after a preemption, or a decode engine's hand-over); it is
-dropped when the request finishes or is aborted (`SchedulerOutput.finished_request_ids`).
+dropped when the request finishes or is aborted (`SchedulerOutput.finished_request_ids`). Compiling takes
+milliseconds, so it runs in a thread of its own (llguidance releases the GIL meanwhile): the step that brought
+the request goes on, and only its first mask waits for it, after that step's forward is enqueued.
 
 The mask of a step's constrained rows is filled on the host into one pinned buffer, only after the step before
 it is read back (its tokens advance the matchers). The runner has enqueued the step's forward by then, so the
@@ -19,14 +21,19 @@ the runner reports in its `ModelOutput.failed`); its row is sampled unmasked and
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 from sluice.core.errors import RequestFailedError
 from sluice.core.sampling_params import StructuredOutputsParams
-from sluice.core.structured.backend import GrammarBackend, GrammarMatcher, bitmask_words
+from sluice.core.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_words
+
+_TEMPLATES = 64  # grammars kept compiled (a matcher at their start), most recently used: new requests fork them
 
 
 class GrammarRows:
@@ -35,7 +42,11 @@ class GrammarRows:
         self._backend: GrammarBackend | None = None  # built at the first constrained request (reads the tokenizer)
         self.device = device
         self.words = bitmask_words(vocab_size)
-        self.matchers: dict[str, GrammarMatcher] = {}
+        # request -> its matcher, or the compile that will give it (`_matcher` waits for it)
+        self.matchers: dict[str, GrammarMatcher | Future] = {}
+        self._compiler: ThreadPoolExecutor | None = None
+        self._templates: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar source -> its start
+        self._templates_lock = threading.Lock()  # the compile thread adds, the executor's thread forks
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
         pin = device.type == "cuda"
         self._host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
@@ -43,7 +54,7 @@ class GrammarRows:
         self._rows_host = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
         self._dev = torch.empty((max_rows, self.words), dtype=torch.int32, device=device)
         self._rows_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
-        # the host's time filling masks (and the rows filled), for the metrics
+        # the host's time filling and uploading masks since the runner last reported it, and the rows filled
         self.fill_seconds = 0.0
         self.rows_filled = 0
 
@@ -55,16 +66,50 @@ class GrammarRows:
 
     # -- requests ------------------------------------------------------------------------------------
     def add(self, request_id: str, spec: StructuredOutputsParams, output_tokens: list[int]) -> None:
-        """A request arrives in the batch: its matcher, caught up with the output tokens it already has."""
-        try:
-            backend = self.backend
-            m = backend.matcher(backend.compile(spec))
-        except Exception as e:  # checked by the front end already: only a broken backend gets here
-            self.failures[request_id] = RequestFailedError(f"structured output: {e}")
+        """A request arrives in the batch: its matcher, forked from a grammar compiled before (microseconds) or
+        compiled in the background, then caught up with the output tokens it already has."""
+        grammar = self.backend.grammar_of(spec)
+        fork = self._fork(grammar.source)
+        if fork is not None and not output_tokens:
+            self.matchers[request_id] = fork
             return
-        self.matchers[request_id] = m
-        if output_tokens:
-            self.accept(request_id, output_tokens)
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
+        self.matchers[request_id] = self._compiler.submit(self._build, grammar, output_tokens)
+
+    def _build(self, grammar: CompiledGrammar, output_tokens: list[int]) -> GrammarMatcher:
+        """In the compile thread: a matcher at the grammar's start (kept, to fork for later requests), caught up."""
+        m = self._fork(grammar.source)
+        if m is None:
+            m = self.backend.matcher(grammar)
+            with self._templates_lock:
+                self._templates[grammar.source] = m.fork()
+                while len(self._templates) > _TEMPLATES:
+                    self._templates.popitem(last=False)
+        if output_tokens and not m.accept_tokens(output_tokens):
+            raise RequestFailedError(f"the grammar rejects the output so far: {_first_line(m.error)}")
+        return m
+
+    def _fork(self, source: str) -> GrammarMatcher | None:
+        with self._templates_lock:
+            template = self._templates.get(source)
+            if template is None:
+                return None
+            self._templates.move_to_end(source)
+            return template.fork()
+
+    def _matcher(self, request_id: str) -> GrammarMatcher | None:
+        """The request's matcher (once its compile is done), or None: not constrained, or failed."""
+        m = self.matchers.get(request_id)
+        if isinstance(m, Future):
+            try:
+                m = m.result()
+            except Exception as e:  # checked by the front end already: only a broken backend gets here
+                self._fail(request_id, str(e))
+                return None
+            if request_id in self.matchers:  # not dropped meanwhile
+                self.matchers[request_id] = m
+        return m
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
@@ -72,7 +117,7 @@ class GrammarRows:
     def accept(self, request_id: str, tokens: list[int]) -> None:
         """The request's next tokens. Tokens after the grammar's end (its EOS, when ``ignore_eos`` goes on) are
         not the grammar's."""
-        m = self.matchers.get(request_id)
+        m = self._matcher(request_id)
         if m is None or m.is_terminated:
             return
         if not m.accept_tokens(tokens):
@@ -104,9 +149,6 @@ class GrammarRows:
         self.matchers.pop(request_id, None)
 
     # -- one step's mask -----------------------------------------------------------------------------
-    def is_constrained(self, request_id: str) -> bool:
-        return request_id in self.matchers
-
     def fill(
         self, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +163,7 @@ class GrammarRows:
             raise RuntimeError(f"{c} constrained rows, more than the {self._host.shape[0]} the mask holds")
         host = self._host_np
         for i, rid in enumerate(req_ids):
-            m = self.matchers.get(rid)
+            m = self._matcher(rid)
             before = drafts[i] if drafts is not None else None
             if m is None or (before and m.validate_tokens(before) < len(before)):
                 host[i] = -1  # failed earlier (its token is dropped), or a row past a rejected draft
@@ -132,7 +174,7 @@ class GrammarRows:
             else:
                 m.fill_bitmask(host, i)
         for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
-            m = self.matchers.get(req_ids[i])
+            m = self._matcher(req_ids[i])
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
             host[i] = -1
         self._rows_host.numpy()[:c] = rows

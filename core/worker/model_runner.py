@@ -356,10 +356,11 @@ class ModelRunner:
         for rid in self.batch.apply(so):
             self.generators.drop(rid)
             self.grammar.drop(rid)
-        for nr in so.new_requests:
-            spec = nr.sampling_params.structured_outputs
-            if spec is not None:  # resumed or handed over: caught up with the outputs it arrived with
-                self.grammar.add(nr.request_id, spec, nr.token_ids[nr.num_prompt_tokens :])
+        if self.tp is None or self.tp.rank == 0:  # the rank that samples
+            for nr in so.new_requests:
+                spec = nr.sampling_params.structured_outputs
+                if spec is not None:  # resumed or handed over: caught up with the outputs it arrived with
+                    self.grammar.add(nr.request_id, spec, nr.token_ids[nr.num_prompt_tokens :])
         if self.drafter is not None:
             self.drafter.forget(so.finished_request_ids, so.preempted_request_ids)
         if not so.req_ids:
@@ -619,11 +620,13 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> ModelOutput:
         """Wait for a launched step's tokens; its output for the scheduler, with the requests whose grammar failed
-        since the last one (they fail alone)."""
+        since the last one (they fail alone) and the host's time on grammar masks since then."""
         out = self._collect(step)
         failed = self.grammar.take_failures()
         if failed:
             out.failed = {**(out.failed or {}), **failed}
+        if self.grammar.fill_seconds:
+            out.grammar_mask_s, self.grammar.fill_seconds = self.grammar.fill_seconds, 0.0
         return out
 
     def _collect(self, step: LaunchedStep) -> ModelOutput:
