@@ -225,3 +225,24 @@ def test_a_template_with_tools_renders_them_itself(tokenizer):
     ]
     text = tok.decode(apply_chat_template(tok, msgs, tools=shown))
     assert text.startswith("TOOL get_weather\nuser: hiassistant: CALL get_weather Oslotool: ok")  # trim_blocks
+
+
+def test_an_auto_stream_sends_the_text_then_the_call_fragments():
+    from sluice.app.server.tools.stream import ToolCallStream
+
+    plan = plan_tools(tools(**SCHEMAS), "auto", True)
+    sent: list[S.ChatChunkChoice] = []
+    stream = ToolCallStream(plan, lambda choice: sent.append(choice) or "")
+    text = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for k, piece in enumerate(pieces):
+        stream.chunks(0, piece, "stop" if k == len(pieces) - 1 else None)
+    deltas = [c.delta for c in sent]
+    assert deltas[0].role == "assistant" and all(d.role is None for d in deltas[1:])
+    assert "".join(d.content or "" for d in deltas) == "Let me look. "
+    frags = [f for d in deltas for f in d.tool_calls or []]
+    assert frags[0].id.startswith("call_") and frags[0].function.name == "get_weather"
+    assert frags[0].function.arguments == "" and all(f.id is None and f.index == 0 for f in frags[1:])
+    assert "".join(f.function.arguments for f in frags) == '{"city": "Oslo", "unit": "c"}'
+    assert [c.finish_reason for c in sent][-1] == "tool_calls" and sent[-1].delta.model_dump(exclude_unset=True) == {}
+    assert all(c.finish_reason is None for c in sent[:-1])
