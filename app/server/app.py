@@ -591,11 +591,11 @@ class OpenAIServer:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
         usage_field = {"usage": None} if req.include_usage else {}
+        constrain_to_tools(params, plan)
         split = bool(getattr(getattr(self.engine, "args", None), "split_special_tokens", False))
         prompt = await anyio.to_thread.run_sync(
             apply_chat_template, self.engine.tokenizer, req.prompt(), split, plan.tools
         )
-        constrain_to_tools(params, plan)
 
         def respond(finals: dict[int, RequestOutput], usage: Usage) -> BaseModel:
             choices = []
