@@ -133,6 +133,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
+        if self.structured_outputs is not None and self.min_tokens:
+            # the end-of-sequence ban could leave a grammar that must end no token to continue with
+            raise bad("min_tokens", "not supported with structured_outputs (the grammar decides where the output ends)")
         token_id = PARAM_RANGES["token_id"]
         if not all(map(token_id.contains, self.stop_token_ids)):
             first = next(t for t in self.stop_token_ids if not token_id.contains(t))

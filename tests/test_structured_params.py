@@ -28,6 +28,12 @@ def test_exactly_one_valid_kind(kwargs):
     assert isinstance(e.value, InvalidRequestError) and e.value.param == "structured_outputs"
 
 
+def test_min_tokens_is_refused_with_a_grammar():
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(choice=["a"]))
+    assert e.value.param == "min_tokens"
+
+
 def test_kind_and_dict_form():
     assert StructuredOutputsParams(json_object=True).kind == "json_object"
     sp = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
@@ -75,3 +81,22 @@ def test_valid_grammars_compile_to_the_same_source(backend):
     assert a == b and a.kind == "json"
     m = backend.matcher(a)
     assert m.error is None and not m.is_terminated
+
+
+def test_batched_fill_equals_one_row_at_a_time(backend):
+    import numpy as np
+
+    specs = [
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        StructuredOutputsParams(regex=r"[0-9]+x"),
+        StructuredOutputsParams(choice=["left", "right"]),
+    ]
+    matchers = [backend.matcher(backend.compile(s)) for s in specs]
+    assert matchers[1].accept_tokens(backend.tokenizer.tokenize_str("12"))
+    words = (backend.vocab_size + 31) // 32
+    one, batched = np.zeros((4, words), np.int32), np.zeros((4, words), np.int32)
+    for i, m in enumerate(matchers):
+        m.fill_bitmask(one, i + 1)
+    backend.fill_bitmasks([(m, i + 1) for i, m in enumerate(matchers)], batched)
+    assert (one == batched).all() and one[1:].any(axis=1).all() and not one[0].any()
+    assert not (one[1] == one[2]).all()

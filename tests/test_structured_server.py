@@ -46,11 +46,11 @@ def _schema_format(name: str) -> dict:
 
 
 def test_openai_client_json_schema_many_seeds_and_n(oai):
-    for i, name in enumerate(("nested_object", "any_of_one_of", "pattern_nullable_ranges")):
+    for i, name in enumerate(("nested_object", "pattern_nullable_ranges")):
         r = oai.chat.completions.create(
-            model="dummy:tiny", messages=MSG, max_tokens=200, n=3, seed=i, response_format=_schema_format(name)
+            model="dummy:tiny", messages=MSG, max_tokens=200, n=2, seed=i, response_format=_schema_format(name)
         )
-        assert len(r.choices) == 3
+        assert len(r.choices) == 2
         for c in r.choices:
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(c.message.content), SCHEMAS[name])

@@ -96,7 +96,7 @@ def throughput_figures(ns: argparse.Namespace) -> tuple[dict, dict]:
         runs: dict[str, list[dict]] = {"free": [], "json": []}
         async with AsyncEngine(args) as engine:
             for so in (None, schema):  # warm-up: kernels, and the grammar engine's view of the tokenizer
-                await drive_engine(engine, requests[:4], tag="warmup", final_only=True, structured_outputs=so)
+                await drive_engine(engine, requests[:2], tag="warmup", final_only=True, structured_outputs=so)
             for i in range(ns.repeats):
                 for mode in ("free", "json") if i % 2 == 0 else ("json", "free"):
                     f = await _one_run(engine, requests, schema if mode == "json" else None, f"{mode}{i}")

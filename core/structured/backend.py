@@ -88,3 +88,8 @@ class GrammarBackend(Protocol):
     def matcher(self, grammar: CompiledGrammar) -> GrammarMatcher:
         """A matcher at the grammar's start; `InvalidStructuredOutput` if the grammar does not compile."""
         ...
+
+    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """``matcher.fill_bitmask(bitmask, row)`` for each of ``rows`` (this backend's matchers), in parallel
+        where the backend can."""
+        ...

@@ -9,6 +9,7 @@ choice (a Lark alternation of the literal strings), or a Lark grammar as given.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 
@@ -18,6 +19,7 @@ from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar
 
 _CACHE_SIZE = 256  # checked grammars kept (the same schema tends to come again and again)
+_MASK_THREADS = 8  # at most: llguidance's threads filling a step's masks (the host's other work needs cores too)
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -39,9 +41,9 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         if kind == "choice":
             return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
         return LLMatcher.grammar_from_lark(spec.grammar)
-    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-        if isinstance(e, InvalidStructuredOutput):
-            raise
+    except InvalidStructuredOutput:
+        raise
+    except Exception as e:  # a bad schema's text, a value llguidance refuses: the request's fault, never a 500
         raise InvalidStructuredOutput(f"structured_outputs.{kind}: {e}") from None
 
 
@@ -75,6 +77,11 @@ class LLGuidanceMatcher:
         return LLGuidanceMatcher(self._m.deep_copy())
 
     @property
+    def raw(self):
+        """The `llguidance.LLMatcher` (for the backend's batched fill)."""
+        return self._m
+
+    @property
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
 
@@ -94,6 +101,7 @@ class LLGuidanceBackend:
         self._tokenizer = None
         self._lock = threading.Lock()  # compiles run in several threads; the tokenizer is built once
         self._checked: OrderedDict[str, None] = OrderedDict()
+        self._executor = None  # llguidance's thread pool for a step's masks, at the first step with several
 
     @property
     def tokenizer(self):
@@ -113,7 +121,10 @@ class LLGuidanceBackend:
             if known:
                 self._checked.move_to_end(text)
         if not known:
-            failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+            try:
+                failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+            except Exception as e:  # llguidance reports errors as values; anything raised is the grammar's too
+                failed, messages = True, [str(e)]
             if failed:
                 raise InvalidStructuredOutput(f"structured_outputs.{spec.kind}: {messages[0].strip()}")
             with self._lock:
@@ -122,13 +133,30 @@ class LLGuidanceBackend:
                     self._checked.popitem(last=False)
         return CompiledGrammar(text, spec.kind)
 
+    def fill_bitmasks(self, rows: list[tuple[LLGuidanceMatcher, int]], bitmask: np.ndarray) -> None:
+        """One row alone in the caller's thread; several on llguidance's threads, without the GIL."""
+        if len(rows) == 1:
+            m, row = rows[0]
+            m.fill_bitmask(bitmask, row)
+            return
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor(num_threads=max(1, min(_MASK_THREADS, (os.cpu_count() or 2) - 1)))
+        one_row = bitmask.shape[1] * bitmask.itemsize
+        pairs = [(m.raw, row) for m, row in rows]
+        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, one_row, len(bitmask))
+
     def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         return CompiledGrammar(grammar_text(spec), spec.kind)
 
     def matcher(self, grammar: CompiledGrammar) -> LLGuidanceMatcher:
         from llguidance import LLMatcher
 
-        m = LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        try:
+            m = LLMatcher(self.tokenizer, grammar.source, log_level=0)
+        except Exception as e:
+            raise InvalidStructuredOutput(f"structured_outputs.{grammar.kind}: {e}") from None
         if m.is_error():
             raise InvalidStructuredOutput(f"structured_outputs.{grammar.kind}: {m.get_error()}")
         return LLGuidanceMatcher(m)

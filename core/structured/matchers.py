@@ -32,6 +32,7 @@ import torch
 from sluice.core.errors import RequestFailedError
 from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_words
+from sluice.core.structured.bitmask import apply_token_bitmask_
 
 _TEMPLATES = 64  # grammars kept compiled (a matcher at their start), most recently used: new requests fork them
 
@@ -48,12 +49,8 @@ class GrammarRows:
         self._templates: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar source -> its start
         self._templates_lock = threading.Lock()  # the compile thread adds, the executor's thread forks
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
-        pin = device.type == "cuda"
-        self._host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=pin)
-        self._host_np = self._host.numpy()
-        self._rows_host = torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin)
-        self._dev = torch.empty((max_rows, self.words), dtype=torch.int32, device=device)
-        self._rows_dev = torch.empty(max_rows, dtype=torch.int64, device=device)
+        self.max_rows = max_rows
+        self._buffers: tuple[torch.Tensor, ...] | None = None  # the mask's, at the first constrained step
         # the host's time filling and uploading masks since the runner last reported it, and the rows filled
         self.fill_seconds = 0.0
         self.rows_filled = 0
@@ -149,6 +146,16 @@ class GrammarRows:
         self.matchers.pop(request_id, None)
 
     # -- one step's mask -----------------------------------------------------------------------------
+    def mask_logits(
+        self, logits: torch.Tensor, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
+    ) -> None:
+        """Mask ``logits`` rows ``rows`` (of requests ``req_ids``, after ``drafts``: see `fill`) in place; the
+        host's time on it counts in ``fill_seconds``."""
+        bitmask, row_idx = self.fill(req_ids, rows, drafts)
+        t0 = time.perf_counter()
+        apply_token_bitmask_(logits, bitmask, row_idx)
+        self.fill_seconds += time.perf_counter() - t0
+
     def fill(
         self, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,9 +166,11 @@ class GrammarRows:
         rejected first, masked out of the row before it) and is left unmasked."""
         t0 = time.perf_counter()
         c = len(rows)
-        if c > self._host.shape[0]:
-            raise RuntimeError(f"{c} constrained rows, more than the {self._host.shape[0]} the mask holds")
-        host = self._host_np
+        if c > self.max_rows:
+            raise RuntimeError(f"{c} constrained rows, more than the {self.max_rows} the mask holds")
+        host_t, rows_t, dev, rows_dev = self._buffers or self._allocate()
+        host = host_t.numpy()
+        plain: list[tuple[GrammarMatcher, int]] = []  # filled together (in parallel, where the backend can)
         for i, rid in enumerate(req_ids):
             m = self._matcher(rid)
             before = drafts[i] if drafts is not None else None
@@ -172,18 +181,33 @@ class GrammarRows:
                 m.fill_bitmask(host, i)
                 m.rollback(len(before))
             else:
-                m.fill_bitmask(host, i)
+                plain.append((m, i))
+        if plain:
+            self.backend.fill_bitmasks(plain, host)
         for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
             m = self._matcher(req_ids[i])
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
             host[i] = -1
-        self._rows_host.numpy()[:c] = rows
+        rows_t.numpy()[:c] = rows
         nb = self.device.type == "cuda"
-        bitmask = self._dev[:c].copy_(self._host[:c], non_blocking=nb)
-        row_idx = self._rows_dev[:c].copy_(self._rows_host[:c], non_blocking=nb)
+        bitmask = dev[:c].copy_(host_t[:c], non_blocking=nb)
+        row_idx = rows_dev[:c].copy_(rows_t[:c], non_blocking=nb)
         self.fill_seconds += time.perf_counter() - t0
         self.rows_filled += c
         return bitmask, row_idx
+
+    def _allocate(self) -> tuple[torch.Tensor, ...]:
+        """The mask's buffers: host (pinned on a GPU: the copies do not wait) and device, for the rows and their
+        indices. One set serves every step: a step's mask is filled only after the step before it is read back,
+        so every copy from them has completed by then."""
+        pin, n = self.device.type == "cuda", self.max_rows
+        self._buffers = (
+            torch.full((n, self.words), -1, dtype=torch.int32, pin_memory=pin),
+            torch.zeros(n, dtype=torch.int64, pin_memory=pin),
+            torch.empty((n, self.words), dtype=torch.int32, device=self.device),
+            torch.empty(n, dtype=torch.int64, device=self.device),
+        )
+        return self._buffers
 
 
 def _first_line(error: str | None) -> str:

@@ -29,7 +29,6 @@ from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
-from sluice.core.structured.bitmask import apply_token_bitmask_
 from sluice.core.structured.matchers import GrammarRows
 from sluice.core.structured.registry import DEFAULT_BACKEND, load_backend
 from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
@@ -485,8 +484,7 @@ class ModelRunner:
         if not rows.size:
             return None
         self._read_back(self._inflight)
-        bitmask, row_idx = self.grammar.fill([req_ids[j] for j in rows.tolist()], rows)
-        apply_token_bitmask_(logits, bitmask, row_idx)
+        self.grammar.mask_logits(logits, [req_ids[j] for j in rows.tolist()], rows)
         return rows
 
     def _mask_verifying(self, logits: torch.Tensor, spec: SpecRows) -> None:
@@ -499,8 +497,7 @@ class ModelRunner:
         rows = np.flatnonzero(ib.structured[spec.slots])
         if rows.size:
             rids = [ib.req_ids[s] for s in spec.slots[rows].tolist()]
-            bitmask, row_idx = self.grammar.fill(rids, rows, [spec.extra_outputs[i] for i in rows.tolist()])
-            apply_token_bitmask_(logits, bitmask, row_idx)
+            self.grammar.mask_logits(logits, rids, rows, [spec.extra_outputs[i] for i in rows.tolist()])
 
     def _step_inputs(
         self, so: SchedulerOutput, decode_graphs: bool
