@@ -37,6 +37,10 @@ from sluice.app.server.errors import APIError, engine_error, internal_error, val
 from sluice.app.server.metrics import RequestTracker, ServerMetrics
 from sluice.app.server.openapi import openapi_schema
 from sluice.app.server.stream_chunks import ChatChunks, CompletionChunks
+from sluice.app.server.tools import ToolCallParser, ToolPlan, plan_tools
+from sluice.app.server.tools.plan import constrain_to_tools
+from sluice.app.server.tools.stream import ToolCallStream, assistant_message
+from sluice.app.server.tools.stream import finish_reason as tool_finish_reason
 from sluice.core import __version__
 from sluice.core.errors import EngineStoppedError, InvalidRequestError, SluiceError
 from sluice.core.outputs import RequestOutput, TokenLogprob, Usage
@@ -419,7 +423,7 @@ class OpenAIServer:
         self,
         first: RequestOutput,
         gen: AsyncIterator[RequestOutput],
-        make_chunk: Callable[..., str | None],
+        make_chunk: Callable[..., str | list[str] | None],
         usage_chunk: Callable[[Usage], str] | None,
     ) -> AsyncIterator[str]:
         """The SSE data lines of one stream; an engine failure mid-stream becomes an error event."""
@@ -429,8 +433,11 @@ class OpenAIServer:
             while out is not None:
                 usage = out.usage
                 data = make_chunk(out)
-                if data is not None:
+                if isinstance(data, str):
                     yield data
+                elif data:  # several chunks for one output (a tool call's fragments)
+                    for d in data:
+                        yield d
                 out = await anext(gen, None)
             if usage_chunk is not None:
                 yield usage_chunk(usage)
@@ -493,7 +500,7 @@ class OpenAIServer:
         gen: AsyncIterator[RequestOutput],
         prompt_param: str,
         respond: Callable[[dict[int, RequestOutput], Usage], BaseModel],
-        make_chunk: Callable[[RequestOutput], str | None],
+        make_chunk: Callable[[RequestOutput], str | list[str] | None],
         usage_chunk: Callable[[Usage], str] | None,
     ) -> Response:
         """The JSON response of a finished request, or its event stream (chat and text completions alike)."""
@@ -528,6 +535,9 @@ class OpenAIServer:
         if params.max_tokens is None and self.config.default_max_tokens is not None:
             params.max_tokens = max(self.config.default_max_tokens, params.min_tokens)
         self._check_response_size(params, CHAT_LOGPROB_BYTES)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if plan is not None:
+            return await self._tool_chat(request, req, params, plan, model)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         want_lp = params.logprobs is not None
         role_sent: set[int] = set()
@@ -580,6 +590,61 @@ class OpenAIServer:
             return chunk([], usage=self._usage(u))
 
         gen = self._generate(req.prompt(), params, rid)
+        return await self._respond(
+            request, bool(req.stream), gen, "messages", respond, make_chunk, usage_chunk if req.include_usage else None
+        )
+
+    async def _tool_chat(
+        self, request: Request, req: S.ChatCompletionRequest, params: Any, plan: ToolPlan, model: str
+    ) -> Response:
+        """A chat turn with tools: the tools rendered by the chat template, the turn held to the plan's grammar,
+        and its text read back into ``tool_calls`` (`app/server/tools`)."""
+        from sluice.core.frontend.tokenizer import apply_chat_template
+
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        want_lp = params.logprobs is not None
+        usage_field = {"usage": None} if req.include_usage else {}
+        constrain_to_tools(params, plan)
+        split = bool(getattr(getattr(self.engine, "args", None), "split_special_tokens", False))
+        prompt = await anyio.to_thread.run_sync(
+            apply_chat_template, self.engine.tokenizer, req.prompt(), split, plan.tools
+        )
+
+        def respond(finals: dict[int, RequestOutput], usage: Usage) -> BaseModel:
+            choices = []
+            for i, o in sorted(finals.items()):
+                turn = ToolCallParser.parse(o.text, plan.auto)
+                choices.append(
+                    S.ChatChoice(
+                        index=i,
+                        message=assistant_message(turn),
+                        logprobs=self._chat_logprobs(o.logprobs or []) if want_lp else None,
+                        finish_reason=tool_finish_reason(o.finish_reason, bool(turn.calls)),
+                    )
+                )
+            return S.ChatCompletionResponse(
+                id=rid, created=created, model=model, choices=choices, usage=self._usage(usage)
+            )
+
+        def write(choice: S.ChatChunkChoice) -> str:
+            c = S.ChatCompletionChunk(
+                id=rid, object="chat.completion.chunk", created=created, model=model, choices=[choice], **usage_field
+            )
+            return c.model_dump_json(exclude_unset=True)
+
+        stream = ToolCallStream(plan, write)
+
+        def make_chunk(out: RequestOutput) -> list[str]:
+            lps = self._chat_logprobs(out.delta_logprobs).content if want_lp and out.delta_logprobs else None
+            return stream.chunks(out.index, out.delta_text, out.finish_reason, lps)
+
+        def usage_chunk(u: Usage) -> str:
+            c = S.ChatCompletionChunk(
+                id=rid, object="chat.completion.chunk", created=created, model=model, choices=[], usage=self._usage(u)
+            )
+            return c.model_dump_json(exclude_unset=True)
+
+        gen = self._generate(prompt, params, rid)
         return await self._respond(
             request, bool(req.stream), gen, "messages", respond, make_chunk, usage_chunk if req.include_usage else None
         )

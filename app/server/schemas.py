@@ -52,11 +52,53 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
+    name: str
+    arguments: str = Field(description="The arguments as a JSON string.")
+
+
+class ToolCallIn(BaseModel):
+    """A call of an earlier assistant turn, sent back in ``messages``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="An assistant turn's calls.")
+    tool_call_id: str | None = Field(None, description="A tool result: the call it answers.")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
+    name: str = Field(description="Letters, digits, '_' and '-', at most 64.")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments (an object).")
+    strict: bool | None = Field(None, description="Arguments always follow the schema here, strict or not.")
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, cache_strings="keys")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(BaseModel):
@@ -70,8 +112,6 @@ _UNSUPPORTED = "Not supported: a request that sets it is refused (400) rather th
 # this server does not implement, with the values that ask for nothing (accepted as if unset). Any other value is
 # refused naming the field, rather than silently ignored (a 200 with prose instead).
 _HARMLESS: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
@@ -100,8 +140,6 @@ def _refuse_unsupported(req: BaseModel, names: tuple[str, ...]) -> None:
             raise InvalidRequestError(f"{name}: not supported by this server", param=name)
 
 
-Tools = _only_harmless("tools")
-ToolChoice = _only_harmless("tool_choice")
 Functions = _only_harmless("functions")
 FunctionCall = _only_harmless("function_call")
 LogitBias = _only_harmless("logit_bias")
@@ -177,15 +215,18 @@ class ChatCompletionRequest(_SamplingFields):
     )
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, **_in_range("logprobs"))
-    tools: Tools = Field(None, description=_UNSUPPORTED)
-    tool_choice: ToolChoice = Field(None, description='Only "none" (or unset): tools are not supported.')
+    tools: list[ChatTool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='"auto" when there are tools, else "none"; "required" or a named function forces a call.'
+    )
+    parallel_tool_calls: bool | None = Field(None, description="Several calls in one turn (default true).")
     functions: Functions = Field(None, description=_UNSUPPORTED)
     function_call: FunctionCall = Field(None, description='Only "none" (or unset): functions are not supported.')
 
     def sampling_params(self) -> SamplingParams:
         from sluice.core.errors import InvalidRequestError
 
-        _refuse_unsupported(self, ("tools", "tool_choice", "functions", "function_call", "logit_bias"))
+        _refuse_unsupported(self, ("functions", "function_call", "logit_bias"))
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -268,12 +309,25 @@ class ChoiceLogprobs(_Response):
     content: list[TokenLogprobInfo] | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # A message without calls is sent as before tools were (no "tool_calls": null).
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class ChatChoice(_Response):
@@ -292,9 +346,25 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A fragment of a streamed call: the first carries ``id``, ``type`` and the name, the next ones pieces of
+    the arguments; ``index`` tells the calls of one turn apart."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(_Response):

@@ -16,42 +16,96 @@ def load_tokenizer(tokenizer_dir: str):
         raise ModelLoadError(f"cannot load the tokenizer in {tokenizer_dir}: {e}") from e
 
 
-def apply_chat_template(tokenizer, messages: list[dict], split_special_tokens: bool = False) -> list[int]:
+def apply_chat_template(
+    tokenizer, messages: list[dict], split_special_tokens: bool = False, tools: list[dict] | None = None
+) -> list[int]:
     """The prompt's token ids. With ``split_special_tokens`` the template's own special tokens stay special but
     each message's content is tokenized as plain text: "<|im_end|>" written by a user cannot end its turn and
-    open a forged system turn."""
+    open a forged system turn.
+
+    ``tools`` (OpenAI's ``{"type": "function", "function": ...}`` objects), assistant messages with ``tool_calls``
+    and ``tool`` results go through the model's template when it renders tools (transformers' ``tools=``), else
+    through the Hermes format (`hermes_tools`) inside the model's own turns."""
+    norm = _normalized(messages)
+    kwargs: dict = {}
+    if tools or any(m["role"] == "tool" or "tool_calls" in m for m in norm):
+        if _template_renders_tools(tokenizer):
+            kwargs["tools"] = tools or None
+        else:
+            from sluice.core.frontend.hermes_tools import to_hermes_messages
+
+            norm = to_hermes_messages(norm, tools)
+    if split_special_tokens and _holds_special_text(tokenizer, norm):
+        return _with_literal_content(tokenizer, norm, kwargs)
+    ids = tokenizer.apply_chat_template(norm, tokenize=True, add_generation_prompt=True, **kwargs)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _normalized(messages: list[dict]) -> list[dict]:
+    """Each message as a template takes it: a string content (text parts joined), "developer" as "system", an
+    assistant's ``tool_calls`` with their arguments as objects, a tool result's ``tool_call_id``."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages: must be a non-empty list", param="messages")
     norm = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise InvalidRequestError(
-                f"messages[{i}]: needs a role of system, user or assistant", param=f"messages[{i}].role"
+                f"messages[{i}]: needs a role of system, user, assistant or tool", param=f"messages[{i}].role"
             )
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI text parts
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(
-                        f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise InvalidRequestError(
-                f"messages[{i}].content: must be a string or a list of text parts", param=f"messages[{i}].content"
-            )
-        role = "system" if m["role"] == "developer" else m["role"]
-        norm.append({"role": role, "content": content})
-    if split_special_tokens and _holds_special_text(tokenizer, norm):
-        return _with_literal_content(tokenizer, norm)
-    ids = tokenizer.apply_chat_template(norm, tokenize=True, add_generation_prompt=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+        msg = {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), i)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        if m["role"] == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = m["tool_call_id"]
+        norm.append(msg)
+    return norm
+
+
+def _text(content, i: int) -> str:
+    if isinstance(content, list):  # OpenAI text parts
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content"
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise InvalidRequestError(
+            f"messages[{i}].content: must be a string or a list of text parts", param=f"messages[{i}].content"
+        )
+    return content
+
+
+def _template_call(call: dict) -> dict:
+    """An OpenAI tool call with its arguments (a JSON string on the wire) as an object, as templates expect
+    (transformers' chat-template docs); arguments that are not JSON stay the string they were."""
+    import json
+
+    fn = dict(call.get("function") or {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            fn["arguments"] = json.loads(args)
+        except ValueError:
+            pass
+    return {"type": "function", "id": call.get("id"), "function": fn}
+
+
+def _template_renders_tools(tokenizer) -> bool:
+    """Whether the model's chat template renders a ``tools`` list (templates that do name the variable)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and "tools" in template
 
 
 def _holds_special_text(tokenizer, messages: list[dict]) -> bool:
@@ -62,14 +116,17 @@ def _holds_special_text(tokenizer, messages: list[dict]) -> bool:
     return any(sp in m["content"] for m in messages for sp in specials)
 
 
-def _with_literal_content(tokenizer, messages: list[dict]) -> list[int]:
+def _with_literal_content(tokenizer, messages: list[dict], kwargs: dict | None = None) -> list[int]:
     """Render the template around placeholders, then tokenize the template's text with its special tokens and
     each content with none (`split_special_tokens`). A template that drops a message renders no placeholder
     for it, and its content is left out as it would be."""
     tag = uuid.uuid4().hex
     marks = [f"\ue000{tag}{i}\ue001" for i in range(len(messages))]  # private-use characters: in no real text
     text = tokenizer.apply_chat_template(
-        [{**m, "content": mark} for m, mark in zip(messages, marks)], tokenize=False, add_generation_prompt=True
+        [{**m, "content": mark} for m, mark in zip(messages, marks)],
+        tokenize=False,
+        add_generation_prompt=True,
+        **(kwargs or {}),
     )
     ids: list[int] = []
     pos = 0
