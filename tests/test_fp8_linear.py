@@ -215,3 +215,26 @@ def test_engine_serves_fp8_greedy_close_to_dense():
     assert all(len(t) == 8 for t in outs["fp8"])
     same = sum(a == b for a, b in zip(outs[None], outs["fp8"]))
     assert same >= 1, (outs, same)
+
+
+def test_gpu_fp8_check_agreement_runs_on_the_cpu(tmp_path, monkeypatch):
+    """`scripts/gpu_fp8_check.py agree` (the GPU run's greedy agreement), end to end on a tiny model: every prompt
+    gets a verdict and the summary adds up."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    data = tmp_path / "conversations.json"
+    data.write_text(json.dumps([[f"Tell me about topic {i}.", "Sure."] for i in range(4)]))
+    out = tmp_path / "agree.json"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_fp8_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_fp8_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["gpu_fp8_check.py", "agree", "--model", "dummy:tiny", "--device", "cpu", "--data", str(data)]
+    monkeypatch.setattr(sys, "argv", argv + ["--num-prompts", "3", "--tokens", "4", "--out", str(out)])
+    assert script.main() == 0
+    res = json.loads(out.read_text())
+    assert res["prompts"] == 3 and res["equal"] + res["near-tie"] + res["diverged"] == 3
+    assert all(0 <= r["same_tokens"] <= 4 for r in res["rows"])
