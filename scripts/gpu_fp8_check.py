@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# timed beside them: the LM head, which stays bf16 in the engine (`core/models/fp8_linear.py`): what fp8 would save
+HEAD = {"lm_head": (128256, 4096)}
 CHECK_ROWS = (1, 2, 3, 8, 16, 31, 32, 33, 64, 128, 256, 512)
 TIME_ROWS = (1, 8, 32, 256)
 LAYERS = 32
@@ -150,7 +152,7 @@ def _bench(fn) -> float:
 def time_paths(rows=TIME_ROWS) -> list[dict]:
     """bf16 cuBLAS, the bf16 GEMV and the fp8 paths at 8B shapes; the weights are larger than L2, as in a step."""
     out = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in (SHAPES | HEAD).items():
         for m in rows:
             row = _time_row(name, n, k, m)
             out.append(row)
@@ -220,12 +222,16 @@ def _sweep_row(name: str, n: int, k: int, m: int) -> dict:
 
 
 def batch1_estimate(timings: list[dict]) -> dict:
-    """The four projections of 32 layers at one row: the GEMM part of a batch-1 step, bf16 vs fp8."""
-    one = [r for r in timings if r["rows"] == 1]
-    bf16 = LAYERS * sum(r["bf16_best_us"] for r in one) / 1000
-    fp8 = LAYERS * sum(r["fp8_dispatch_us"] for r in one) / 1000
-    est = {"bf16_projections_ms": bf16, "fp8_projections_ms": fp8, "ratio": fp8 / bf16}
-    print(f"batch 1, four projections x {LAYERS} layers: bf16 {bf16:.3f} ms, fp8 {fp8:.3f} ms ({fp8 / bf16:.2f}x)")
+    """The four projections of 32 layers and the LM head at one row: the GEMM part of a batch-1 step, bf16 vs fp8
+    (the head bf16 in both, as the engine runs it; and fp8, what quantizing it would save)."""
+    one = {r["shape"]: r for r in timings if r["rows"] == 1}
+    bf16 = LAYERS * sum(one[s]["bf16_best_us"] for s in SHAPES) / 1000
+    fp8 = LAYERS * sum(one[s]["fp8_dispatch_us"] for s in SHAPES) / 1000
+    head_bf16, head_fp8 = one["lm_head"]["bf16_best_us"] / 1000, one["lm_head"]["fp8_dispatch_us"] / 1000
+    est = {"bf16_ms": bf16 + head_bf16, "fp8_ms": fp8 + head_bf16, "fp8_with_fp8_head_ms": fp8 + head_fp8}
+    est["ratio"] = est["fp8_ms"] / est["bf16_ms"]
+    print(f"batch 1, 4 projections x {LAYERS} layers + LM head: bf16 {est['bf16_ms']:.3f} ms, fp8 {est['fp8_ms']:.3f}"
+          f" ms ({est['ratio']:.2f}x); with an fp8 head {est['fp8_with_fp8_head_ms']:.3f} ms")  # fmt: skip
     return est
 
 
