@@ -200,21 +200,21 @@ def test_quantize_model_makes_every_projection_fp8_and_keeps_the_head_dense():
     assert weight_bytes(model) < before
 
 
-def test_engine_serves_fp8_greedy_close_to_dense():
-    """`--quantization fp8` through the engine (CPU emulation): requests complete and greedy tokens mostly agree
-    with the unquantized model's on a random tiny model."""
+def test_engine_serves_fp8_and_fp8_with_the_fp8_kv_cache():
+    """`--quantization fp8` through the engine (CPU emulation), alone and over the fp8 KV cache (its scales
+    calibrated on the fp8 model): requests complete, and greedy tokens mostly agree with the unquantized model's."""
     from sluice.core.frontend.llm import LLM
     from sluice.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=8, temperature=0.0)
     prompts = ["The river runs", "Once upon a time", "1, 2, 3,"]
     outs = {}
-    for q in (None, "fp8"):
-        with LLM(model="dummy:tiny", quantization=q, num_kv_blocks=64, dtype="float32") as llm:
-            outs[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert all(len(t) == 8 for t in outs["fp8"])
-    same = sum(a == b for a, b in zip(outs[None], outs["fp8"]))
-    assert same >= 1, (outs, same)
+    for q, kv in ((None, "auto"), ("fp8", "auto"), ("fp8", "fp8")):
+        with LLM(model="dummy:tiny", quantization=q, kv_cache_dtype=kv, num_kv_blocks=64, dtype="float32") as llm:
+            outs[q, kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for variant in (("fp8", "auto"), ("fp8", "fp8")):
+        assert all(len(t) == 8 for t in outs[variant])
+        assert sum(a == b for a, b in zip(outs[None, "auto"], outs[variant])) >= 1, outs
 
 
 def test_gpu_fp8_check_agreement_runs_on_the_cpu(tmp_path, monkeypatch):
@@ -238,3 +238,28 @@ def test_gpu_fp8_check_agreement_runs_on_the_cpu(tmp_path, monkeypatch):
     res = json.loads(out.read_text())
     assert res["prompts"] == 3 and res["equal"] + res["near-tie"] + res["diverged"] == 3
     assert all(0 <= r["same_tokens"] <= 4 for r in res["rows"])
+
+
+def test_speculation_over_an_fp8_target_keeps_the_draft_head_dense_and_greedy_tokens(tmp_path):
+    """EAGLE over an fp8 target: the draft head (and the LM head it shares) stay dense, drafts get accepted, and
+    greedy speculative tokens are the fp8 target's own greedy tokens."""
+    from sluice.core.models.loader import ModelSource
+    from sluice.core.request import Request
+    from sluice.core.sampling_params import SamplingParams
+
+    from tests.spec_helpers import StepLoop, copy_head_dir, tiny_config
+
+    config = tiny_config(64)
+    source = ModelSource("tiny64", config, None, "", [])
+    head = copy_head_dir(tmp_path, "tiny64", config)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for spec in ({}, {"speculative_model": head, "num_speculative_tokens": 3}):
+        loop = StepLoop(source, 64, 64, 4, block_size=8, quantization="fp8", **spec)
+        reqs = loop.run([Request(f"r{i}", [3 + i, 7, 11 + i], params, max_tokens=12) for i in range(4)])
+        outs.append([r.output_token_ids for r in reqs])
+    runner = loop.runner
+    assert any(isinstance(m, Fp8Linear) for m in runner.model.modules())
+    assert not any(isinstance(m, Fp8Linear) for m in runner.drafter.head.modules())
+    assert loop.scheduler.spec_stats.num_accepted_tokens > 0
+    assert outs[0] == outs[1]
