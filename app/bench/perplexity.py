@@ -42,7 +42,9 @@ def register(sub) -> None:
     from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("perplexity", help="perplexity on held-out ShareGPT text: each quantization option vs none")
-    p.add_argument("--variants", default="base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv", help=f"from {', '.join(VARIANTS)}")
+    p.add_argument(
+        "--variants", default="base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv", help=f"from {', '.join(VARIANTS)}"
+    )
     p.add_argument("--num-tokens", type=int, default=16384, help="text tokens to score (whole windows)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     p.add_argument("--out", default=None, help="write the JSON result here")
