@@ -385,7 +385,7 @@ fp8)  # issue 39: dummy:llama3-8b with --quantization fp8 beside bf16 in one cal
     F="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py"
     BENCH="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python -m sluice.app.commands.cli bench"
     # FP8_SWEEP=1 adds the GEMV config sweep (~1 min)
-    run fp8_kernels 150 $F kernels ${FP8_SWEEP:+--sweep} --out "$OUT/fp8_kernels.json"
+    run fp8_kernels 240 $F kernels ${FP8_SWEEP:+--sweep} --out "$OUT/fp8_kernels.json"
     if [ -z "${DRY:-}" ]; then
         python - "$OUT/fp8_kernels.json" <<'PY' || { echo "fp8 kernels FAILED: stopping (see $OUT/fp8_kernels.log)"; exit 3; }
 import json, sys
