@@ -78,7 +78,11 @@ class EngineArgs:
     kv_cache_dtype: str = _arg(
         "auto", "auto = the model dtype; fp8 = e4m3 with static per-head scales (twice the tokens)", ("auto", "fp8")
     )
-    quantization: str | None = _arg(None, "weight-only quantized linear layers; default: none", ("int8", "int4"))
+    quantization: str | None = _arg(
+        None,
+        "quantized linear layers: int8/int4 weight-only, fp8 W8A8 (e4m3 weights, per-token activations); default: none",
+        ("int8", "int4", "fp8"),
+    )
     seed: int = _arg(0, "seed of the random weights (dummy models) and of requests that bring no seed of their own")
     served_model_name: str | None = _arg(None, "the model name the API reports; default: the model's own")
     speculative_model: str | None = _arg(
@@ -143,8 +147,8 @@ class EngineArgs:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise bad("kv_cache_dtype", f"must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise bad("quantization", f"must be None, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "fp8"):
+            raise bad("quantization", f"must be None, int8, int4 or fp8, got {self.quantization!r}")
         if not 0 <= self.gil_switch_interval_ms <= 100:
             raise bad("gil_switch_interval_ms", f"must be in [0, 100], got {self.gil_switch_interval_ms}")
         if self.fused_kernels not in ("auto", "on", "off"):

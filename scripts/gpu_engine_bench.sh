@@ -43,6 +43,9 @@
 #                   # PEER_PROMPTS (default 100) of the same requests (output tok/s rates compared), batch 1 and its
 #                   # weight-read floor (active experts only); ~17 min, so over calls of at most 10 min each:
 #                   # moe-1 (kernels, greedy; ~5 min), moe-2 (Qwen3-30B-A3B; ~6 min), moe-3 (Mixtral-8x7B; ~7 min)
+#   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
+#                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
+#                                      # when stage1-3 left its GGUF in $HOME/stage), ~8 min
 #
 # Inputs travel in .stage/ (ignored; carried): sharegpt1000.json (made with `sluice $bench throughput --model
 # dummy:llama3-8b --dataset sharegpt --num-prompts 1000 --save-requests .stage/sharegpt1000.json
@@ -436,6 +439,71 @@ PY
 structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
     run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats 2 --out "$OUT/structured64.json"
     run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
+    ;;
+fp8)  # issue 39: dummy:llama3-8b with --quantization fp8 beside bf16 in one call. The fp8 kernels' check comes
+    # first and stops the mode when a GPU path is wrong; then batch 1 (128/256) and batch 8 (32/128) latency,
+    # ShareGPT 200 and 1000 offline, each bf16 then fp8; last, greedy agreement of fp8 with bf16 on the real default
+    # model (32 held-out prompts x 64 tokens; needs the GGUF from stage1-3 and heldout.json from .stage/g3).
+    pyx
+    export PYTHONPATH=$HOME/pyx${PYTHONPATH:+:$PYTHONPATH}  # wheels the device lacks, for every command below
+    F="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py"
+    BENCH="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python -m sluice.app.commands.cli bench"
+    # FP8_SWEEP=1 adds the GEMV config sweep (~1 min)
+    run fp8_kernels 240 $F kernels ${FP8_SWEEP:+--sweep} --out "$OUT/fp8_kernels.json"
+    if [ -z "${DRY:-}" ]; then
+        python - "$OUT/fp8_kernels.json" <<'PY' || { echo "fp8 kernels FAILED: stopping (see $OUT/fp8_kernels.log)"; exit 3; }
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as e:  # no JSON: the check crashed before writing it
+    print(f"fp8 kernels: no result ({e})"); sys.exit(1)
+print(f"fp8 kernels: pass={r.get('pass')} {r.get('error', '')} batch1={r.get('batch1')}")
+sys.exit(0 if r.get("pass") else 1)
+PY
+    fi
+    Q="--quantization fp8"
+    lat_b1 lat_b1_bf16
+    lat_b1 lat_b1_fp8 "" "$Q"
+    lat_b8 lat_b8_bf16
+    lat_b8 lat_b8_fp8 "" "$Q"
+    tp200 tp200_bf16
+    tp200 tp200_fp8 "" "$Q"
+    tp1000 tp1000_bf16
+    tp1000 tp1000_fp8 "" "$Q"
+    G=$HOME/stage/smollm2-135m-instruct.gguf
+    D=$HOME/stage/heldout.json
+    [ -f .stage/g3/heldout.json ] && D=.stage/g3/heldout.json
+    if [ -f "$G" ] && [ -f "$D" ]; then
+        run fp8_agree 150 $F agree --model "$G" --data "$D" --num-prompts 32 --tokens 64 --out "$OUT/fp8_agree.json"
+    else
+        echo "fp8 agreement skipped: $G or $D missing (run stage1, stage2, stage3 first)"
+    fi
+    [ -n "${DRY:-}" ] || python - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def get(name, key):
+    try:
+        return json.loads((out / f"{name}.json").read_text()).get(key)
+    except Exception:
+        return None
+rows = [("batch 1 128/256 ms/token (median step)", "lat_b1", "ms_per_output_token", "<= 2.5"),
+        ("batch 1 128/256 ms/token (end to end)", "lat_b1", "e2e_ms_per_output_token", ""),
+        ("batch 8 32/128 ms/token (median step)", "lat_b8", "ms_per_output_token", "reported"),
+        ("ShareGPT 200 offline req/s", "tp200", "requests_per_s", ">= 31"),
+        ("ShareGPT 1000 offline output tok/s", "tp1000", "output_tokens_per_s", ">= 13,500")]
+print(f"{'figure':42} {'bf16':>10} {'fp8':>10} {'fp8/bf16':>9}  target (fp8)")
+for label, name, key, target in rows:
+    a, b = get(f"{name}_bf16", key), get(f"{name}_fp8", key)
+    ratio = f"{b / a:9.3f}" if a and b else f"{'-':>9}"
+    fmt = lambda v: f"{v:10.3f}" if isinstance(v, (int, float)) else f"{'-':>10}"
+    print(f"{label:42} {fmt(a)} {fmt(b)} {ratio}  {target}")
+agree = out / "fp8_agree.json"
+if agree.is_file():
+    a = json.loads(agree.read_text())
+    print(f"greedy agreement fp8 vs bf16, default model: {a['equal']} of {a['prompts']} prompts equal over "
+          f"{a['tokens']} tokens ({a['near-tie']} part at a near-tie, {a['diverged']} wider)")
+PY
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

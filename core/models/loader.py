@@ -300,9 +300,15 @@ def load_model(
                     p.normal_(0.0, 0.02, generator=g)
             _silence_textless_ids(model, source.text_vocab_size)
     else:
+        from sluice.core.models.fp8_checkpoint import Fp8Checkpoint
+
         try:
+            fp8 = Fp8Checkpoint.of(source.config, dtype)  # an FP8 checkpoint: its codes and scales as they are
             # One bar, rank 0's (tensor-parallel ranks load their shards at once)
-            model.load_weights(iter_safetensors(source.weights_dir, progress=tp is None or tp.rank == 0))
+            weights = iter_safetensors(source.weights_dir, progress=tp is None or tp.rank == 0)
+            model.load_weights(weights if fp8 is None else fp8.wrap(weights))
+            if fp8 is not None:
+                logger.info("FP8 checkpoint: %d linear layers keep their e4m3 weights and scales", fp8.apply(model))
         except ModelLoadError as e:
             raise ModelLoadError(f"{source.weights_dir}: {e}") from None
     return model.eval()

@@ -1,7 +1,9 @@
-"""Weight-only quantization of a loaded model, and the static scales of an fp8 KV cache.
+"""Quantization of a loaded model, and the static scales of an fp8 KV cache.
 
-``quantize_model(model, "int8" | "int4")`` replaces every ``nn.Linear`` of the model (the merged qkv,
-o, gate_up and down projections, and an untied LM head) by a `QuantizedLinear`:
+``quantize_model(model, "fp8")`` makes every linear layer but the LM head an fp8 W8A8 `Fp8Linear`
+(`core/models/fp8_linear.py`). ``quantize_model(model, "int8" | "int4")`` (weight-only) replaces every
+``nn.Linear`` of the model (the merged qkv, o, gate_up and down projections, and an untied LM head) by a
+`QuantizedLinear`:
 
 * int8: symmetric, one scale per output channel, ``scale = max|w| / 127``.
 * int4: asymmetric groups along the input dimension, 16 levels between the group's min and max
@@ -38,7 +40,7 @@ from torch import nn
 if TYPE_CHECKING:  # the Triton kernels are imported only where they run (a GPU)
     from sluice.core.models.quant_kernels import GemvTuner
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 INT4_GROUP_SIZES = (128, 64, 32)
 Q4_1_GROUP = 32
 # no larger than the smallest BLOCK_N of the GEMV configs (quant_kernels.GEMV_CONFIGS): sizes the split-K counters
@@ -200,9 +202,14 @@ def quantize_model(
     gguf_file: str | None = None,
     include_lm_head: bool = True,
 ) -> dict[str, int]:
-    """Replace the model's linear layers by `QuantizedLinear` (module doc); returns counts by origin."""
+    """Replace the model's linear layers by `QuantizedLinear` (module doc), or by `Fp8Linear` for ``fp8`` (its
+    LM head stays dense: `core/models/fp8_linear.py`); returns counts by origin."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: must be one of {QUANTIZATION_METHODS}, got {method!r}")
+    if method == "fp8":
+        from sluice.core.models.fp8_linear import quantize_model_fp8
+
+        return quantize_model_fp8(model)
     from sluice.core.models.quant_kernels import GemvTuner
 
     gguf = Q4_1Tensors(gguf_file, model.config) if method == "int4" and gguf_file else None

@@ -16,6 +16,14 @@ threshold down by log2(headroom) binades.
 
 Every writer rounds the same way (round to nearest even, saturate): the torch path with torch's own
 cast, the Triton write kernel with an explicit rounding that agrees with it bit for bit.
+
+Where the cache's error (and the early greedy drift it causes) comes from: e4m3's 3 mantissa bits on the keys,
+not the scales. `scripts/fp8_kv_drift.py` rounds K and V separately with everything else equal: the keys carry
+most of the divergence from the unquantized model (an error of ``q . k`` moves every logit of the softmax),
+the values little; a larger headroom changes nothing (the relative precision of normal e4m3 values does not
+depend on the scale) and a smaller one clips; a scale per token and head, the finest granularity, removes only
+part of it, as does subtracting each head's mean key before rounding. Greedy runs that part do so where the
+unquantized model's top two logits were nearly tied (`scripts/gpu_fp8_check.py agree --variant fp8-kv`).
 """
 
 from __future__ import annotations
