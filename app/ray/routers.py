@@ -1,0 +1,151 @@
+"""The request routers of the Ray backend, on Ray Serve's `RequestRouter` API (one per ``--routing``).
+
+Serve calls `choose_replicas` for each request and sends it to the least-loaded replica of the first rank
+(list) that has room. So a router that has decided returns ``[[chosen], others]``; one that leaves the choice
+to queue lengths returns one rank with every candidate. Every router keeps a session (``x-session-id``) on the
+replica that served its first request while that replica lives.
+
+- `KVRouter` (``kv``): the replica whose cache holds the longest prefix of the request's block hashes (the
+  prefix cache's own hash, over the token ids), known from the replicas' KV events (`kv_index.py`), so it
+  follows evictions; unless that replica's queue is longer than the shortest by more than ``max_imbalance``
+  (or nothing matches): then the least loaded.
+- `PrefixRouter` (``prefix``): Ray's `PrefixCacheAffinityRouter`, which matches the prompt's text against a
+  tree of what it sent where.
+- `LeastLoadedRouter` (``least-loaded``), `RoundRobinRouter` (``round-robin``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+# Ray's prefix-affinity router itself: `ray.serve.llm` would also load the LLM stack's optional dependencies
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from sluice.app.ray.kv_index import KVIndex
+from sluice.app.ray.request import ReplicaRequest
+from sluice.kv.prefix_cache import block_hashes
+
+
+def _request(pending: PendingRequest | None) -> ReplicaRequest | None:
+    if pending is None or not pending.args or not isinstance(pending.args[0], ReplicaRequest):
+        return None
+    return pending.args[0]
+
+
+class SessionAffinity:
+    """A session's requests go to the replica that took its first one (while it is a candidate)."""
+
+    def sessions(self) -> dict[str, ReplicaID]:
+        if not hasattr(self, "_sessions"):
+            self._sessions: dict[str, ReplicaID] = {}
+        return self._sessions
+
+    def session_replica(self, candidates: list[RunningReplica], pending: PendingRequest | None):
+        req = _request(pending)
+        if req is None or req.session_id is None:
+            return None
+        rid = self.sessions().get(req.session_id)
+        return next((r for r in candidates if r.replica_id == rid), None)
+
+    def remember_session(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
+        req = _request(pending)
+        if req is not None and req.session_id is not None:
+            self.sessions()[req.session_id] = replica_id
+
+
+def _first(chosen: RunningReplica, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
+    return [[chosen], [r for r in candidates if r is not chosen]]
+
+
+class _SluiceRouter(SessionAffinity, FIFOMixin, RequestRouter):
+    def queue_len(self, replica: RunningReplica) -> int:
+        return self.replica_queue_len_cache.get(replica.replica_id) or 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        kept = self.session_replica(candidate_replicas, pending_request)
+        if kept is not None:
+            return _first(kept, candidate_replicas)
+        return self.choose(candidate_replicas, pending_request)
+
+    def choose(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.remember_session(pending_request, replica_id)
+
+
+class LeastLoadedRouter(_SluiceRouter):
+    def choose(self, candidates, pending):
+        return [candidates]  # Serve takes the shortest queue of a rank
+
+
+class RoundRobinRouter(_SluiceRouter):
+    def choose(self, candidates, pending):
+        if not hasattr(self, "_turn"):
+            self._turn = itertools.count()
+        ordered = sorted(candidates, key=lambda r: r.replica_id.unique_id)
+        return _first(ordered[next(self._turn) % len(ordered)], ordered)
+
+
+class KVRouter(_SluiceRouter):
+    def initialize_state(self, block_size: int = 16, max_imbalance: int = 4, **_: Any) -> None:
+        self.block_size = block_size
+        self.max_imbalance = max_imbalance
+        self.index = KVIndex()
+
+    def _follow(self, candidates: list[RunningReplica]) -> None:
+        """Subscribe to the KV events of replicas not followed yet; forget those gone."""
+        for r in candidates:
+            stats = r.routing_stats or {}
+            if "kv_events" in stats and not self.index.watched(r.replica_id):
+                self.index.watch(r.replica_id, stats["kv_events"], stats.get("kv_replay"))
+        live = set(self.curr_replicas)
+        for rid in [rid for rid in self.index.replicas if rid not in live]:
+            self.index.forget(rid)
+
+    def hashes(self, req: ReplicaRequest) -> list:
+        return block_hashes(req.token_ids, self.block_size, req.params.cache_salt)
+
+    def choose(self, candidates, pending):
+        self._follow(candidates)
+        req = _request(pending)
+        least = min(candidates, key=self.queue_len)
+        if req is None:
+            return _first(least, candidates)
+        hashes = self.hashes(req)
+        best, best_match = least, 0
+        for r in candidates:
+            m = self.index.match(r.replica_id, hashes)
+            if m > best_match or (m == best_match and m > 0 and self.queue_len(r) < self.queue_len(best)):
+                best, best_match = r, m
+        if best_match == 0 or self.queue_len(best) - self.queue_len(least) > self.max_imbalance:
+            best = least
+        return _first(best, candidates)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        super().on_request_routed(pending_request, replica_id, result)
+        req = _request(pending_request)
+        if req is not None:
+            self.index.note_routed(replica_id, self.hashes(req))
+
+
+class PrefixRouter(SessionAffinity, PrefixCacheAffinityRouter):
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        kept = self.session_replica(candidate_replicas, pending_request)
+        if kept is not None:
+            return _first(kept, candidate_replicas)
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self.remember_session(pending_request, replica_id)
+        super().on_request_routed(pending_request, replica_id, result)
+
+
+ROUTERS = {"kv": KVRouter, "prefix": PrefixRouter, "least-loaded": LeastLoadedRouter, "round-robin": RoundRobinRouter}
