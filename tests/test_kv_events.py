@@ -139,3 +139,36 @@ async def test_the_replay_socket_serves_batches_from_a_sequence_number():
 async def _drain(agen):
     async for _ in agen:
         pass
+
+
+async def test_the_routers_index_follows_stores_and_evictions_and_replays_what_it_missed():
+    from sluice.app.ray.kv_index import KVIndex
+    from sluice.core.ipc.kv_event_publisher import KVEventPublisher
+
+    port, replay_port = free_port(), free_port()
+    log = KVEventLog()
+    pub = KVEventPublisher(log, f"tcp://*:{port}", f"tcp://*:{replay_port}", block_size=BS)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    for i, h in enumerate(hashes):  # published before anyone listens: only the replay socket has them
+        log.stored(h, hashes[i - 1] if i else None, tuple(range(BS)))
+    pub.flush()
+    index = KVIndex()
+    try:
+        while pub.next_seq < 1:
+            await anyio.sleep(0.02)
+        index.watch("r0", f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
+
+        async def until(n: int) -> None:
+            deadline = time.monotonic() + 5
+            while index.match("r0", hashes) != n:
+                assert time.monotonic() < deadline, index.match("r0", hashes)
+                await anyio.sleep(0.05)
+
+        await anyio.sleep(0.3)  # subscribed
+        log.removed(hashes[2])
+        pub.flush()
+        await until(2)  # the first batch came from the replay socket, the eviction live
+        assert index.match("r1", hashes) == 0
+    finally:
+        index.close()
+        pub.close()

@@ -106,6 +106,19 @@ def test_openai_client_through_one_endpoint_equals_one_engine_streamed_and_not(s
     assert 'sluice:replica_kv_blocks_total{replica="' in metrics, "per-replica figures beside the sums"
 
 
+def test_kv_routing_sends_a_shared_prefix_where_it_is_cached(server):
+    """Round-robin or random routing would miss on about half of these; `kv` hits on every one after the first."""
+    _, url = server
+    prefix = " ".join(f"word{i}" for i in range(120))
+    cached = []
+    for i in range(6):
+        body = {"prompt": f"{prefix} question {i}", "max_tokens": 2, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and all(c >= 5 * 16 for c in cached[1:]), cached
+
+
 def _stream(url: str, prompt: str, results: dict, started: threading.Event, i: int) -> None:
     body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "stream": True}
     body["ignore_eos"] = True
