@@ -399,6 +399,15 @@ def cmd_cache_sim(ns: argparse.Namespace) -> int:
         step_s=ns.step_ms / 1000,
         token_s=ns.token_us / 1e6,
     )
+    if ns.replicas > 1:  # data-parallel replicas behind a router (cache_sim_replicas.py)
+        from sluice.app.commands.cache_sim_replicas import compare_routings
+
+        if len(ns.block_sizes) != 1 or ns.record_trace:
+            raise ValueError("--replicas takes one --block-sizes and no --record-trace")
+        base.block_size = ns.block_sizes[0]
+        sizes = pool_blocks or [max(1, n // ns.replicas) for n in default_pool_sizes(workload, base.block_size, 4)]
+        print_table(compare_routings(workload, base, sizes, ns.replicas, ns.routing))
+        return 0
     if ns.record_trace:
         if len(pool_blocks or ()) != 1 or len(ns.block_sizes) != 1:
             raise ValueError("--record-trace replays one configuration: give one --pool-blocks and one --block-sizes")
@@ -516,6 +525,19 @@ def register(subparsers) -> None:
     )
     p.add_argument("--step-ms", type=float, default=20.0, help="virtual time of one step (for arrival times)")
     p.add_argument("--token-us", type=float, default=500.0, help="virtual time per token in a step")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="data-parallel replicas of --pool-blocks blocks each, against one engine with all their blocks "
+        "(sluice serve --data-parallel-size) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--routing",
+        type=lambda s: s.split(","),
+        default=["kv", "prefix", "least-loaded", "round-robin"],
+        help="with --replicas: the routings to compare, e.g. kv,round-robin (default: all four)",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="draw hit rate against pool size")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument(

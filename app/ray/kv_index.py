@@ -13,6 +13,7 @@ import threading
 from collections.abc import Hashable, Sequence
 
 import zmq
+from sluice.app.ray.policy import prefix_match
 from sluice.core.ipc.kv_event_publisher import END_SEQ
 from sluice.core.ipc.kv_events import apply, decode_batch
 
@@ -88,14 +89,7 @@ class KVIndex:
     def match(self, replica: Hashable, hashes: Sequence) -> int:
         """How many of ``hashes`` (a request's, in order) the replica holds as a prefix."""
         r = self.replicas.get(replica)
-        if r is None:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in r.blocks:
-                break
-            n += 1
-        return n
+        return 0 if r is None else prefix_match(r.blocks, hashes)
 
     def note_routed(self, replica: Hashable, hashes: Sequence) -> None:
         r = self.replicas.get(replica)

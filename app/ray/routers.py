@@ -23,6 +23,7 @@ from typing import Any
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from sluice.app.ray.kv_index import KVIndex
+from sluice.app.ray.policy import MAX_IMBALANCE, kv_choice, least_loaded
 from sluice.app.ray.request import ReplicaRequest
 from sluice.kv.prefix_cache import block_hashes
 
@@ -93,7 +94,7 @@ class RoundRobinRouter(_SluiceRouter):
 
 
 class KVRouter(_SluiceRouter):
-    def initialize_state(self, block_size: int = 16, max_imbalance: int = 4, **_: Any) -> None:
+    def initialize_state(self, block_size: int = 16, max_imbalance: int = MAX_IMBALANCE, **_: Any) -> None:
         self.block_size = block_size
         self.max_imbalance = max_imbalance
         self.index = KVIndex()
@@ -114,18 +115,12 @@ class KVRouter(_SluiceRouter):
     def choose(self, candidates, pending):
         self._follow(candidates)
         req = _request(pending)
-        least = min(candidates, key=self.queue_len)
+        queues = [self.queue_len(r) for r in candidates]
         if req is None:
-            return _first(least, candidates)
+            return _first(candidates[least_loaded(queues)], candidates)
         hashes = self.hashes(req)
-        best, best_match = least, 0
-        for r in candidates:
-            m = self.index.match(r.replica_id, hashes)
-            if m > best_match or (m == best_match and m > 0 and self.queue_len(r) < self.queue_len(best)):
-                best, best_match = r, m
-        if best_match == 0 or self.queue_len(best) - self.queue_len(least) > self.max_imbalance:
-            best = least
-        return _first(best, candidates)
+        matches = [self.index.match(r.replica_id, hashes) for r in candidates]
+        return _first(candidates[kv_choice(matches, queues, self.max_imbalance)], candidates)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         super().on_request_routed(pending_request, replica_id, result)
