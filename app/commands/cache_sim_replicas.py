@@ -19,9 +19,10 @@ import heapq
 import itertools
 import math
 import time
+from dataclasses import asdict
 
 from sluice.app.bench.workloads import Workload
-from sluice.app.commands.cache_sim import Replay, SimConfig, SimResult
+from sluice.app.commands.cache_replay import Replay, SimConfig, SimResult, simulate
 from sluice.app.ray.policy import PREFIX_MATCH_RATE, kv_choice, least_loaded, prefix_match
 from sluice.kv.events import BlockStoredEntry
 from sluice.kv.prefix_cache import block_hashes
@@ -173,14 +174,10 @@ def compare_routings(
 
 
 def simulate_from(workload: Workload, base: SimConfig, num_blocks: int) -> SimResult:
-    from sluice.app.commands.cache_sim import simulate
-
     return simulate(workload, SimConfig(**{**_fields(base), "num_kv_blocks": num_blocks}))
 
 
 def _fields(cfg: SimConfig) -> dict:
-    from dataclasses import asdict
-
     return asdict(cfg)
 
 
