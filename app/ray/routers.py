@@ -21,7 +21,7 @@ from typing import Any
 
 # Ray's prefix-affinity router itself: `ray.serve.llm` would also load the LLM stack's optional dependencies
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from sluice.app.ray.kv_index import KVIndex
 from sluice.app.ray.policy import MAX_IMBALANCE, kv_choice, least_loaded
 from sluice.app.ray.request import ReplicaRequest
@@ -59,7 +59,10 @@ def _first(chosen: RunningReplica, candidates: list[RunningReplica]) -> list[lis
     return [[chosen], [r for r in candidates if r is not chosen]]
 
 
-class _SluiceRouter(SessionAffinity, FIFOMixin, RequestRouter):
+class _SluiceRouter(SessionAffinity, RequestRouter):
+    """No `FIFOMixin`: it would hand the replica chosen for one request to the oldest one waiting, while the
+    choice is made for this request's blocks (Serve's base class matches the request by its id)."""
+
     def queue_len(self, replica: RunningReplica) -> int:
         return self.replica_queue_len_cache.get(replica.replica_id) or 0
 
