@@ -35,6 +35,7 @@ async def measure(name: str, engine, workload: Workload, max_concurrency: int, s
     q = after.prefix_cache_queries - before.prefix_cache_queries
     h = after.prefix_cache_hits - before.prefix_cache_hits
     ttft, dur = res["ttft"], res["duration_s"]
+    split = getattr(engine, "replica_stats", dict)()
     return {
         "routing": name,
         "hit_rate": h / q if q else 0.0,
@@ -43,6 +44,7 @@ async def measure(name: str, engine, workload: Workload, max_concurrency: int, s
         "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
         "ttft_p90_s": percentile(ttft, 90),
         "duration_s": dur,
+        "prompt_tokens_per_replica": "/".join(str(s.prefix_cache_queries) for s in split.values()) or "-",
     }
 
 
@@ -57,7 +59,7 @@ async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) ->
     try:
         each = replace(args, num_kv_blocks=ns.blocks_per_replica)
         for routing in ns.routing:
-            async with RayEngine(each, RayConfig(ns.replicas, routing)) as engine:
+            async with RayEngine(each, RayConfig(ns.replicas, routing, app_name=f"sluice-{routing}")) as engine:
                 rows.append(await measure(routing, engine, workload, ns.max_concurrency, SETTLE_S))
     finally:
         from ray import serve

@@ -35,7 +35,6 @@ from sluice.core.stats import EngineStats
 
 logger = logging.getLogger("sluice")
 
-APP_NAME = "sluice"
 STARTUP_TIMEOUT_S = 600.0  # serve.run returned: the replicas are up, their first post is a moment away
 
 
@@ -48,6 +47,7 @@ class RayConfig:
     replica_cpus: float = 0.0  # each replica's CPU reservation (its engine core uses its own threads anyway)
     replica_gpus: float | None = None  # None: 1 where the engine runs on a GPU, 0 on the CPU
     max_ongoing_requests: int = 1024
+    app_name: str = "sluice"  # the Serve application; one per routing in a process (a handle keeps its router)
 
 
 class RayEngine:
@@ -101,7 +101,7 @@ class RayEngine:
             )
         serve.start(proxy_location="Disabled")
         self.board, app = replica_app(self.args, self.config)
-        self.handle = serve.run(app, name=APP_NAME, route_prefix=None)
+        self.handle = serve.run(app, name=self.config.app_name, route_prefix=None)
         # every replica has posted its counters once: /health and the dead-engine watch then see them all
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while len(live(ray.get(self.board.read.remote()))) < self.config.num_replicas:
@@ -115,7 +115,7 @@ class RayEngine:
         from ray import serve
 
         try:
-            serve.delete(APP_NAME)
+            serve.delete(self.config.app_name)
             if self._own_ray:
                 serve.shutdown()
         finally:

@@ -17,6 +17,8 @@ replica that served its first request while that replica lives.
 from __future__ import annotations
 
 import itertools
+import logging
+from collections import Counter
 from typing import Any
 
 # Ray's prefix-affinity router itself: `ray.serve.llm` would also load the LLM stack's optional dependencies
@@ -26,6 +28,8 @@ from sluice.app.ray.kv_index import KVIndex
 from sluice.app.ray.policy import MAX_IMBALANCE, kv_choice, least_loaded
 from sluice.app.ray.request import ReplicaRequest
 from sluice.kv.prefix_cache import block_hashes
+
+logger = logging.getLogger("sluice")
 
 
 def _request(pending: PendingRequest | None) -> ReplicaRequest | None:
@@ -56,15 +60,44 @@ class SessionAffinity:
 
 
 def _first(chosen: RunningReplica, candidates: list[RunningReplica]) -> list[list[RunningReplica]]:
-    return [[chosen], [r for r in candidates if r is not chosen]]
+    """The chosen replica alone: no second rank, or Serve would send the request to another replica whenever the
+    chosen one answers its queue-length probe late (a busy replica does), and undo the choice. If the chosen one
+    cannot take it, Serve asks again after a backoff; a dead replica is no longer a candidate."""
+    return [[chosen]]
+
+
+class Load:
+    """The requests each replica holds from this router: counted when it is chosen (a burst routed at once then
+    sees its own earlier choices, which Serve's queue lengths do not yet), moved if Serve sends the request
+    elsewhere, dropped when it completes."""
+
+    def __init__(self) -> None:
+        self.replica_of: dict[str, ReplicaID] = {}
+        self.count: Counter[ReplicaID] = Counter()
+
+    def assign(self, request: str, replica: ReplicaID) -> None:
+        self.done(request)
+        self.replica_of[request] = replica
+        self.count[replica] += 1
+
+    def done(self, request: str) -> None:
+        old = self.replica_of.pop(request, None)
+        if old is not None:
+            self.count[old] -= 1
 
 
 class _SluiceRouter(SessionAffinity, RequestRouter):
     """No `FIFOMixin`: it would hand the replica chosen for one request to the oldest one waiting, while the
     choice is made for this request's blocks (Serve's base class matches the request by its id)."""
 
+    @property
+    def load(self) -> Load:
+        if not hasattr(self, "_load"):
+            self._load = Load()
+        return self._load
+
     def queue_len(self, replica: RunningReplica) -> int:
-        return self.replica_queue_len_cache.get(replica.replica_id) or 0
+        return self.load.count[replica.replica_id]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -72,20 +105,25 @@ class _SluiceRouter(SessionAffinity, RequestRouter):
         if not candidate_replicas:
             return []
         kept = self.session_replica(candidate_replicas, pending_request)
-        if kept is not None:
-            return _first(kept, candidate_replicas)
-        return self.choose(candidate_replicas, pending_request)
+        ranks = _first(kept, candidate_replicas) if kept else self.choose(candidate_replicas, pending_request)
+        if pending_request is not None and len(ranks[0]) == 1:
+            self.load.assign(pending_request.metadata.internal_request_id, ranks[0][0].replica_id)
+        return ranks
 
     def choose(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
         raise NotImplementedError
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         self.remember_session(pending_request, replica_id)
+        self.load.assign(pending_request.metadata.internal_request_id, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self.load.done(internal_request_id)
 
 
 class LeastLoadedRouter(_SluiceRouter):
     def choose(self, candidates, pending):
-        return [candidates]  # Serve takes the shortest queue of a rank
+        return _first(min(candidates, key=self.queue_len), candidates)
 
 
 class RoundRobinRouter(_SluiceRouter):
@@ -123,13 +161,11 @@ class KVRouter(_SluiceRouter):
             return _first(candidates[least_loaded(queues)], candidates)
         hashes = self.hashes(req)
         matches = [self.index.match(r.replica_id, hashes) for r in candidates]
-        return _first(candidates[kv_choice(matches, queues, self.max_imbalance)], candidates)
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        super().on_request_routed(pending_request, replica_id, result)
-        req = _request(pending_request)
-        if req is not None:
-            self.index.note_routed(replica_id, self.hashes(req))
+        chosen = kv_choice(matches, queues, self.max_imbalance)
+        logger.debug("kv routing %s: matches %s, queues %s -> %d", req.request_id, matches, queues, chosen)
+        # the replica is about to compute these blocks: the next request with this prefix follows this one
+        self.index.note_routed(candidates[chosen].replica_id, hashes)
+        return _first(candidates[chosen], candidates)
 
 
 class PrefixRouter(SessionAffinity, PrefixCacheAffinityRouter):
