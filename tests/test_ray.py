@@ -120,7 +120,7 @@ def test_kv_routing_sends_a_shared_prefix_where_it_is_cached(server):
 
 
 def _stream(url: str, prompt: str, results: dict, started: threading.Event, i: int) -> None:
-    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "stream": True}
+    body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 800, "temperature": 0, "stream": True}
     body["ignore_eos"] = True
     events = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:

@@ -22,6 +22,7 @@ from sluice.app.bench.prefix import percentile, run_workload
 from sluice.app.bench.results import print_table
 from sluice.app.bench.workloads import Workload, shared_prefix
 from sluice.app.ray.engine import RayConfig, RayEngine
+from sluice.app.ray.policy import MAX_IMBALANCE
 from sluice.core import AsyncEngine, EngineArgs
 
 SETTLE_S = 1.5  # the replicas post their counters every half second: wait for the last ones
@@ -59,7 +60,9 @@ async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) ->
     try:
         each = replace(args, num_kv_blocks=ns.blocks_per_replica)
         for routing in ns.routing:
-            async with RayEngine(each, RayConfig(ns.replicas, routing, app_name=f"sluice-{routing}")) as engine:
+            # one Serve application per routing: a handle keeps the router it was made with
+            config = RayConfig(ns.replicas, routing, max_imbalance=ns.max_imbalance, app_name=f"sluice-{routing}")
+            async with RayEngine(each, config) as engine:
                 rows.append(await measure(routing, engine, workload, ns.max_concurrency, SETTLE_S))
     finally:
         from ray import serve
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--max-imbalance", type=int, default=MAX_IMBALANCE, help="kv: see app/ray/policy.py")
     p.add_argument("--ray-address", default=None)
     p.add_argument("--ray-cpus", type=int, default=None, help="a local Ray's CPUs (default: the machine's)")
     p.add_argument("--cache-sim", action="store_true", help="print cache-sim's prediction first")

@@ -30,9 +30,11 @@ def replica_app(args: EngineArgs, config: Any) -> tuple[Any, Any]:
     if config.routing not in ROUTERS:
         raise ValueError(f"routing: must be one of {', '.join(ROUTERS)}, got {config.routing!r}")
     board = ray.remote(num_cpus=0)(StatsBoard).remote()
-    router_kwargs = {"block_size": args.block_size} if config.routing == "kv" else {}
-    if config.routing == "prefix":
-        router_kwargs = {"imbalanced_threshold": 4}
+    router_kwargs: dict[str, Any] = {}
+    if config.routing == "kv":
+        router_kwargs = {"block_size": args.block_size, "max_imbalance": config.max_imbalance}
+    elif config.routing == "prefix":
+        router_kwargs = {"imbalanced_threshold": config.max_imbalance}
     deployment = serve.deployment(
         EngineReplica,
         name="engine",

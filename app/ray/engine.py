@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
+from sluice.app.ray.policy import MAX_IMBALANCE
 from sluice.app.ray.request import ReplicaRequest, session_id
 from sluice.app.ray.stats_board import POST_INTERVAL_S, live, summed
 from sluice.core import envs
@@ -47,6 +48,7 @@ class RayConfig:
     replica_cpus: float = 0.0  # each replica's CPU reservation (its engine core uses its own threads anyway)
     replica_gpus: float | None = None  # None: 1 where the engine runs on a GPU, 0 on the CPU
     max_ongoing_requests: int = 1024
+    max_imbalance: int = MAX_IMBALANCE  # `kv`: see `policy.kv_choice`
     app_name: str = "sluice"  # the Serve application; one per routing in a process (a handle keeps its router)
 
 
