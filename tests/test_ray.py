@@ -119,6 +119,39 @@ def test_kv_routing_sends_a_shared_prefix_where_it_is_cached(server):
     assert cached[0] == 0 and all(c >= 5 * 16 for c in cached[1:]), cached
 
 
+def _replica_prompt_tokens(url: str) -> dict[str, float]:
+    time.sleep(1.5)  # the replicas post their counters every half second; the front end reads them as often
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('sluice:replica_prompt_tokens{replica="'):
+            out[line.split('"')[1]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_session_stays_on_one_replica_and_requests_without_one_spread(server):
+    _, url = server
+
+    def burst(headers: dict) -> dict[str, float]:
+        before = _replica_prompt_tokens(url)
+        threads = [
+            threading.Thread(
+                target=httpx.post,
+                args=(url + "/v1/completions",),
+                kwargs={"json": {"prompt": f"burst {i} " * 20, "max_tokens": 40}, "headers": headers, "timeout": 60},
+            )
+            for i in range(6)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        after = _replica_prompt_tokens(url)
+        return {r: after[r] - before.get(r, 0) for r in after}
+
+    assert sorted(v > 0 for v in burst({}).values()) == [True, True], "unrelated requests use both replicas"
+    assert sorted(v > 0 for v in burst({"x-session-id": "s-1"}).values()) == [False, True], "one session, one replica"
+
+
 def _stream(url: str, prompt: str, results: dict, started: threading.Event, i: int) -> None:
     body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": 800, "temperature": 0, "stream": True}
     body["ignore_eos"] = True

@@ -107,7 +107,9 @@ class _SluiceRouter(SessionAffinity, RequestRouter):
         kept = self.session_replica(candidate_replicas, pending_request)
         ranks = _first(kept, candidate_replicas) if kept else self.choose(candidate_replicas, pending_request)
         if pending_request is not None and len(ranks[0]) == 1:
+            # counted and remembered now: requests routed in the same instant see this choice
             self.load.assign(pending_request.metadata.internal_request_id, ranks[0][0].replica_id)
+            self.remember_session(pending_request, ranks[0][0].replica_id)
         return ranks
 
     def choose(self, candidates: list[RunningReplica], pending: PendingRequest | None) -> list[list[RunningReplica]]:
