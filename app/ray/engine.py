@@ -116,13 +116,13 @@ class RayEngine:
         import ray
         from ray import serve
 
+        if not self._own_ray:
+            serve.delete(self.config.app_name)  # a shared cluster: only this application goes
+            return
         try:
-            serve.delete(self.config.app_name)
-            if self._own_ray:
-                serve.shutdown()
+            serve.shutdown()
         finally:
-            if self._own_ray:
-                ray.shutdown()
+            ray.shutdown()
 
     async def _read_board(self) -> None:
         while True:
