@@ -102,6 +102,8 @@ def test_openai_client_through_one_endpoint_equals_one_engine_streamed_and_not(s
         )  # fmt: skip
         streamed.append("".join(c.choices[0].text for c in chunks if c.choices))
     assert streamed == expected
+    too_long = httpx.post(url + "/v1/completions", json={"prompt": list(range(1, 3000)), "max_tokens": 2})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt", too_long.text
     metrics = httpx.get(url + "/metrics").text
     assert 'sluice:replica_kv_blocks_total{replica="' in metrics, "per-replica figures beside the sums"
 

@@ -182,8 +182,6 @@ class RayEngine:
         try:
             async for out in stream:
                 yield out
-        except SluiceError:
-            raise
         except Exception as e:
             raise _engine_error(e) from None
         finally:
@@ -192,7 +190,9 @@ class RayEngine:
 
 def _engine_error(e: Exception) -> Exception:
     """A replica's failure as the app knows it: sluice's own errors as themselves, a lost replica as dead."""
-    cause = getattr(e, "cause", None)
+    cause = getattr(e, "cause", None)  # a replica's own exception, wrapped by Ray (RayTaskError)
     if isinstance(cause, SluiceError):
         return cause
+    if isinstance(e, SluiceError):
+        return e
     return EngineDeadError(f"the replica serving this request failed: {e!r}")
