@@ -127,6 +127,17 @@ class EngineArgs:
     kv_transfer_timeout: float = _arg(
         30.0, "prefill/decode pair: seconds a prompt's KV transfer may take before the decode engine recomputes it"
     )
+    # KV events (core/ipc/kv_event_publisher.py): what the prefix cache stores and evicts, in vLLM's wire format
+    kv_events_endpoint: str | None = _arg(
+        None,
+        "publish KV cache events (vLLM's format: ZMQ PUB, msgpack KVEventBatch) on this endpoint, e.g. "
+        "tcp://*:5557 (bound) or tcp://router:5557 (connected); data-parallel rank r uses port + r; default: off",
+    )
+    kv_events_replay_endpoint: str | None = _arg(
+        None,
+        "with --kv-events-endpoint: a ROUTER socket that replays recent batches from a sequence number; default: off",
+    )
+    data_parallel_rank: int = _arg(0, "this engine's rank among data-parallel replicas (stamped on its KV events)")
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

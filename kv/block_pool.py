@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from sluice.kv.events import KVEventLog
 from sluice.kv.prefix_cache import BlockHash
 
 ROOT_KEY = 0  # the parent key of a first block; real keys start at 1
@@ -112,6 +113,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self._next_key = ROOT_KEY + 1
+        # KV events (`kv/events.py`): every hash entering or leaving `cached`; None = not published
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -133,6 +136,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             block.token_ids = None
             block.cache_key = block.parent_key = ROOT_KEY
@@ -167,8 +172,10 @@ class BlockPool:
         token_ids: tuple[int, ...],
         parent_key: int,
         extra_key: str | None = None,
+        parent_hash: BlockHash | None = None,
     ) -> None:
-        """Publish a full block whose KV is computed; ``parent_key`` is the key of the table's previous block."""
+        """Publish a full block whose KV is computed; ``parent_key`` is the key of the table's previous block
+        (``parent_hash`` its hash, for KV events)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         token_ids = tuple(token_ids)
@@ -183,7 +190,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.cache_key, block.parent_key, block.extra_key = key, parent_key, extra_key
-        self.cached.setdefault(block_hash, block)
+        if self.cached.setdefault(block_hash, block) is block and self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in eviction order (first freed = first evicted)."""

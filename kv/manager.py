@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sluice.kv.block_pool import ROOT_KEY, BlockPool, KVBlock
+from sluice.kv.events import KVEventLog
 from sluice.kv.prefix_cache import BlockHash, block_hashes
 
 
@@ -75,6 +76,15 @@ class KVCacheManager:
         # Prefix-cache counters, in tokens: the scheduler records each request's first admission.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    def record_events(self) -> KVEventLog:
+        """Start logging every block hash the prefix cache gains or loses (`kv/events.py`); returns the log."""
+        self.pool.events = KVEventLog()
+        return self.pool.events
+
+    def cached_hashes(self) -> set[BlockHash]:
+        """The hashes a prefix lookup can find now (what the KV events describe)."""
+        return set(self.pool.cached)
 
     # -- queries -----------------------------------------------------------------------------------
     @property
@@ -272,7 +282,12 @@ class KVCacheManager:
             if i > 0 and parent_key == ROOT_KEY:
                 return i
             self.pool.cache_full_block(
-                blocks[i], hashes[i], tuple(tokens[i * bs : (i + 1) * bs]), parent_key, cache_salt if i == 0 else None
+                blocks[i],
+                hashes[i],
+                tuple(tokens[i * bs : (i + 1) * bs]),
+                parent_key,
+                cache_salt if i == 0 else None,
+                hashes[i - 1] if i > 0 else None,
             )
         return end
 

@@ -202,7 +202,7 @@ def test_the_step_contract_is_not_the_schedulers():
         "sluice.core.engine_core.core",
         "sluice.core.engine_core.scheduler_actor",
         "sluice.core.engine_core.inspector",
-        "sluice.app.commands.cache_sim",
+        "sluice.app.commands.cache_replay",  # the cache simulator's replay
         "sluice.core.sched.disagg",
     }
 

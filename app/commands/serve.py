@@ -60,6 +60,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def register(subparsers) -> None:
     from sluice.app.commands.cli import add_engine_args
+    from sluice.app.commands.data_parallel import add_data_parallel_args
     from sluice.app.commands.disagg import add_disagg_args
 
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API (chat completions over SSE)")
@@ -146,6 +147,7 @@ def register(subparsers) -> None:
         help="front-end processes (HTTP, request actors, detokenizing, SSE), all on the one port, in front of one "
         "engine core; /metrics and /health cover them all. Needs the engine core process (default: %(default)s)",
     )
+    add_data_parallel_args(p)  # --data-parallel-size N --data-parallel-backend ray (app/ray/)
     add_engine_args(p)
     add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/commands/disagg.py)
     # A server runs its engine core in a process of its own: HTTP, detokenization and SSE encoding then never
@@ -174,6 +176,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         from sluice.app.server.api_servers import serve_api_servers
 
         return serve_api_servers(ns, args)
+    if ns.data_parallel_size > 1 or ns.data_parallel_backend == "ray":
+        from sluice.app.commands.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(ns, args)
     if ns.record_trace:
         args.enable_inspector = True
     engine = pair_engine(ns, args) or AsyncEngine(args)

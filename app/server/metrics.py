@@ -173,10 +173,22 @@ class _EngineCollector(Collector):
             for i, n in enumerate(per_pos):
                 fam.add_metric([str(i)], n)
             yield fam
+        replicas = getattr(self.engine, "replica_stats", None)  # data-parallel replicas (app/ray/): each one's too
+        if replicas is not None:
+            yield from _per_replica(replicas())
         # The engine's own verdict, not the last published counters': a core that died between steps (its process
         # killed, a worker lost) publishes nothing more, so those would say healthy for good.
         healthy = getattr(self.engine, "is_healthy", stats.healthy)
         yield GaugeMetricFamily(PREFIX + "engine_healthy", "1 while the engine serves requests.", value=int(healthy))
+
+
+def _per_replica(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Each replica's engine figures, labelled by replica, as gauges (``sluice:replica_<name>``)."""
+    for attr, name, doc in _GAUGES + _COUNTERS:
+        fam = GaugeMetricFamily(PREFIX + "replica_" + name, doc + " Per data-parallel replica.", labels=["replica"])
+        for replica, s in stats.items():
+            fam.add_metric([replica], getattr(s, attr))
+        yield fam
 
 
 class ServerMetrics:

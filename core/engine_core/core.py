@@ -14,6 +14,7 @@ from anyio.abc import ObjectReceiveStream
 from sluice.core.args import EngineArgs
 from sluice.core.engine_core.executor import ExecutorActor
 from sluice.core.engine_core.scheduler_actor import SchedulerActor
+from sluice.core.ipc.kv_event_publisher import KVEventPublisher
 from sluice.core.models.loader import ModelSource
 from sluice.core.sched.disagg import scheduler_class
 from sluice.core.sched.scheduler import Scheduler, SchedulerConfig
@@ -46,7 +47,8 @@ class EngineCore:
             ),
             kv,
         )
-        return cls(executor, SchedulerActor(scheduler, inspector=args.enable_inspector))
+        actor = SchedulerActor(scheduler, inspector=args.enable_inspector, kv_events=kv_event_publisher(args, kv))
+        return cls(executor, actor)
 
     @property
     def num_kv_blocks(self) -> int:
@@ -56,6 +58,23 @@ class EngineCore:
         """Serve ``inbox`` until cancelled; then every open request ends with `EngineStoppedError`."""
         steps_send, steps_recv = anyio.create_memory_object_stream(1)
         results_send, results_recv = anyio.create_memory_object_stream(1)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.executor.run, steps_recv, results_send)
-            tg.start_soon(self.scheduler_actor.run, inbox, steps_send, results_recv)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.executor.run, steps_recv, results_send)
+                tg.start_soon(self.scheduler_actor.run, inbox, steps_send, results_recv)
+        finally:
+            if self.scheduler_actor.kv_events is not None:
+                self.scheduler_actor.kv_events.close()
+
+
+def kv_event_publisher(args: EngineArgs, kv: KVCacheManager) -> KVEventPublisher | None:
+    """The KV event publisher over ``kv``'s prefix cache, or None with ``--kv-events-endpoint`` unset."""
+    if not args.kv_events_endpoint:
+        return None
+    return KVEventPublisher(
+        kv.record_events(),
+        args.kv_events_endpoint,
+        args.kv_events_replay_endpoint,
+        kv.block_size,
+        args.data_parallel_rank,
+    )

@@ -22,6 +22,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 from sluice.core.engine_core.inspector import StepRecorder
 from sluice.core.errors import EngineDeadError, EngineOverloaded, EngineStoppedError
 from sluice.core.host_profile import HostProfile
+from sluice.core.ipc.kv_event_publisher import KVEventPublisher
 from sluice.core.messages import (
     AbortRequest,
     AddRequest,
@@ -43,8 +44,12 @@ logger = logging.getLogger("sluice")
 
 
 class SchedulerActor:
-    def __init__(self, scheduler: Scheduler, inspector: bool = False) -> None:
+    def __init__(
+        self, scheduler: Scheduler, inspector: bool = False, kv_events: KVEventPublisher | None = None
+    ) -> None:
         self.scheduler = scheduler
+        # KV events: the prefix cache's changes, sent at every publish (after each step, each inbox batch)
+        self.kv_events = kv_events
         # Step records for the inspector page; None (off) costs the step loop one test per hook.
         self.recorder: StepRecorder | None = StepRecorder(scheduler) if inspector else None
         self.streams: dict[str, ObjectSendStream[TokenEvent]] = {}
@@ -77,6 +82,8 @@ class SchedulerActor:
         )
         if self.on_publish is not None:
             self.on_publish()
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     async def run(
         self,

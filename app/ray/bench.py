@@ -1,0 +1,114 @@
+"""The data-parallel benchmark: N replicas of B KV blocks each, per routing, against one engine of N x B blocks, on a
+multi-tenant shared-prefix workload whose prefixes do not all fit one replica. Prefix-cache hit rate, throughput
+and time to first token, side by side.
+
+    python -m sluice.app.ray.bench --model dummy:tiny --device cpu --replicas 2 --blocks-per-replica 160
+
+Each replica is a full engine with its own core process, reached through `RayEngine` (what the HTTP app of
+`sluice serve --data-parallel-backend ray` talks to), so routing, Serve's streaming handles and the replicas are
+all measured; HTTP is not. One Ray is started for the whole run (``--ray-address`` joins a cluster instead);
+``--cache-sim`` first prints what `sluice cache-sim --replicas` predicts for the same workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+
+import anyio
+from sluice.app.bench.prefix import percentile, run_workload
+from sluice.app.bench.results import print_table
+from sluice.app.bench.workloads import Workload, shared_prefix
+from sluice.app.ray.engine import RayConfig, RayEngine
+from sluice.app.ray.policy import MAX_IMBALANCE
+from sluice.core import AsyncEngine, EngineArgs
+
+SETTLE_S = 1.5  # the replicas post their counters every half second: wait for the last ones
+
+
+async def measure(name: str, engine, workload: Workload, max_concurrency: int, settle_s: float) -> dict:
+    before = engine.stats()
+    res = await run_workload(engine, workload, max_concurrency)
+    await anyio.sleep(settle_s)
+    after = engine.stats()
+    q = after.prefix_cache_queries - before.prefix_cache_queries
+    h = after.prefix_cache_hits - before.prefix_cache_hits
+    ttft, dur = res["ttft"], res["duration_s"]
+    split = getattr(engine, "replica_stats", dict)()
+    return {
+        "routing": name,
+        "hit_rate": h / q if q else 0.0,
+        "failed": len(res["failed"]),
+        "output_tok_per_s": res["output_tokens"] / dur,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else float("nan"),
+        "ttft_p90_s": percentile(ttft, 90),
+        "duration_s": dur,
+        "prompt_tokens_per_replica": "/".join(str(s.prefix_cache_queries) for s in split.values()) or "-",
+    }
+
+
+async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) -> list[dict]:
+    import ray
+
+    rows = []
+    one = replace(args, num_kv_blocks=ns.replicas * ns.blocks_per_replica, engine_core_process=True)
+    async with AsyncEngine(one) as engine:
+        rows.append(await measure("one engine", engine, workload, ns.max_concurrency, 0.0))
+    ray.init(address=ns.ray_address, num_cpus=ns.ray_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        each = replace(args, num_kv_blocks=ns.blocks_per_replica)
+        for routing in ns.routing:
+            # one Serve application per routing: a handle keeps the router it was made with
+            config = RayConfig(ns.replicas, routing, max_imbalance=ns.max_imbalance, app_name=f"sluice-{routing}")
+            async with RayEngine(each, config) as engine:
+                rows.append(await measure(routing, engine, workload, ns.max_concurrency, SETTLE_S))
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    base = rows[0]["hit_rate"]
+    for r in rows:
+        r["vs_one_engine"] = f"{r['hit_rate'] / base:.2f}x" if base else "-"
+        r["hit_rate"] = f"{100 * r['hit_rate']:.1f}%"
+        for k in ("output_tok_per_s", "ttft_mean_s", "ttft_p90_s", "duration_s"):
+            r[k] = round(r[k], 3)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sluice.app.ray.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="dummy:tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--blocks-per-replica", type=int, default=160)
+    p.add_argument("--routing", type=lambda s: s.split(","), default=["kv", "prefix", "round-robin", "least-loaded"])
+    p.add_argument("--groups", type=int, default=16, help="tenants, each with its own system prompt")
+    p.add_argument("--prompts-per-group", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=512)
+    p.add_argument("--question-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--max-imbalance", type=int, default=MAX_IMBALANCE, help="kv: see app/ray/policy.py")
+    p.add_argument("--ray-address", default=None)
+    p.add_argument("--ray-cpus", type=int, default=None, help="a local Ray's CPUs (default: the machine's)")
+    p.add_argument("--cache-sim", action="store_true", help="print cache-sim's prediction first")
+    ns = p.parse_args(argv)
+    args = EngineArgs(model=ns.model, device=ns.device, max_model_len=4096)
+    workload = shared_prefix(ns.groups, ns.prompts_per_group, ns.system_len, ns.question_len, ns.output_len)
+    if ns.cache_sim:
+        from sluice.app.commands.cache_replay import SimConfig
+        from sluice.app.commands.cache_sim_replicas import compare_routings
+
+        base = SimConfig(num_kv_blocks=1, max_concurrency=ns.max_concurrency, block_size=args.block_size)
+        print("cache-sim:")
+        print_table(compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing))
+    print(f"served ({ns.model}, {ns.device}): {workload.summary()}")
+    print_table(anyio.run(bench, ns, args, workload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""`sluice cache-sim --replicas N --routing ...`: the Ray routers' decisions (`app/ray/policy.py`) replayed over N
+replicas' schedulers, against one engine with all their blocks (no Ray needed)."""
+
+from __future__ import annotations
+
+from sluice.app.bench.workloads import shared_prefix
+from sluice.app.commands.cache_sim import SimConfig, simulate
+from sluice.app.commands.cache_sim_replicas import simulate_replicas
+from sluice.app.ray.policy import kv_choice
+
+
+def test_kv_choice_takes_the_longest_match_within_the_imbalance_bound():
+    assert kv_choice([3, 5], [0, 2]) == 1
+    assert kv_choice([3, 5], [0, 9], max_imbalance=4) == 0, "too far behind: the least loaded"
+    assert kv_choice([0, 0], [3, 1]) == 1, "no match: the least loaded"
+    assert kv_choice([5, 5], [2, 1]) == 1, "equal matches: the shorter queue"
+
+
+def test_cache_routing_keeps_the_hit_rate_of_one_engine_with_all_the_blocks():
+    # 8 tenants' prefixes of 16 blocks each: 128 blocks, more than one replica's 80
+    w = shared_prefix(8, 6, 256, 32, output_len=4, seed=1)
+    cfg = SimConfig(num_kv_blocks=80, max_concurrency=4)
+    one = simulate(w, SimConfig(num_kv_blocks=160, max_concurrency=4))
+    rates = {r: simulate_replicas(w, cfg, 2, r) for r in ("kv", "prefix", "round-robin", "least-loaded")}
+    assert all(r.num_finished == len(w.requests) for r in rates.values())
+    assert rates["kv"].hit_rate >= 0.9 * one.hit_rate > 0
+    assert rates["prefix"].hit_rate >= 0.8 * one.hit_rate
+    assert rates["kv"].hit_rate > rates["round-robin"].hit_rate + 0.1
+    assert rates["kv"].hit_rate > rates["least-loaded"].hit_rate + 0.1
