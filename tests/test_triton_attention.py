@@ -301,3 +301,17 @@ def test_prefill_head_dim_128_block_32_gqa4():
     seq_lens, q_lens = [90, 33, 64], [40, 33, 1]
     query, cache, meta = _build(seq_lens, q_lens, 1, 4, 128, block_size=32, seed=41)
     _check(TritonAttentionBackend().forward(query, cache, meta, 0.09), query, cache, meta, 0.09)
+
+
+def test_wide_fp32_heads_take_small_key_tiles_and_stay_exact():
+    """fp32 at head size 256 (Gemma 2's, as the GPU parity checks run it): tiles shrink to fit shared memory,
+    and both kernels still match the reference, prefill and decode rows together."""
+    assert tk._wide_head_tiles(64, 2, 256, 4) == (32, 2)
+    assert tk._wide_head_tiles(128, 3, 256, 4) == (32, 2)
+    assert tk._wide_head_tiles(128, 3, 256, 2) == (128, 3)  # 16-bit rows of 512 bytes keep the swept tiles
+    assert tk._wide_head_tiles(64, 2, 128, 4) == (64, 2)
+    seq_lens, q_lens = [70, 40, 33], [70, 1, 1]
+    query, cache, meta = _build(seq_lens, q_lens, 1, 2, 256, dtype=torch.float32, seed=5)
+    _check(TritonAttentionBackend().forward(query, cache, meta, 0.0625), query, cache, meta, 0.0625)
+    query, cache, meta = _build([70, 40, 33], [1, 1, 1], 1, 2, 256, dtype=torch.float32, seed=6)
+    _check(TritonAttentionBackend(decode_num_splits=2).forward(query, cache, meta, 0.0625), query, cache, meta, 0.0625)

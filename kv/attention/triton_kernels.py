@@ -619,6 +619,16 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def _wide_head_tiles(block_n: int, num_stages: int, block_d: int, elem_bytes: int) -> tuple[int, int]:
+    """Key tiles and stages for rows wider than 512 bytes (fp32 at head size 256, say: a GPU check's dtype, not
+    a serving one): the default tiles, sized for 16-bit heads up to 256, would ask for more shared memory than
+    an SM has (Hopper: 227 KiB), so the tile shrinks to 32 keys and the pipeline to at most 2 stages. Narrower
+    rows keep the tiles the sweeps chose."""
+    if block_d * elem_bytes <= 512:
+        return block_n, num_stages
+    return min(block_n, 32), min(num_stages, 2)
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -705,6 +715,7 @@ def paged_decode(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     block_d = _block_d(head_dim)
+    block_n, num_stages = _wide_head_tiles(block_n, num_stages, block_d, query.element_size())
     dot_f32, precision = _dot_args(query.dtype, query.device)
     assert kv_cache.stride(-1) == 1 and out.stride(-1) == 1
     if num_splits > 1:
@@ -776,6 +787,7 @@ def paged_prefill(
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
+    block_n, num_stages = _wide_head_tiles(block_n, num_stages, _block_d(head_dim), query.element_size())
     block_m = max(block_m, 16, triton.next_power_of_2(group))
     block_q = block_m // group
     dot_f32, precision = _dot_args(query.dtype, query.device)
