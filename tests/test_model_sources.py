@@ -80,3 +80,31 @@ def test_random_weights_past_the_tokenizer_never_win_greedy(tied):
     name = "model.embed_tokens.weight" if tied else "lm_head.weight"
     ckpt = dict(_random_checkpoint(model_class_for(config), config, 64, torch.float32, torch.device("cpu"), 0, 30000))
     assert torch.equal(ckpt[name], head)  # the ranks' shards come from the same tensor
+
+
+def test_models_are_built_in_their_dtype_not_in_fp32_first(monkeypatch):
+    """A model's parameters are created in the serving dtype (a 30B mixture of experts built in fp32 first needs
+    twice its bf16 bytes on the GPU), its RoPE tables stay fp32, and the default dtype is restored after."""
+    import torch
+    from sluice.core.models import loader
+    from sluice.core.models.layers import RotaryEmbedding
+
+    built: list[torch.dtype] = []
+    real = loader.model_class_for
+
+    def recording(config):
+        cls = real(config)
+
+        class Recorded(cls):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                built.extend(p.dtype for p in self.parameters())
+
+        return Recorded
+
+    monkeypatch.setattr(loader, "model_class_for", recording)
+    model = loader.load_model(resolve_model("dummy:tiny"), torch.bfloat16, torch.device("cpu"), max_position=64)
+    assert built and set(built) == {torch.bfloat16}
+    assert torch.get_default_dtype() == torch.float32
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes and all(m.cos.dtype == torch.float32 for m in ropes)

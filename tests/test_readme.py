@@ -90,9 +90,21 @@ def test_openai_client_and_embedding_examples(tmp_path):
         wait_for(f"http://127.0.0.1:{port}/llm/health", proc)
         home = httpx.get(f"http://127.0.0.1:{port}/").json()
         assert home == {"model": "smollm2-135m-instruct", "running": 0}
-        client = block_with("OpenAI(").replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/llm/v1")
+        client = block_with("OpenAI(", "include_usage").replace(
+            "http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/llm/v1"
+        )
         out = run_script(tmp_path, client, "client.py")
         assert "completion_tokens=" in out
+        # the tool-calling and structured-output examples, against the same server (the real model)
+        base = f"http://127.0.0.1:{port}/llm/v1"
+        tools = block_with("OpenAI(", "tool_choice").replace("http://127.0.0.1:8000/v1", base)
+        tools = tools.replace("max_tokens=100)", "max_tokens=16)")  # its free-text answer: only that it runs
+        out = run_script(tmp_path, tools, "tools.py")
+        assert "get_weather {'city':" in out, out
+        client_line = f'from openai import OpenAI\nc = OpenAI(base_url="{base}", api_key="KEY")\n'
+        structured = client_line + block_with("response_format=City")
+        out = run_script(tmp_path, structured, "structured.py")
+        assert "'population':" in out and "city=" in out, out
     finally:
         proc.terminate()
         proc.wait(timeout=60)

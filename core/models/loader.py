@@ -8,6 +8,7 @@ dequantizing again. So there is one loading path: the Hugging Face directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -274,13 +275,26 @@ def iter_safetensors(model_dir: str, progress: bool = False) -> Iterator[tuple[s
         bar.close()
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created in ``dtype`` rather than fp32 and cast after: a 30B mixture of experts built in fp32
+    first needs twice its bf16 bytes (122 GB) on the GPU for a moment. Tables computed at construction name
+    their own dtype (RoPE's are fp32)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_position: int, seed: int = 0, tp=None
 ):
     """Build the model for ``source`` on ``device`` with real (or, for dummy shapes, random) weights.
     With ``tp`` (a `core.models.parallel.TensorParallel`), only this rank's shard of every weight."""
     cls = model_class_for(source.config)
-    with torch.device(device):
+    with torch.device(device), _default_dtype(dtype):
         model = cls(source.config, max_position=max_position, **({"tp": tp} if tp is not None else {}))
     model.to(dtype=dtype)
     for m in model.modules():  # keep the cos/sin tables in fp32 (Gemma 3 has two); cast per use
