@@ -196,6 +196,8 @@ def ptxas_usage(ptx: str) -> str:
 
 def compile_variant(fn, const: dict, args: dict, options: dict) -> dict:
     sig, attrs, ones = specialize(fn, args)
+    # a constexpr the launch leaves out takes its default, as the runtime binds it (SLIDING=False, say)
+    const = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default} | const
     constexprs = {(fn.arg_names.index(k),): v for k, v in const.items()} | ones
     for name in const:
         sig[name] = "constexpr"
