@@ -113,6 +113,8 @@ UNWRITABLE = [
     StructuredOutputsParams(json={"type": "object", "properties": {"k\U00053000": {"type": "integer"}}}),
     StructuredOutputsParams(json='{"const": "\\ud90c\\udc00"}'),
     StructuredOutputsParams(regex="a\U00053000"),
+    StructuredOutputsParams(regex=r"a\u{53000}"),
+    StructuredOutputsParams(regex=r"(a|b)\x04"),
     StructuredOutputsParams(grammar='start: "a\U00053000"'),
 ]
 
@@ -131,6 +133,8 @@ def test_unwritable_characters_in_annotations_compile(backend):
         "properties": {"a": {"$ref": "#/$defs/d", "description": "\x04"}},
     }
     assert backend.compile(StructuredOutputsParams(json=schema)).kind == "json"
+    # a class offers other characters: its escapes are not read (the grammar's own mask skips what is unwritable)
+    assert backend.compile(StructuredOutputsParams(regex=r"[\x00-\x05]+\\x04")).kind == "regex"
 
 
 def test_every_token_the_mask_allows_is_accepted_under_odd_unicode(backend):

@@ -7,12 +7,15 @@ worse, where the grammar forces it, llguidance computes the forced tokens by tok
 tokenizer silently drops the bytes it has no token for, and the mask allows a token the matcher then rejects:
 the request would fail mid-generation. So the front end refuses it up front (400), reading the spec's literal
 strings (the choices; a JSON schema's property names and values, not its annotations; a regex's or a Lark
-grammar's text). A character named only through an escape (``\\x04`` in a regex) is not seen here.
+grammar's text, and the characters their escapes name outside character classes: ``\\x04``, ``\\u{53000}``).
+An escape inside a class is not read (a range such as ``[\\x00-\\x1f]`` offers other characters), nor a JSON
+schema pattern's escapes.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 
 from sluice.core.errors import InvalidStructuredOutput
@@ -24,6 +27,10 @@ _NOT_OUTPUT = frozenset(
 )
 # keywords whose value maps keys to schemas: property names (or their patterns: output), or names to refer to
 _KEYS_UNDER = {"properties": "names", "patternProperties": "names", "$defs": "refs", "definitions": "refs"}
+# a regex's (or Lark's) escapes of a character by its code, any other escape, a character class's brackets
+_ESCAPE = re.compile(
+    r"\\(?:x([0-9a-fA-F]{2})|u\{([0-9a-fA-F]{1,6})\}|u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)|(\[)|(\])", re.S
+)
 
 
 def unwritable_bytes(token_bytes: Iterable[bytes]) -> frozenset[int]:
@@ -57,10 +64,24 @@ def _literals(spec: StructuredOutputsParams) -> Iterator[tuple[str, str]]:
     elif kind == "json":
         schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
         yield from (("json", s) for s in _schema_strings(schema))
-    elif kind == "regex":
-        yield "regex", spec.regex
-    elif kind == "grammar":
-        yield "grammar", spec.grammar
+    elif kind in ("regex", "grammar"):
+        text = getattr(spec, kind)
+        yield kind, text
+        yield kind, _escaped(text)
+
+
+def _escaped(text: str) -> str:
+    """The characters that ``text``'s escapes name by their code, outside character classes."""
+    out, in_class = [], False
+    for m in _ESCAPE.finditer(text):
+        code = next((g for g in m.groups()[:4] if g), None)
+        if code is not None and not in_class and int(code, 16) <= 0x10FFFF:
+            out.append(chr(int(code, 16)))
+        elif m.group(5):
+            in_class = True
+        elif m.group(6):
+            in_class = False
+    return "".join(out)
 
 
 def _schema_strings(node, keys: str = "schema") -> Iterator[str]:
