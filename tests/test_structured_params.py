@@ -100,3 +100,62 @@ def test_batched_fill_equals_one_row_at_a_time(backend):
     backend.fill_bitmasks([(m, i + 1) for i, m in enumerate(matchers)], batched)
     assert (one == batched).all() and one[1:].any(axis=1).all() and not one[0].any()
     assert not (one[1] == one[2]).all()
+
+
+# U+53000 is F1 93 80 80 in UTF-8 and U+0004 a control byte: SmolLM2's vocabulary holds no token with byte 0xF1
+# or 0x04, so no output can spell them (schemathesis's guided_choice of odd unicode strings; llguidance forced
+# the tokenizer's lossy tokenization of the bytes, and the matcher rejected the token its own mask allowed)
+UNWRITABLE = [
+    StructuredOutputsParams(choice=["\U00053000"]),
+    StructuredOutputsParams(choice=["fine", "a\U00053000b"]),
+    StructuredOutputsParams(choice=["x\x04"]),
+    StructuredOutputsParams(json={"enum": ["ok", "\U00053000"]}),
+    StructuredOutputsParams(json={"type": "object", "properties": {"k\U00053000": {"type": "integer"}}}),
+    StructuredOutputsParams(json='{"const": "\\ud90c\\udc00"}'),
+    StructuredOutputsParams(regex="a\U00053000"),
+    StructuredOutputsParams(regex=r"a\u{53000}"),
+    StructuredOutputsParams(regex=r"(a|b)\x04"),
+    StructuredOutputsParams(grammar='start: "a\U00053000"'),
+]
+
+
+@pytest.mark.parametrize("so", UNWRITABLE, ids=[str(i) for i in range(len(UNWRITABLE))])
+def test_characters_the_tokenizer_cannot_write_are_refused(backend, so):
+    with pytest.raises(InvalidStructuredOutput, match="cannot write the character U\\+"):
+        backend.compile(so)
+
+
+def test_unwritable_characters_in_annotations_compile(backend):
+    schema = {
+        "description": "\U00053000",
+        "$defs": {"d": {"type": "integer", "title": "\x04", "$comment": "\U00053000"}},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/d", "description": "\x04"}},
+    }
+    assert backend.compile(StructuredOutputsParams(json=schema)).kind == "json"
+    # a class offers other characters: its escapes are not read (the grammar's own mask skips what is unwritable)
+    assert backend.compile(StructuredOutputsParams(regex=r"[\x00-\x05]+\\x04")).kind == "regex"
+
+
+def test_every_token_the_mask_allows_is_accepted_under_odd_unicode(backend):
+    """Random walks through choices of writable odd unicode (multi-byte characters split over byte tokens, C1
+    controls, the last code point): whatever the mask allows, the matcher takes, until the grammar ends."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    words = (backend.vocab_size + 31) // 32
+    choices = ["ñ\x93", "Ó€😀", "\x80\U0010ffff", "\U00013000ñ", "\x05\x1f"]
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(choice=choices)))
+    outputs = set()
+    for _ in range(30):
+        m, tokens = matcher.fork(), []
+        while not m.is_terminated:
+            mask = np.zeros((1, words), np.int32)
+            m.fill_bitmask(mask, 0)
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: backend.vocab_size])
+            assert allowed.size, m.error
+            t = int(rng.choice(allowed))
+            assert m.accept_tokens([t]), m.error
+            tokens.append(t)
+        outputs.add(backend.tokenizer.decode_bytes([t for t in tokens if t != 2]).decode())  # 2: EOS
+    assert outputs <= set(choices) and len(outputs) > 1

@@ -141,6 +141,34 @@ def test_invalid_or_unsupported_structured_outputs_are_400s(client, fields, para
         assert err["param"] is not None
 
 
+# schemathesis's failing case (seed 1), as it sent it: choices with U+50C2A, U+8C2AD (bytes 0xF1, 0xF2) and U+001D
+FUZZED_CHOICES = [
+    json.loads(f'"{c}"')
+    for c in (
+        r"\u00d1",
+        r"\u009f\u00da\u00ec_s\u001d\u008d\ud903\udc2a\u009c\ud892\udeb9\u0004FQ\ud865\udd55{",
+        r"9\u00c2\u00c3\udbb5\udcc1\u00df\u00cc\u0099",
+        r"\u001b\u009c\udb1b\udf9e\ud90e\uddd1\u00a1UqD\ud864\uddeb\ud9c0\ude32",
+        r"\u008b\udb6a\udf58\u00de\u00bd\ud9b1\ude4b\u00b7\u00a7\u0012\u00b0\u00bbPE\u009d",
+        r"o\ud9f0\udead\u00fd\udb01\udfa9\ud8f5\udfad",
+    )
+]
+
+
+@pytest.mark.parametrize("choices", [["\U00053000\x93", "\U00053000ñ"], FUZZED_CHOICES], ids=["forced", "fuzzed"])
+def test_a_choice_the_tokenizer_cannot_write_is_a_400_not_a_failure_mid_generation(client, choices):
+    """Choices of odd unicode that need a byte no token of the vocabulary holds (0xF1: U+40000..U+7FFFF). Where
+    the grammar forced it, the mask allowed the tokenizer's lossy spelling of it, the matcher rejected that token,
+    and the request failed (500). Now it is refused up front; writable odd strings still work."""
+    for stream in (False, True):
+        body = {"prompt": "\x05", "max_tokens": 8, "stream": stream, "guided_choice": choices}
+        r = client.post("/v1/completions", json=body)
+        assert "cannot write the character U+" in assert_openai_error(r, 400, "structured_outputs")["message"]
+    odd = ["ñ\x93", "\x80\U0010ffff"]
+    r = client.post("/v1/completions", json={"prompt": "Answer:", "max_tokens": 8, "guided_choice": odd, "n": 3})
+    assert r.status_code == 200 and {c["text"] for c in r.json()["choices"]} <= set(odd), r.text
+
+
 def test_an_unsupported_schema_keyword_is_refused_not_ignored(client):
     schema = {"type": "object", "properties": {"a": {"type": "string", "contentSchema": {"type": "integer"}}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}

@@ -17,6 +17,7 @@ import numpy as np
 from sluice.core.errors import InvalidStructuredOutput
 from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar
+from sluice.core.structured.writable import check_writable, unwritable_bytes
 
 _CACHE_SIZE = 256  # checked grammars kept (the same schema tends to come again and again)
 _MASK_THREADS = 8  # at most: llguidance's threads filling a step's masks (the host's other work needs cores too)
@@ -99,6 +100,7 @@ class LLGuidanceBackend:
         self._hf_tokenizer = hf_tokenizer
         self._eos = list(eos_token_ids) or None
         self._tokenizer = None
+        self._unwritable: frozenset[int] = frozenset()  # bytes no token holds (`writable.py`), with the tokenizer
         self._lock = threading.Lock()  # compiles run in several threads; the tokenizer is built once
         self._checked: OrderedDict[str, None] = OrderedDict()
         self._executor = None  # llguidance's thread pool for a step's masks, at the first step with several
@@ -109,7 +111,10 @@ class LLGuidanceBackend:
             if self._tokenizer is None:
                 import llguidance.hf
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
+                tok = llguidance.hf.from_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
+                plain = [t for t in range(tok.vocab_size) if not tok.is_special_token(t)]
+                self._unwritable = unwritable_bytes(tok.decode_bytes([t]) for t in plain)
+                self._tokenizer = tok
             return self._tokenizer
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
@@ -121,8 +126,10 @@ class LLGuidanceBackend:
             if known:
                 self._checked.move_to_end(text)
         if not known:
+            tokenizer = self.tokenizer
+            check_writable(spec, self._unwritable)  # what llguidance's check lets through (`writable.py`)
             try:
-                failed, messages = LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+                failed, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
             except Exception as e:  # llguidance reports errors as values; anything raised is the grammar's too
                 failed, messages = True, [str(e)]
             if failed:

@@ -50,7 +50,7 @@ class GrammarRows:
         self._templates_lock = threading.Lock()  # the compile thread adds, the executor's thread forks
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
         self.max_rows = max_rows
-        self._buffers: tuple[torch.Tensor, ...] | None = None  # the mask's, at the first constrained step
+        self._buffers: tuple[torch.Tensor | None, ...] | None = None  # the mask's, at the first constrained step
         # the host's time filling and uploading masks since the runner last reported it, and the rows filled
         self.fill_seconds = 0.0
         self.rows_filled = 0
@@ -189,23 +189,28 @@ class GrammarRows:
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
             host[i] = -1
         rows_t.numpy()[:c] = rows
-        nb = self.device.type == "cuda"
-        bitmask = dev[:c].copy_(host_t[:c], non_blocking=nb)
-        row_idx = rows_dev[:c].copy_(rows_t[:c], non_blocking=nb)
+        if dev is None:  # the CPU: applied from the host buffers themselves, before the next fill writes them
+            bitmask, row_idx = host_t[:c], rows_t[:c]
+        else:
+            nb = self.device.type == "cuda"
+            bitmask = dev[:c].copy_(host_t[:c], non_blocking=nb)
+            row_idx = rows_dev[:c].copy_(rows_t[:c], non_blocking=nb)
         self.fill_seconds += time.perf_counter() - t0
         self.rows_filled += c
         return bitmask, row_idx
 
-    def _allocate(self) -> tuple[torch.Tensor, ...]:
+    def _allocate(self) -> tuple[torch.Tensor | None, ...]:
         """The mask's buffers: host (pinned on a GPU: the copies do not wait) and device, for the rows and their
         indices. One set serves every step: a step's mask is filled only after the step before it is read back,
-        so every copy from them has completed by then."""
+        so every copy from them has completed by then. The CPU has no device buffers (None): there the mask is
+        applied from the host buffers themselves (a copy of the whole mask every step would be work for nothing)."""
         pin, n = self.device.type == "cuda", self.max_rows
+        on_cpu = self.device.type == "cpu"
         self._buffers = (
             torch.full((n, self.words), -1, dtype=torch.int32, pin_memory=pin),
             torch.zeros(n, dtype=torch.int64, pin_memory=pin),
-            torch.empty((n, self.words), dtype=torch.int32, device=self.device),
-            torch.empty(n, dtype=torch.int64, device=self.device),
+            None if on_cpu else torch.empty((n, self.words), dtype=torch.int32, device=self.device),
+            None if on_cpu else torch.empty(n, dtype=torch.int64, device=self.device),
         )
         return self._buffers
 
