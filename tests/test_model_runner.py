@@ -95,18 +95,34 @@ def test_decodes_take_the_last_token_from_the_host_or_from_the_step_in_flight():
     assert b.positions_np[:2].tolist() == [2, 3]
 
 
-def test_a_dropped_slot_is_reused_only_two_steps_later():
+def test_a_dropped_slot_is_reused_from_the_next_step_on():
+    """Not in the step that drops it (the step in flight then may still report a token for it), but in the next
+    one: the executor collects the step in flight before it launches another."""
     batch = InputBatch(2, 4, 16)
     batch.apply(step_of([("a", [1], 0, 1, [0], True)]))
-    batch.apply(SchedulerOutput(2, finished_request_ids=["a"]))
-    with pytest.raises(RuntimeError, match="full"):  # slot 1 taken below; a's slot still cooling down
-        batch.apply(step_of([("b", [1], 0, 1, [1], True), ("c", [1], 0, 1, [2], True)], 3))
+    replaced = step_of([("b", [1], 0, 1, [1], True), ("c", [1], 0, 1, [2], True)], 2)
+    replaced.finished_request_ids = ["a"]
+    with pytest.raises(RuntimeError, match="full"):  # a's slot still cooling down
+        batch.apply(replaced)
     batch = InputBatch(2, 4, 16)
     batch.apply(step_of([("a", [1], 0, 1, [0], True)]))
-    batch.apply(SchedulerOutput(2, finished_request_ids=["a"]))
-    batch.apply(SchedulerOutput(3))
-    batch.apply(step_of([("b", [1], 0, 1, [1], True), ("c", [1], 0, 1, [2], True)], 4))
-    assert sorted(batch.slot_of.values()) == [0, 1]
+    replaced = step_of([("b", [1], 0, 1, [1], True)], 2)
+    replaced.finished_request_ids = ["a"]
+    batch.apply(replaced)
+    batch.apply(step_of([("c", [1], 0, 1, [2], True)], 3))
+    assert batch.slot_of == {"b": 1, "c": 0}
+
+
+def test_a_batch_replaced_every_step_fits_the_persistent_batch():
+    """Prompts that end at their first token under a full queue: every step drops a whole batch and admits
+    another (a prefill engine's steady state). One dropped batch cools down at a time, so the runner's slots
+    (two batches and two) hold it; with the last two steps' batches cooling, the third such step found it full."""
+    prompts = [[100 + i, 7, 9] for i in range(4 * 4)]
+    with LLM(
+        model="dummy:tiny", device="cpu", num_kv_blocks=16, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64
+    ) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1] * len(prompts)
 
 
 def test_build_pads_a_graph_batch_with_rows_that_touch_no_kv():

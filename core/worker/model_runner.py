@@ -139,7 +139,7 @@ class ModelRunner:
         # draft lookahead slots may reach past max_model_len
         self.max_blocks_per_seq = -(-(self.max_model_len + 2 * k + 1) // self.block_size)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
-        # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
+        # a dropped request's slot is reused a step later: room for a whole batch dropped and replaced
         self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
         # prefill/decode disaggregation (core/disagg/engine.py): a decode engine skips the prefill engine's draw
         self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, self.args.kv_role == "decode")
