@@ -348,3 +348,37 @@ def test_the_eager_warm_up_fills_the_first_blocks_and_leaves_outputs_as_they_wer
         assert not any(bool(c[:, blocks:].any()) for c in runner.kv_caches)
         warm = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert warm == cold
+
+
+def test_a_runner_is_freed_as_soon_as_its_last_reference_goes():
+    """A runner in no reference cycle: its model and KV pool go with the last reference, whenever the collector
+    runs. Benchmarks build engines one after another; a runner in a cycle (a closure over it in its grammar
+    rows) outlived a collection that came while a worker thread still held it, and the next engine loaded
+    beside it (`test_each_engine_is_freed_before_the_next_is_built`, which catches it only by timing)."""
+    import gc
+    import weakref
+
+    from sluice.core.args import EngineArgs
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.sampling_params import StructuredOutputsParams
+    from sluice.core.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=8), resolve_model("dummy:tiny"), 64)
+    # a step of a plain and a constrained request: the grammar backend and its compile thread come into play
+    plain = SamplingParams(temperature=0)
+    constrained = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    so = step_of([("a", list(range(100, 110)), 0, 10, [1], True), ("b", list(range(200, 210)), 0, 10, [2], True)])
+    so.new_requests[1].sampling_params = constrained
+    assert so.new_requests[0].sampling_params == plain
+    assert len(runner.execute(so).token_ids) == 2
+    assert runner.grammar.rows_filled == 1  # b's row was masked
+    runner.execute(SchedulerOutput(2, finished_request_ids=["a", "b"]))
+    tensors = [weakref.ref(t) for t in (*runner.model.parameters(), *runner.kv_caches)]
+    gc.collect()
+    gc.disable()
+    try:
+        del runner
+        alive = sum(t() is not None for t in tensors)
+    finally:
+        gc.enable()
+    assert alive == 0
