@@ -11,8 +11,10 @@ the slots, into a `StepBuffers`. A row's input tokens come from one of three pla
   that step's sampled tokens (``pending``: the token's row there);
 * drafts to verify (speculative decoding): after the last token, the drafts the request proposed last step.
 
-A dropped request's slot is reused only two steps later: the step in flight when it was dropped may still
-report a token for it.
+A dropped request's slot is reused from the next step on, not in the step that drops it: the step in flight
+then (the one before) may still report a token for it. The executor collects that step before it launches
+another (at most one step is in flight at a launch), so one step of cooling is enough, and the slots held
+never exceed two batches: the requests of this step, and those dropped by it.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class InputBatch:
         self.slot_of: dict[str, int] = {}
         self.req_ids: list[str | None] = [None] * max_slots
         self._free = list(range(max_slots - 1, -1, -1))
-        self._dropped: list[list[int]] = [[], []]  # slots dropped one and two steps ago
+        self._cooling: list[int] = []  # slots dropped by the last step: free from this one on
         # tokens and positions
         self.tokens: list[list[int] | None] = [None] * max_slots  # the tokens each request arrived with
         self.num_arrived = np.zeros(max_slots, np.int64)  # len(tokens)
@@ -79,7 +81,7 @@ class InputBatch:
     # -- changes -------------------------------------------------------------------------------------
     def apply(self, so: SchedulerOutput) -> list[str]:
         """Bring the slots up to ``so``: drop, then add, then grow tables. Returns the ids dropped for good."""
-        self._free.extend(self._dropped.pop())
+        self._free.extend(self._cooling)
         dropped: list[int] = []
         for rid in (*so.finished_request_ids, *so.preempted_request_ids):
             slot = self.slot_of.pop(rid, None)
@@ -87,7 +89,7 @@ class InputBatch:
                 self.req_ids[slot] = None
                 self.tokens[slot] = self.output_tokens[slot] = self.params[slot] = None
                 dropped.append(slot)
-        self._dropped.insert(0, dropped)
+        self._cooling = dropped
         for nr in so.new_requests:
             self._add(nr)
         for rid, (start, ids) in so.block_updates.items():

@@ -17,6 +17,7 @@ step, the speculative ones and the memory profile included.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -139,15 +140,19 @@ class ModelRunner:
         # draft lookahead slots may reach past max_model_len
         self.max_blocks_per_seq = -(-(self.max_model_len + 2 * k + 1) // self.block_size)
         self.buffers = StepBuffers(self.max_num_tokens, self.max_num_seqs, self.max_blocks_per_seq, self.device)
-        # a dropped request's slot is reused two steps later: room for a whole batch dropped and replaced
+        # a dropped request's slot is reused a step later: room for a whole batch dropped and replaced
         self.batch = InputBatch(2 * self.max_num_seqs + 2, self.max_blocks_per_seq, self.block_size, k)
         # prefill/decode disaggregation (core/disagg/engine.py): a decode engine skips the prefill engine's draw
         self.generators = SeededGenerators(self.batch, self.device, self.vocab_size, self.args.kv_role == "decode")
         self.sampling = SamplingBatchBuilder(self.batch, self.generators, self.device)
-        # structured outputs: the constrained requests' matchers and their rows' bitmask (core/structured/)
+        # structured outputs: the constrained requests' matchers and their rows' bitmask (core/structured/). The
+        # backend's factory holds values, not the runner: a closure over self would put the runner in a reference
+        # cycle, and a closed engine's model and KV pool would then wait for a full collection to be freed.
         src = self.source
         self.grammar = GrammarRows(
-            lambda: load_backend(DEFAULT_BACKEND, src.tokenizer_dir, self.vocab_size, list(src.eos_token_ids)),
+            functools.partial(
+                load_backend, DEFAULT_BACKEND, src.tokenizer_dir, self.vocab_size, list(src.eos_token_ids)
+            ),
             self.vocab_size,
             self.max_num_seqs * (k + 1),
             self.device,
