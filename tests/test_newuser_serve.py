@@ -91,3 +91,17 @@ def test_a_port_in_use_is_one_line_before_the_model_loads():
     # the same free port passes the check and the model's line comes next
     run = _serve("--port", str(port), "--model", "/nonexistent/model.gguf")
     assert run.returncode == 2 and "nonexistent" in run.stderr and "in use" not in run.stderr, run.stderr
+
+
+def test_the_port_is_held_from_the_check_until_uvicorn_listens_on_it():
+    """The check keeps its socket (uvicorn then listens on it): binding once and letting go left the port free
+    for the whole model load, and another program (another test's server, in CI) could take it meanwhile."""
+    from sluice.app.commands.serve import bind_listening_socket
+
+    held = bind_listening_socket("127.0.0.1", 0)
+    try:
+        port = held.getsockname()[1]
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+    finally:
+        held.close()

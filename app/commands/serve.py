@@ -40,22 +40,25 @@ def token_count(text: str) -> int:
     return n
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Bind ``host:port`` once and let go, before the model loads (which takes a minute on a CPU): a port in
-    use, or an address not on this machine, is one line now rather than uvicorn's after the load. The socket
-    takes SO_REUSEADDR as uvicorn's does, so a port left in TIME_WAIT by the last run counts as free."""
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` before the model loads (which takes a minute on a CPU) and keep it: a port in use, or an
+    address not on this machine, is one line now rather than uvicorn's after the load, and no other program can
+    take the port during the load (binding once and letting go left that window open). uvicorn then listens on
+    this socket. SO_REUSEADDR as uvicorn's own, so a port left in TIME_WAIT by the last run counts as free."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise SluiceError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as e:
-            hint = " (another server there? pick another --port)" if port else ""
-            raise SluiceError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    s = socket.socket(family, kind, proto)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(address)
+    except OSError as e:
+        s.close()
+        hint = " (another server there? pick another --port)" if port else ""
+        raise SluiceError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    return s
 
 
 def register(subparsers) -> None:
@@ -162,7 +165,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from sluice.core.frontend.engine import AsyncEngine
     from sluice.core.models.loader import resolve_model
 
-    check_port_free(ns.host, ns.port)  # before anything loads
+    sock = bind_listening_socket(ns.host, ns.port)  # before anything loads; uvicorn listens on it
     args = engine_args_from(ns)
     if ns.api_server_count != 1:
         from sluice.app.server.api_servers import check_api_server_count
@@ -175,14 +178,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.api_server_count > 1:
         from sluice.app.server.api_servers import serve_api_servers
 
+        sock.close()  # the supervisor binds the socket its front ends share
         return serve_api_servers(ns, args)
     if ns.data_parallel_size > 1 or ns.data_parallel_backend == "ray":
         from sluice.app.commands.data_parallel import serve_data_parallel
 
+        sock.close()
         return serve_data_parallel(ns, args)
     if ns.record_trace:
         args.enable_inspector = True
     engine = pair_engine(ns, args) or AsyncEngine(args)
     server = build_server(ns, engine)
-    server.run()  # a failed startup (model load, port in use) exits non-zero inside, after logging why
+    server.run(sockets=[sock])  # a failed startup (model load) exits non-zero inside, after logging why
     return 1 if server.engine_died else 0  # a dead engine: for a supervisor to restart the server

@@ -129,6 +129,8 @@ def _server(config, api, grace_seconds: float, on_started: Callable[[], None] | 
             await super().startup(sockets)
             if self.started and on_started is not None:
                 on_started()
+            elif self.started and sockets:  # `sluice serve` bound its socket before the load: uvicorn says nothing
+                self._log_started_message(sockets)
 
         async def shutdown(self, sockets=None) -> None:
             async with anyio.create_task_group() as tg:
