@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import time
 from pathlib import Path
 
 import httpx
-from sluice.core.frontend.run_dir import make_run_dir, owner_pid, remove_orphaned_run_dirs
+import pytest
+from sluice.core.frontend.run_dir import make_run_dir, owner_pid, remove_orphaned_run_dirs, run_dir_parent
 
 from tests.server_helpers import free_port, wait_gone
 from tests.test_core_process import child_pids
@@ -57,23 +59,42 @@ def test_only_the_directories_of_dead_owners_are_removed(tmp_path):
     assert left == {*keep, f"sluice-core-{dead}-file", f"sluice-core-{dead}-link"}
 
 
-def test_a_new_run_dir_is_named_after_its_owner_and_sweeps_the_orphans(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    orphan = tmp_path / f"sluice-serve-{dead_pid()}-zzzz"
+@pytest.fixture
+def short_tmp():
+    """A temp directory short enough for the run directory's Unix sockets (pytest's own can be too deep: then
+    the server's run directory goes to /tmp, `run_dir_parent`)."""
+    path = Path(tempfile.mkdtemp(prefix="rd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_temp_dir_too_deep_for_unix_sockets_gives_way_to_tmp(monkeypatch):
+    """A socket's path holds 107 bytes: under a deep TMPDIR (a test runner's, say) the core's sockets could not
+    be made and the server failed to start; the run directory then goes to /tmp."""
+    deep = "/tmp/" + "d" * 80
+    monkeypatch.setattr(tempfile, "tempdir", deep)
+    assert run_dir_parent() == "/tmp"
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp/short")
+    assert run_dir_parent() == "/tmp/short"
+
+
+def test_a_new_run_dir_is_named_after_its_owner_and_sweeps_the_orphans(short_tmp, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
+    orphan = short_tmp / f"sluice-serve-{dead_pid()}-zzzz"
     orphan.mkdir()
     path = Path(make_run_dir("sluice-core-"))
-    assert path.parent == tmp_path and owner_pid(path.name) == os.getpid()
+    assert path.parent == short_tmp and owner_pid(path.name) == os.getpid()
     assert not orphan.exists()
     assert make_run_dir("sluice-serve-") and path.exists()  # this process's own stays
 
 
-def test_the_folder_a_killed_server_leaves_is_removed_by_the_next_start(tmp_path, monkeypatch):
+def test_the_folder_a_killed_server_leaves_is_removed_by_the_next_start(short_tmp, monkeypatch):
     """`sluice serve` killed with SIGKILL leaves its `sluice-core-<pid>-*` folder (its core exits by itself); the
     next server's start removes it."""
     port = free_port()
     cmd = [sys.executable, "-m", "sluice.app.commands.cli", "serve", "--model", "dummy:tiny", "--device", "cpu"]
     cmd += ["--port", str(port), "--num-kv-blocks", "64", "--max-model-len", "256"]
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "TMPDIR": str(short_tmp)}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -94,8 +115,8 @@ def test_the_folder_a_killed_server_leaves_is_removed_by_the_next_start(tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    left = [p for p in tmp_path.iterdir() if p.name.startswith(f"sluice-core-{proc.pid}-")]
-    assert len(left) == 1, list(tmp_path.iterdir())
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left = [p for p in short_tmp.iterdir() if p.name.startswith(f"sluice-core-{proc.pid}-")]
+    assert len(left) == 1, list(short_tmp.iterdir())
+    monkeypatch.setattr(tempfile, "tempdir", str(short_tmp))
     mine = make_run_dir("sluice-core-")
     assert not left[0].exists() and os.path.isdir(mine)

@@ -44,7 +44,8 @@ def add_data_parallel_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def serve_data_parallel(ns: argparse.Namespace, args) -> int:
+def serve_data_parallel(ns: argparse.Namespace, args, sock=None) -> int:
+    """``sock``: the listening socket `sluice serve` bound before anything loaded (uvicorn listens on it)."""
     from sluice.app.ray.engine import RayConfig, RayEngine
     from sluice.app.ray.request import SessionMiddleware
     from sluice.app.server.uvicorn_server import build_server
@@ -56,5 +57,5 @@ def serve_data_parallel(ns: argparse.Namespace, args) -> int:
     engine = RayEngine(args, RayConfig(ns.data_parallel_size, ns.routing, ns.ray_address))
     server = build_server(ns, engine)
     server.config.app.add_middleware(SessionMiddleware)
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     return 1 if server.engine_died else 0

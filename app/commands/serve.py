@@ -183,8 +183,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if ns.data_parallel_size > 1 or ns.data_parallel_backend == "ray":
         from sluice.app.commands.data_parallel import serve_data_parallel
 
-        sock.close()
-        return serve_data_parallel(ns, args)
+        return serve_data_parallel(ns, args, sock)
     if ns.record_trace:
         args.enable_inspector = True
     engine = pair_engine(ns, args) or AsyncEngine(args)

@@ -96,7 +96,9 @@ class RayEngine:
         if not ray.is_initialized():
             self._own_ray = self.config.ray_address is None
             ray.init(
-                address=self.config.ray_address,
+                # "local": a Ray of its own even where another runs on this machine (ray.init() alone would join
+                # the newest one started here, a stale one included)
+                address=self.config.ray_address or "local",
                 num_cpus=self.config.num_cpus if self._own_ray else None,
                 include_dashboard=False,
                 log_to_driver=False,

@@ -71,6 +71,8 @@ class CoreClient(EngineCoreClient):
         self._closed: Exception | None = None  # EndAllRequests: later requests are refused with it
         self._dir: str | None = None
         self._ctx: zmq.Context | None = None
+        self._out: zmq.Socket | None = None
+        self._in: zmq.Socket | None = None
 
     # -- process -------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -160,8 +162,9 @@ class CoreClient(EngineCoreClient):
         if self._ctx is not None:
             if self.shared is not None and self.dead is None:  # let ShutdownMsg out (nothing waited for the core)
                 self._out.setsockopt(zmq.LINGER, 2000)
-            self._out.close()
-            self._in.close()
+            for sock in (self._out, self._in):  # None: the start failed before it was made
+                if sock is not None:
+                    sock.close()
             self._ctx.term()
             self._ctx = None
         if self._dir is not None:

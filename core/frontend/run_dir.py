@@ -14,13 +14,26 @@ import tempfile
 
 # Every kind of run directory sluice makes (`CoreClient`'s, `sluice serve --api-server-count`'s).
 PREFIXES = ("sluice-core-", "sluice-serve-")
+# A Unix socket's path holds at most 107 bytes (sockaddr_un); the run directory's sockets are named at most
+# this long (``to-front-63``), its own name at most ``sluice-serve-<pid>-<8 random>``.
+SOCKET_NAME_MAX = 16
+SHORT_PARENT = "/tmp"
+
+
+def run_dir_parent() -> str:
+    """The temp directory, unless the sockets' paths in it would be too long for Unix sockets (a deep
+    ``TMPDIR``, as a test runner's): then ``/tmp``, where a socket's path always fits."""
+    parent = tempfile.gettempdir()
+    longest = len(os.fsencode(parent)) + len("/sluice-serve-") + 10 + 1 + 8 + 1 + SOCKET_NAME_MAX
+    return parent if longest <= 107 or not os.path.isdir(SHORT_PARENT) else SHORT_PARENT
 
 
 def make_run_dir(prefix: str) -> str:
     """A new run directory of this process's (``prefix`` one of `PREFIXES`), after removing the orphaned ones."""
     assert prefix in PREFIXES, prefix
-    remove_orphaned_run_dirs()
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+    parent = run_dir_parent()
+    remove_orphaned_run_dirs(parent)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
 
 
 def remove_orphaned_run_dirs(parent: str | None = None) -> list[str]:
