@@ -63,6 +63,7 @@ class ModelRunner:
         envs.configure_kernels()  # the kernels' process-wide switches, before anything launches one
         self.args = args
         self.tp = tp
+        self.samples = tp is None or tp.rank == 0  # the rank that samples (and keeps the grammars)
         self.device = args.resolve_device()
         self.dtype = args.resolve_dtype(self.device)
         self.block_size = args.block_size
@@ -360,7 +361,7 @@ class ModelRunner:
         for rid in self.batch.apply(so):
             self.generators.drop(rid)
             self.grammar.drop(rid)
-        if self.tp is None or self.tp.rank == 0:  # the rank that samples
+        if self.samples:
             for nr in so.new_requests:
                 spec = nr.sampling_params.structured_outputs
                 if spec is not None:  # resumed or handed over: caught up with the outputs it arrived with
@@ -417,7 +418,7 @@ class ModelRunner:
         else:
             slots = rows.slots if num_rows == n else rows.slots[sample_rows]
         positions = rows.starts[sample_rows] + rows.q_lens[sample_rows] - 1
-        rank0 = self.tp is None or self.tp.rank == 0
+        rank0 = self.samples
         if self.batch.penalized[slots].any():
             self._read_back(self._inflight)  # penalties count every output token: the one in flight too
         sampling = self.sampling.build(slots, self.batch.num_outputs(slots, positions), b) if rank0 else None
