@@ -69,7 +69,10 @@ def server():
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.5)
-        yield proc, url
+        # the Ray processes as started, for the shutdown test: a later test kills a replica (Serve replaces it)
+        started_tree = descendants(proc.pid)
+        assert any("raylet" in cmdline(p) for p in started_tree), [cmdline(p)[:80] for p in started_tree]
+        yield proc, url, started_tree
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -85,7 +88,7 @@ def one_engine_outputs(max_tokens: int) -> list[list[int]]:
 
 
 def test_openai_client_through_one_endpoint_equals_one_engine_streamed_and_not(server):
-    _, url = server
+    _, url, _ = server
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     expected = one_engine_outputs(12)
     extra = {"ignore_eos": True}
@@ -110,7 +113,7 @@ def test_openai_client_through_one_endpoint_equals_one_engine_streamed_and_not(s
 
 def test_kv_routing_sends_a_shared_prefix_where_it_is_cached(server):
     """Round-robin or random routing would miss on about half of these; `kv` hits on every one after the first."""
-    _, url = server
+    _, url, _ = server
     prefix = " ".join(f"word{i}" for i in range(120))
     cached = []
     for i in range(6):
@@ -131,7 +134,7 @@ def _replica_prompt_tokens(url: str) -> dict[str, float]:
 
 
 def test_a_session_stays_on_one_replica_and_requests_without_one_spread(server):
-    _, url = server
+    _, url, _ = server
 
     def burst(headers: dict) -> dict[str, float]:
         before = _replica_prompt_tokens(url)
@@ -167,7 +170,7 @@ def _stream(url: str, prompt: str, results: dict, started: threading.Event, i: i
 
 
 def test_a_replica_killed_mid_stream_fails_only_its_requests_and_the_endpoint_recovers(server):
-    proc, url = server
+    proc, url, _ = server
     replicas = sorted(p for p in descendants(proc.pid) if "ServeReplica" in cmdline(p))
     assert len(replicas) == 2, [cmdline(p) for p in descendants(proc.pid)]
     results: dict[int, list] = {}
@@ -197,9 +200,8 @@ def test_a_replica_killed_mid_stream_fails_only_its_requests_and_the_endpoint_re
 
 
 def test_sigterm_leaves_no_ray_process_behind(server):
-    proc, url = server
-    tree = descendants(proc.pid)
-    assert any("raylet" in cmdline(p) for p in tree)
+    proc, url, started_tree = server
+    tree = started_tree | descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     deadline = time.monotonic() + 30
