@@ -1,5 +1,5 @@
 """The host's cost of one step's grammar mask (`GrammarRows.fill`) at R constrained rows, on the CPU: the whole
-`fill`, and llguidance's part alone (`LLExecutor` at 1, 2 and 8 threads, and row by row in this thread). Rows
+`fill`, and llguidance's part alone (`LLExecutor` at 1, 2 and 8 threads or ``--threads``, and row by row in this thread). Rows
 follow `sluice bench structured`'s schema; between steps each row takes a random token its mask allows, so the
 rows' states differ, as in a real batch.
 
@@ -70,11 +70,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 8], help="LLExecutor sizes to time")
     ns = p.parse_args()
     backend = load_backend("llguidance", str(default_tokenizer_dir()), VOCAB, [2])
     spec = StructuredOutputsParams(json=LONG_SCHEMA)
     backend.compile(spec)
-    variants = {"serial": serial_fill, **{f"executor{n}": executor_fill(n) for n in (1, 2, 8)}}
+    variants = {"serial": serial_fill, **{f"executor{n}": executor_fill(n) for n in ns.threads}}
     print(f"{ns.rows} rows, {ns.steps} steps: ms per step, median / p90 (whole fill; llguidance's part)")
     for name, fill_rows in variants.items():
         whole, inner = walk(backend, spec, ns, fill_rows)
