@@ -6,8 +6,9 @@ call), so a cluster's hit rate can be sized before it is bought.
 Each replica keeps its own virtual clock; the replica furthest behind steps next, and a request is routed when
 the earliest clock reaches its arrival. What each policy knows is what its router knows:
 
-- ``kv``: each replica's cached blocks from its KV events (its pool's event log, applied after every step) plus
-  the blocks of the requests routed to it; its queue (requests in flight).
+- ``kv``: each replica's `CacheView`, as the served router keeps it: the cached blocks from its KV events (its
+  pool's event log, applied after every step) and the blocks of the requests routed to it as pending until
+  stored (or expired, on the virtual clock); its queue (requests in flight).
 - ``prefix``: Ray's prefix-affinity router, modelled on block hashes instead of text: a tree of everything sent to
   each replica, never evicted; under a match rate of 10% the replica with the smallest tree.
 - ``least-loaded``, ``round-robin``.
@@ -23,7 +24,7 @@ from dataclasses import asdict
 
 from sluice.app.bench.workloads import Workload
 from sluice.app.commands.cache_replay import Replay, SimConfig, SimResult, simulate
-from sluice.app.ray.policy import PREFIX_MATCH_RATE, kv_choice, least_loaded, prefix_match
+from sluice.app.ray.policy import PREFIX_MATCH_RATE, CacheView, kv_choice, least_loaded, prefix_match
 from sluice.kv.events import BlockStoredEntry
 from sluice.kv.prefix_cache import block_hashes
 
@@ -39,7 +40,7 @@ class ReplicaReplay(Replay):
         self.ready, self.dependents = [], {}
         self.cluster = cluster
         self.log = self.kv.record_events()
-        self.known: set = set()  # what a router knows is cached here (KV events + requests routed here)
+        self.known = CacheView()  # what a router knows is cached here (KV events + requests routed here)
         self.sent: set = set()  # every block ever routed here (the `prefix` router's tree)
 
     def settle(self, i: int, ok: bool) -> None:
@@ -49,9 +50,9 @@ class ReplicaReplay(Replay):
     def apply_events(self) -> None:
         for e in self.log.drain():
             if isinstance(e, BlockStoredEntry):
-                self.known.add(e.block_hash)
+                self.known.stored((e.block_hash,))
             else:
-                self.known.discard(e.block_hash)
+                self.known.removed((e.block_hash,))
 
 
 class ClusterReplay:
@@ -75,7 +76,7 @@ class ClusterReplay:
         for j in self.dependents.pop(i, ()):
             heapq.heappush(self.ready, (max(self.workload.requests[j].arrival_time, clock), j))
 
-    def choose(self, i: int) -> int:
+    def choose(self, i: int, now: float) -> int:
         reps = self.replicas
         queues = [r.in_flight + len(r.ready) for r in reps]
         if self.routing == "round-robin":
@@ -85,7 +86,7 @@ class ClusterReplay:
         req = self.workload.requests[i]
         hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size, req.cache_salt)
         if self.routing == "kv":
-            return kv_choice([prefix_match(r.known, hashes) for r in reps], queues)
+            return kv_choice([r.known.match(hashes, now) for r in reps], queues)
         matches = [prefix_match(r.sent, hashes) for r in reps]
         best = max(range(len(reps)), key=lambda k: (matches[k], -queues[k]))
         if hashes and matches[best] / len(hashes) >= PREFIX_MATCH_RATE:
@@ -97,11 +98,11 @@ class ClusterReplay:
             if sum(r.in_flight + len(r.ready) for r in self.replicas) >= self.limit:
                 return
             t, i = heapq.heappop(self.ready)
-            rep = self.replicas[self.choose(i)]
+            rep = self.replicas[self.choose(i, now)]
             heapq.heappush(rep.ready, (t, i))
             req = self.workload.requests[i]
             hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size, req.cache_salt)
-            rep.known.update(hashes)
+            rep.known.routed(hashes, now)
             rep.sent.update(hashes)
 
     def run(self) -> SimResult:

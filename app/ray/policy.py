@@ -1,12 +1,17 @@
 """The routing decisions themselves, without Ray: the Ray routers (`routers.py`) and `sluice cache-sim --replicas`
-make them with the same functions. This module imports nothing of Ray."""
+make them with the same functions and keep each replica's cache in the same `CacheView`. This module imports
+nothing of Ray."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 MAX_IMBALANCE = 4  # `kv`: a cache match is worth up to this many more requests queued than the shortest queue
 PREFIX_MATCH_RATE = 0.1  # `prefix` (Ray's PrefixCacheAffinityRouter's default): below it, the smallest tree
+# `kv`: how long a routed request's blocks count as on its replica before its events confirm them. It covers the
+# wait in the replica's queue and the prefill; a request that never computes them (aborted, failed) stops
+# attracting its prefix after it.
+PENDING_TTL_S = 10.0
 
 
 def least_loaded(queues: Sequence[int]) -> int:
@@ -31,3 +36,60 @@ def prefix_match(blocks: set, hashes: Sequence) -> int:
             break
         n += 1
     return n
+
+
+class CacheView:
+    """What a router knows of one replica's prefix cache: the blocks its KV events say are cached (``blocks``)
+    and the blocks of requests routed to it that no event has confirmed yet (``pending``, hash -> expiry).
+
+    Events arrive after the replica has computed a prefill, so a burst of requests with a new prefix would
+    spread over the replicas before the first one's blocks are known; counted as pending at routing time, they
+    follow the first. An event that stores a block confirms it; pending blocks never confirmed expire after
+    ``ttl``. An eviction event drops a confirmed block but not a pending one: a request routed since will
+    compute it again. ``now`` is the caller's clock (the wall clock served, the virtual one in `cache-sim`).
+    """
+
+    __slots__ = ("blocks", "pending", "ttl")
+
+    def __init__(self, ttl: float = PENDING_TTL_S) -> None:
+        self.blocks: set[Hashable] = set()
+        self.pending: dict[Hashable, float] = {}  # insertion order is expiry order: the ttl is one constant
+        self.ttl = ttl
+
+    def stored(self, hashes: Iterable[Hashable]) -> None:
+        for h in hashes:
+            self.blocks.add(h)
+            self.pending.pop(h, None)
+
+    def removed(self, hashes: Iterable[Hashable]) -> None:
+        self.blocks.difference_update(hashes)
+
+    def cleared(self) -> None:
+        self.blocks.clear()
+        self.pending.clear()
+
+    def routed(self, hashes: Iterable[Hashable], now: float) -> None:
+        """A request with these blocks was just sent to this replica."""
+        self.expire(now)
+        expiry = now + self.ttl
+        for h in hashes:
+            if h not in self.blocks:
+                self.pending.pop(h, None)  # re-inserted at the end: the order stays the expiry order
+                self.pending[h] = expiry
+
+    def expire(self, now: float) -> None:
+        pending = self.pending
+        while pending:
+            h = next(iter(pending))
+            if pending[h] > now:
+                return
+            del pending[h]
+
+    def match(self, hashes: Sequence[Hashable], now: float) -> int:
+        """How many of ``hashes`` (a request's, in order) are cached or pending here, as a prefix."""
+        n = 0
+        for h in hashes:
+            if h not in self.blocks and self.pending.get(h, now) <= now:
+                break
+            n += 1
+        return n
