@@ -73,6 +73,12 @@ def test_events_evict_confirmed_blocks_but_not_blocks_routed_since():
     assert view.match(a[2:], now=2.0) == 0 and not view.pending
 
 
+def test_the_imbalance_bound_keeps_affinity_at_a_few_requests_in_flight():
+    assert kv_choice([4, 0], [6, 1]) == 0, "8 in flight over 2 replicas: a 5-request gap is churn, not a hot spot"
+    assert kv_choice([4, 0], [30, 2]) == 1, "far longer and many times as long: the least loaded"
+    assert kv_choice([4, 0], [30, 20]) == 0, "10 more but not twice as many: still the cache"
+
+
 def test_a_batch_of_events_applies_to_the_view():
     view = CacheView()
     a = prompt(0, 0)

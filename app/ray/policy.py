@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-MAX_IMBALANCE = 4  # `kv`: a cache match is worth up to this many more requests queued than the shortest queue
+# `kv`: a cache match is worth this many more requests queued than the shortest queue, or up to BALANCE_RATIO
+# times as many (SGLang's cache-aware router's two thresholds, which must both be passed to give up a match).
+# The bound is for a hot prefix piling up on one replica: with a handful of requests in flight, a queue a few
+# requests longer is ordinary churn, and leaving the cache recomputes the whole prefix there (cache-sim on
+# docs/benchmarks/cpu_ray_dp2_dummy_tiny.md's workload: a bound of 4 at 8 in flight lost hits and time).
+MAX_IMBALANCE = 8
+BALANCE_RATIO = 2.0
 PREFIX_MATCH_RATE = 0.1  # `prefix` (Ray's PrefixCacheAffinityRouter's default): below it, the smallest tree
 # `kv`: how long a routed request's blocks count as on its replica before its events confirm them. It covers the
 # wait in the replica's queue and the prefill; a request that never computes them (aborted, failed) stops
@@ -19,13 +25,18 @@ def least_loaded(queues: Sequence[int]) -> int:
 
 
 def kv_choice(matches: Sequence[int], queues: Sequence[int], max_imbalance: int = MAX_IMBALANCE) -> int:
-    """The replica holding the longest prefix (the shorter queue among equals), unless its queue is longer than
-    the shortest by more than ``max_imbalance`` or nothing matches: then the least loaded."""
+    """The replica holding the longest prefix (the shorter queue among equals), unless nothing matches or its
+    queue is both longer than the shortest by more than ``max_imbalance`` and more than `BALANCE_RATIO` times
+    it: then the least loaded."""
     least = least_loaded(queues)
     best = max(range(len(matches)), key=lambda i: (matches[i], -queues[i]))
-    if matches[best] == 0 or queues[best] - queues[least] > max_imbalance:
+    if matches[best] == 0 or imbalanced(queues[best], queues[least], max_imbalance):
         return least
     return best
+
+
+def imbalanced(queue: int, shortest: int, max_imbalance: int = MAX_IMBALANCE) -> bool:
+    return queue - shortest > max_imbalance and queue > BALANCE_RATIO * shortest
 
 
 def prefix_match(blocks: set, hashes: Sequence) -> int:

@@ -8,7 +8,7 @@ replica that served its first request while that replica lives.
 - `KVRouter` (``kv``): the replica whose cache holds the longest prefix of the request's block hashes (the
   prefix cache's own hash, over the token ids), known from the replicas' KV events (`kv_index.py`), so it
   follows evictions; unless that replica's queue is longer than the shortest by more than ``max_imbalance``
-  (or nothing matches): then the least loaded.
+  and more than twice as long (`policy.kv_choice`), or nothing matches: then the least loaded.
 - `PrefixRouter` (``prefix``): Ray's `PrefixCacheAffinityRouter`, which matches the prompt's text against a
   tree of what it sent where.
 - `LeastLoadedRouter` (``least-loaded``), `RoundRobinRouter` (``round-robin``).
