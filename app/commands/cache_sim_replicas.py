@@ -9,8 +9,9 @@ the earliest clock reaches its arrival. What each policy knows is what its route
 - ``kv``: each replica's `CacheView`, as the served router keeps it: the cached blocks from its KV events (its
   pool's event log, applied after every step) and the blocks of the requests routed to it as pending until
   stored (or expired, on the virtual clock); its queue (requests in flight).
-- ``prefix``: Ray's prefix-affinity router, modelled on block hashes instead of text: a tree of everything sent to
-  each replica, never evicted; under a match rate of 10% the replica with the smallest tree.
+- ``prefix``: Ray's prefix-affinity router, modelled on block hashes instead of text (`policy.prefix_choice`): a
+  tree of everything sent to each replica, never evicted; under a match rate of 10% the replica with the smallest
+  tree; the least loaded where the queues differ by more than the imbalance threshold.
 - ``least-loaded``, ``round-robin``.
 """
 
@@ -24,7 +25,7 @@ from dataclasses import asdict
 
 from sluice.app.bench.workloads import Workload
 from sluice.app.commands.cache_replay import Replay, SimConfig, SimResult, simulate
-from sluice.app.ray.policy import PREFIX_MATCH_RATE, CacheView, kv_choice, least_loaded, prefix_match
+from sluice.app.ray.policy import MAX_IMBALANCE, CacheView, kv_choice, least_loaded, prefix_choice, prefix_match
 from sluice.kv.events import BlockStoredEntry
 from sluice.kv.prefix_cache import block_hashes
 
@@ -56,10 +57,13 @@ class ReplicaReplay(Replay):
 
 
 class ClusterReplay:
-    def __init__(self, workload: Workload, cfg: SimConfig, num_replicas: int, routing: str) -> None:
+    def __init__(
+        self, workload: Workload, cfg: SimConfig, num_replicas: int, routing: str, max_imbalance: int = MAX_IMBALANCE
+    ) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing: must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.workload, self.cfg, self.routing = workload, cfg, routing
+        self.max_imbalance = max_imbalance
         self.replicas = [ReplicaReplay(workload, cfg, self) for _ in range(num_replicas)]
         self.ready: list[tuple[float, int]] = []
         self.dependents: dict[int, list[int]] = {}
@@ -86,12 +90,9 @@ class ClusterReplay:
         req = self.workload.requests[i]
         hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size, req.cache_salt)
         if self.routing == "kv":
-            return kv_choice([r.known.match(hashes, now) for r in reps], queues)
-        matches = [prefix_match(r.sent, hashes) for r in reps]
-        best = max(range(len(reps)), key=lambda k: (matches[k], -queues[k]))
-        if hashes and matches[best] / len(hashes) >= PREFIX_MATCH_RATE:
-            return best
-        return min(range(len(reps)), key=lambda k: (len(reps[k].sent), queues[k]))
+            return kv_choice([r.known.match(hashes, now) for r in reps], queues, self.max_imbalance)
+        matches, trees = [prefix_match(r.sent, hashes) for r in reps], [len(r.sent) for r in reps]
+        return prefix_choice(matches, len(hashes), trees, queues, self.max_imbalance)
 
     def route(self, now: float) -> None:
         while self.ready and self.ready[0][0] <= now:
@@ -154,13 +155,20 @@ class ClusterReplay:
         )
 
 
-def simulate_replicas(workload: Workload, cfg: SimConfig, num_replicas: int, routing: str) -> SimResult:
+def simulate_replicas(
+    workload: Workload, cfg: SimConfig, num_replicas: int, routing: str, max_imbalance: int = MAX_IMBALANCE
+) -> SimResult:
     """Replay ``workload`` over ``num_replicas`` replicas of ``cfg`` each, routed by ``routing``."""
-    return ClusterReplay(workload, cfg, num_replicas, routing).run()
+    return ClusterReplay(workload, cfg, num_replicas, routing, max_imbalance).run()
 
 
 def compare_routings(
-    workload: Workload, base: SimConfig, pool_blocks: list[int], num_replicas: int, routings: list[str]
+    workload: Workload,
+    base: SimConfig,
+    pool_blocks: list[int],
+    num_replicas: int,
+    routings: list[str],
+    max_imbalance: int = MAX_IMBALANCE,
 ) -> list[dict]:
     """Per pool size (each replica's): one engine with ``num_replicas`` times the blocks, then each routing over
     ``num_replicas`` replicas; the hit rate relative to the one engine's beside each."""
@@ -170,7 +178,8 @@ def compare_routings(
         rows.append(_row("one engine", 1, n * num_replicas, one, one))
         for routing in routings:
             cfg = SimConfig(**{**_fields(base), "num_kv_blocks": n})
-            rows.append(_row(routing, num_replicas, n, simulate_replicas(workload, cfg, num_replicas, routing), one))
+            res = simulate_replicas(workload, cfg, num_replicas, routing, max_imbalance)
+            rows.append(_row(routing, num_replicas, n, res, one))
     return rows
 
 

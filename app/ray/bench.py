@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
         base = SimConfig(num_kv_blocks=1, max_concurrency=ns.max_concurrency, block_size=args.block_size)
         print("cache-sim:")
-        print_table(compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing))
+        print_table(
+            compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing, ns.max_imbalance)
+        )
     print(f"served ({ns.model}, {ns.device}): {workload.summary()}")
     print_table(anyio.run(bench, ns, args, workload))
     return 0

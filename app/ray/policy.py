@@ -35,6 +35,26 @@ def kv_choice(matches: Sequence[int], queues: Sequence[int], max_imbalance: int 
     return best
 
 
+def prefix_choice(
+    matches: Sequence[int],
+    length: int,
+    tree_sizes: Sequence[int],
+    queues: Sequence[int],
+    threshold: int = MAX_IMBALANCE,
+) -> int:
+    """Ray's `PrefixCacheAffinityRouter` (``prefix``), for `cache-sim`: the least loaded where the queues differ by
+    more than ``threshold`` (its ``imbalanced_threshold``, which `deployment.py` sets to ``max_imbalance``); else
+    the longest match (of ``length``) if it is at least `PREFIX_MATCH_RATE` of the prompt, else the replica
+    with the smallest tree (``tree_sizes``: what was sent to each)."""
+    least = least_loaded(queues)
+    if max(queues) - queues[least] > threshold:
+        return least
+    best = max(range(len(matches)), key=lambda i: (matches[i], -queues[i]))
+    if length and matches[best] / length >= PREFIX_MATCH_RATE:
+        return best
+    return min(range(len(queues)), key=lambda i: (tree_sizes[i], queues[i]))
+
+
 def imbalanced(queue: int, shortest: int, max_imbalance: int = MAX_IMBALANCE) -> bool:
     return queue - shortest > max_imbalance and queue > BALANCE_RATIO * shortest
 
