@@ -122,3 +122,21 @@ async def test_the_index_counts_routed_blocks_as_pending_until_its_events_confir
     finally:
         index.close()
         pub.close()
+
+
+def test_the_route_trace_counts_where_the_router_promised_more_than_the_replica_had():
+    from sluice.app.ray.route_trace import RouteDecision, RouteTrace, record
+
+    record(RouteDecision("x", 0, ["a", "b"], [0, 0], [0, 0], [0, 0], False))  # no trace open: dropped
+    with RouteTrace() as trace:
+        record(RouteDecision("r1", 0, ["a", "b"], [0, 0], [0, 0], [0, 0], False))
+        record(RouteDecision("r2", 0, ["a", "b"], [4, 0], [0, 0], [1, 0], False))  # promised 4 blocks, got 1
+        record(RouteDecision("r3", 1, ["a", "b"], [4, 0], [0, 0], [12, 1], True))  # sent away from its match
+        record(RouteDecision("r4", 0, ["a", "b"], [0, 0], [5, 0], [1, 1], False))  # pending, got them all
+    trace.cached = {"r1": 0, "r2": BS, "r3": 0, "r4": 5 * BS}
+    got = trace.summary(BS, {"r1": "t0", "r2": "t0", "r3": "t0", "r4": "t1"})
+    assert "x" not in trace.decisions
+    assert got["requests"] == 4 and got["hit_tokens"] == 6 * BS
+    assert got["promised_more"] == 1 and got["routed_by_pending"] == 1
+    assert got["affinity_overridden"] == 1 and got["away_from_longest"] == 1
+    assert got["groups"] == 2 and got["groups_on_several_replicas"] == 1

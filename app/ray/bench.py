@@ -26,7 +26,6 @@ from sluice.app.ray.policy import MAX_IMBALANCE
 from sluice.app.ray.route_trace import RouteTrace
 from sluice.core import AsyncEngine, EngineArgs
 
-BLOCK = 16  # the trace groups requests by their first block (a tenant's system prompt)
 SETTLE_S = 1.5  # the replicas post their counters every half second: wait for the last ones
 
 
@@ -34,12 +33,10 @@ async def measure(
     name: str, engine, workload: Workload, max_concurrency: int, settle_s: float, trace: str | None = None
 ) -> dict:
     before = engine.stats()
-    with RouteTrace() as tracer:
-        res = await run_workload(tracer.wrap(engine) if trace else engine, workload, max_concurrency)
-    if trace and tracer.decisions:
-        groups = {f"bench-{i}": tuple(r.prompt_token_ids[:BLOCK]) for i, r in enumerate(workload.requests)}
-        print(f"trace ({name}):", tracer.summary(BLOCK, groups), flush=True)
-        tracer.dump(f"{trace}.{name}.jsonl")
+    if trace is None:
+        res = await run_workload(engine, workload, max_concurrency)
+    else:
+        res = await traced(name, engine, workload, max_concurrency, trace)
     await anyio.sleep(settle_s)
     after = engine.stats()
     q = after.prefix_cache_queries - before.prefix_cache_queries
@@ -56,6 +53,19 @@ async def measure(
         "duration_s": dur,
         "prompt_tokens_per_replica": "/".join(str(s.prefix_cache_queries) for s in split.values()) or "-",
     }
+
+
+async def traced(name: str, engine, workload: Workload, max_concurrency: int, trace: str) -> dict:
+    """`run_workload` with each `kv` decision and each request's hit recorded: the counts printed, the requests
+    written to ``{trace}.{name}.jsonl``. Requests are grouped by their first block (a tenant's system prompt)."""
+    with RouteTrace() as tracer:
+        res = await run_workload(tracer.wrap(engine), workload, max_concurrency)
+    if tracer.decisions:
+        bs = engine.args.block_size
+        groups = {f"bench-{i}": tuple(r.prompt_token_ids[:bs]) for i, r in enumerate(workload.requests)}
+        print(f"trace ({name}):", tracer.summary(bs, groups), flush=True)
+        tracer.dump(f"{trace}.{name}.jsonl")
+    return res
 
 
 async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) -> list[dict]:

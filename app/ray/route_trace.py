@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 @dataclass(slots=True)
 class RouteDecision:
     request_id: str
-    chosen: int  # index into the candidates, ordered by replica id
-    replicas: list[str]  # the candidates' replica ids, in that order
+    chosen: int  # index into ``replicas``
+    replicas: list[str]  # the candidates' replica ids, in the order Serve gave them
     matches: list[int]  # blocks of the request's prefix each replica holds (confirmed by events)
     pending: list[int]  # ... or is computing for a request routed there (not confirmed yet)
     queues: list[int]  # requests in flight on each replica, from this router
