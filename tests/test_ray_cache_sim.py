@@ -6,7 +6,7 @@ from __future__ import annotations
 from sluice.app.bench.workloads import shared_prefix
 from sluice.app.commands.cache_sim import SimConfig, simulate
 from sluice.app.commands.cache_sim_replicas import simulate_replicas
-from sluice.app.ray.policy import kv_choice
+from sluice.app.ray.policy import kv_choice, prefix_choice
 
 
 def test_kv_choice_takes_the_longest_match_within_the_imbalance_bound():
@@ -14,6 +14,12 @@ def test_kv_choice_takes_the_longest_match_within_the_imbalance_bound():
     assert kv_choice([3, 5], [0, 9], max_imbalance=4) == 0, "too far behind: the least loaded"
     assert kv_choice([0, 0], [3, 1]) == 1, "no match: the least loaded"
     assert kv_choice([5, 5], [2, 1]) == 1, "equal matches: the shorter queue"
+
+
+def test_prefix_choice_is_rays_prefix_affinity_router():
+    assert prefix_choice([3, 30], 36, [500, 900], [2, 3]) == 1, "the longest match"
+    assert prefix_choice([3, 2], 36, [500, 900], [2, 1]) == 0, "under a 10% match: the smallest tree"
+    assert prefix_choice([3, 30], 36, [500, 900], [0, 9], threshold=8) == 0, "imbalanced: the least loaded"
 
 
 def test_cache_routing_keeps_the_hit_rate_of_one_engine_with_all_the_blocks():

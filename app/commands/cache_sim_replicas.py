@@ -6,10 +6,12 @@ call), so a cluster's hit rate can be sized before it is bought.
 Each replica keeps its own virtual clock; the replica furthest behind steps next, and a request is routed when
 the earliest clock reaches its arrival. What each policy knows is what its router knows:
 
-- ``kv``: each replica's cached blocks from its KV events (its pool's event log, applied after every step) plus
-  the blocks of the requests routed to it; its queue (requests in flight).
-- ``prefix``: Ray's prefix-affinity router, modelled on block hashes instead of text: a tree of everything sent to
-  each replica, never evicted; under a match rate of 10% the replica with the smallest tree.
+- ``kv``: each replica's `CacheView`, as the served router keeps it: the cached blocks from its KV events (its
+  pool's event log, applied after every step) and the blocks of the requests routed to it as pending until
+  stored (or expired, on the virtual clock); its queue (requests in flight).
+- ``prefix``: Ray's prefix-affinity router, modelled on block hashes instead of text (`policy.prefix_choice`): a
+  tree of everything sent to each replica, never evicted; under a match rate of 10% the replica with the smallest
+  tree; the least loaded where the queues differ by more than the imbalance threshold.
 - ``least-loaded``, ``round-robin``.
 """
 
@@ -23,7 +25,7 @@ from dataclasses import asdict
 
 from sluice.app.bench.workloads import Workload
 from sluice.app.commands.cache_replay import Replay, SimConfig, SimResult, simulate
-from sluice.app.ray.policy import PREFIX_MATCH_RATE, kv_choice, least_loaded, prefix_match
+from sluice.app.ray.policy import MAX_IMBALANCE, CacheView, kv_choice, least_loaded, prefix_choice, prefix_match
 from sluice.kv.events import BlockStoredEntry
 from sluice.kv.prefix_cache import block_hashes
 
@@ -39,7 +41,7 @@ class ReplicaReplay(Replay):
         self.ready, self.dependents = [], {}
         self.cluster = cluster
         self.log = self.kv.record_events()
-        self.known: set = set()  # what a router knows is cached here (KV events + requests routed here)
+        self.known = CacheView()  # what a router knows is cached here (KV events + requests routed here)
         self.sent: set = set()  # every block ever routed here (the `prefix` router's tree)
 
     def settle(self, i: int, ok: bool) -> None:
@@ -49,16 +51,19 @@ class ReplicaReplay(Replay):
     def apply_events(self) -> None:
         for e in self.log.drain():
             if isinstance(e, BlockStoredEntry):
-                self.known.add(e.block_hash)
+                self.known.stored((e.block_hash,))
             else:
-                self.known.discard(e.block_hash)
+                self.known.removed((e.block_hash,))
 
 
 class ClusterReplay:
-    def __init__(self, workload: Workload, cfg: SimConfig, num_replicas: int, routing: str) -> None:
+    def __init__(
+        self, workload: Workload, cfg: SimConfig, num_replicas: int, routing: str, max_imbalance: int = MAX_IMBALANCE
+    ) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing: must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.workload, self.cfg, self.routing = workload, cfg, routing
+        self.max_imbalance = max_imbalance
         self.replicas = [ReplicaReplay(workload, cfg, self) for _ in range(num_replicas)]
         self.ready: list[tuple[float, int]] = []
         self.dependents: dict[int, list[int]] = {}
@@ -75,7 +80,7 @@ class ClusterReplay:
         for j in self.dependents.pop(i, ()):
             heapq.heappush(self.ready, (max(self.workload.requests[j].arrival_time, clock), j))
 
-    def choose(self, i: int) -> int:
+    def choose(self, i: int, now: float) -> int:
         reps = self.replicas
         queues = [r.in_flight + len(r.ready) for r in reps]
         if self.routing == "round-robin":
@@ -85,23 +90,20 @@ class ClusterReplay:
         req = self.workload.requests[i]
         hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size, req.cache_salt)
         if self.routing == "kv":
-            return kv_choice([prefix_match(r.known, hashes) for r in reps], queues)
-        matches = [prefix_match(r.sent, hashes) for r in reps]
-        best = max(range(len(reps)), key=lambda k: (matches[k], -queues[k]))
-        if hashes and matches[best] / len(hashes) >= PREFIX_MATCH_RATE:
-            return best
-        return min(range(len(reps)), key=lambda k: (len(reps[k].sent), queues[k]))
+            return kv_choice([r.known.match(hashes, now) for r in reps], queues, self.max_imbalance)
+        matches, trees = [prefix_match(r.sent, hashes) for r in reps], [len(r.sent) for r in reps]
+        return prefix_choice(matches, len(hashes), trees, queues, self.max_imbalance)
 
     def route(self, now: float) -> None:
         while self.ready and self.ready[0][0] <= now:
             if sum(r.in_flight + len(r.ready) for r in self.replicas) >= self.limit:
                 return
             t, i = heapq.heappop(self.ready)
-            rep = self.replicas[self.choose(i)]
+            rep = self.replicas[self.choose(i, now)]
             heapq.heappush(rep.ready, (t, i))
             req = self.workload.requests[i]
             hashes = block_hashes(req.prompt_token_ids, self.cfg.block_size, req.cache_salt)
-            rep.known.update(hashes)
+            rep.known.routed(hashes, now)
             rep.sent.update(hashes)
 
     def run(self) -> SimResult:
@@ -153,13 +155,20 @@ class ClusterReplay:
         )
 
 
-def simulate_replicas(workload: Workload, cfg: SimConfig, num_replicas: int, routing: str) -> SimResult:
+def simulate_replicas(
+    workload: Workload, cfg: SimConfig, num_replicas: int, routing: str, max_imbalance: int = MAX_IMBALANCE
+) -> SimResult:
     """Replay ``workload`` over ``num_replicas`` replicas of ``cfg`` each, routed by ``routing``."""
-    return ClusterReplay(workload, cfg, num_replicas, routing).run()
+    return ClusterReplay(workload, cfg, num_replicas, routing, max_imbalance).run()
 
 
 def compare_routings(
-    workload: Workload, base: SimConfig, pool_blocks: list[int], num_replicas: int, routings: list[str]
+    workload: Workload,
+    base: SimConfig,
+    pool_blocks: list[int],
+    num_replicas: int,
+    routings: list[str],
+    max_imbalance: int = MAX_IMBALANCE,
 ) -> list[dict]:
     """Per pool size (each replica's): one engine with ``num_replicas`` times the blocks, then each routing over
     ``num_replicas`` replicas; the hit rate relative to the one engine's beside each."""
@@ -169,7 +178,8 @@ def compare_routings(
         rows.append(_row("one engine", 1, n * num_replicas, one, one))
         for routing in routings:
             cfg = SimConfig(**{**_fields(base), "num_kv_blocks": n})
-            rows.append(_row(routing, num_replicas, n, simulate_replicas(workload, cfg, num_replicas, routing), one))
+            res = simulate_replicas(workload, cfg, num_replicas, routing, max_imbalance)
+            rows.append(_row(routing, num_replicas, n, res, one))
     return rows
 
 

@@ -23,14 +23,20 @@ from sluice.app.bench.results import print_table
 from sluice.app.bench.workloads import Workload, shared_prefix
 from sluice.app.ray.engine import RayConfig, RayEngine
 from sluice.app.ray.policy import MAX_IMBALANCE
+from sluice.app.ray.route_trace import RouteTrace
 from sluice.core import AsyncEngine, EngineArgs
 
 SETTLE_S = 1.5  # the replicas post their counters every half second: wait for the last ones
 
 
-async def measure(name: str, engine, workload: Workload, max_concurrency: int, settle_s: float) -> dict:
+async def measure(
+    name: str, engine, workload: Workload, max_concurrency: int, settle_s: float, trace: str | None = None
+) -> dict:
     before = engine.stats()
-    res = await run_workload(engine, workload, max_concurrency)
+    if trace is None:
+        res = await run_workload(engine, workload, max_concurrency)
+    else:
+        res = await traced(name, engine, workload, max_concurrency, trace)
     await anyio.sleep(settle_s)
     after = engine.stats()
     q = after.prefix_cache_queries - before.prefix_cache_queries
@@ -49,6 +55,19 @@ async def measure(name: str, engine, workload: Workload, max_concurrency: int, s
     }
 
 
+async def traced(name: str, engine, workload: Workload, max_concurrency: int, trace: str) -> dict:
+    """`run_workload` with each `kv` decision and each request's hit recorded: the counts printed, the requests
+    written to ``{trace}.{name}.jsonl``. Requests are grouped by their first block (a tenant's system prompt)."""
+    with RouteTrace() as tracer:
+        res = await run_workload(tracer.wrap(engine), workload, max_concurrency)
+    if tracer.decisions:
+        bs = engine.args.block_size
+        groups = {f"bench-{i}": tuple(r.prompt_token_ids[:bs]) for i, r in enumerate(workload.requests)}
+        print(f"trace ({name}):", tracer.summary(bs, groups), flush=True)
+        tracer.dump(f"{trace}.{name}.jsonl")
+    return res
+
+
 async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) -> list[dict]:
     import ray
 
@@ -63,7 +82,7 @@ async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) ->
             # one Serve application per routing: a handle keeps the router it was made with
             config = RayConfig(ns.replicas, routing, max_imbalance=ns.max_imbalance, app_name=f"sluice-{routing}")
             async with RayEngine(each, config) as engine:
-                rows.append(await measure(routing, engine, workload, ns.max_concurrency, SETTLE_S))
+                rows.append(await measure(routing, engine, workload, ns.max_concurrency, SETTLE_S, ns.trace))
     finally:
         from ray import serve
 
@@ -95,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-address", default=None)
     p.add_argument("--ray-cpus", type=int, default=None, help="a local Ray's CPUs (default: the machine's)")
     p.add_argument("--cache-sim", action="store_true", help="print cache-sim's prediction first")
+    p.add_argument("--trace", metavar="PREFIX", help="kv: count where the router lost hits, write PREFIX.kv.jsonl")
     ns = p.parse_args(argv)
     args = EngineArgs(model=ns.model, device=ns.device, max_model_len=4096)
     workload = shared_prefix(ns.groups, ns.prompts_per_group, ns.system_len, ns.question_len, ns.output_len)
@@ -104,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
         base = SimConfig(num_kv_blocks=1, max_concurrency=ns.max_concurrency, block_size=args.block_size)
         print("cache-sim:")
-        print_table(compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing))
+        print_table(
+            compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing, ns.max_imbalance)
+        )
     print(f"served ({ns.model}, {ns.device}): {workload.summary()}")
     print_table(anyio.run(bench, ns, args, workload))
     return 0

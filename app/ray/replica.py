@@ -29,6 +29,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def kv_event_endpoints(host: str, rank: int, pub: int, replay: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The engine's KV event endpoints (`EngineArgs` fields) and where routers reach them (routing stats), for a
+    replica of data-parallel ``rank`` publishing on the free ports ``pub`` and ``replay``. The publisher binds
+    its base port + rank (`endpoint_for_rank`: vLLM's convention for ranks sharing one endpoint), while each
+    replica picked ports of its own: so the engine is given the ports less the rank. (Advertising the base
+    ports sent every router of a replica of rank > 0 to a port nobody published on: it saw only its own
+    routing, never an eviction.)"""
+    engine = {"kv_events_endpoint": f"tcp://*:{pub - rank}", "kv_events_replay_endpoint": f"tcp://*:{replay - rank}"}
+    return engine, {"kv_events": f"tcp://{host}:{pub}", "kv_replay": f"tcp://{host}:{replay}"}
+
+
 class EngineReplica:
     async def __init__(self, args: EngineArgs, board: Any = None, publish_kv_events: bool = True) -> None:
         import ray
@@ -40,9 +51,9 @@ class EngineReplica:
         self.rank = ctx.rank.rank if ctx is not None and ctx.rank is not None else 0
         self.routing_stats: dict[str, Any] = {"rank": self.rank, "block_size": args.block_size}
         if publish_kv_events:
-            host, pub, rep = ray.util.get_node_ip_address(), _free_port(), _free_port()
-            args = replace(args, kv_events_endpoint=f"tcp://*:{pub}", kv_events_replay_endpoint=f"tcp://*:{rep}")
-            self.routing_stats |= {"kv_events": f"tcp://{host}:{pub}", "kv_replay": f"tcp://{host}:{rep}"}
+            engine, routers = kv_event_endpoints(ray.util.get_node_ip_address(), self.rank, _free_port(), _free_port())
+            args = replace(args, **engine)
+            self.routing_stats |= routers
         self.engine = AsyncEngine(replace(args, data_parallel_rank=self.rank, engine_core_process=True))
         self._stop = asyncio.Event()
         started: asyncio.Future = asyncio.get_running_loop().create_future()

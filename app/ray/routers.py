@@ -8,7 +8,7 @@ replica that served its first request while that replica lives.
 - `KVRouter` (``kv``): the replica whose cache holds the longest prefix of the request's block hashes (the
   prefix cache's own hash, over the token ids), known from the replicas' KV events (`kv_index.py`), so it
   follows evictions; unless that replica's queue is longer than the shortest by more than ``max_imbalance``
-  (or nothing matches): then the least loaded.
+  and more than twice as long (`policy.kv_choice`), or nothing matches: then the least loaded.
 - `PrefixRouter` (``prefix``): Ray's `PrefixCacheAffinityRouter`, which matches the prompt's text against a
   tree of what it sent where.
 - `LeastLoadedRouter` (``least-loaded``), `RoundRobinRouter` (``round-robin``).
@@ -27,6 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from sluice.app.ray.kv_index import KVIndex
 from sluice.app.ray.policy import MAX_IMBALANCE, kv_choice, least_loaded
 from sluice.app.ray.request import ReplicaRequest
+from sluice.app.ray.route_trace import RouteDecision, record, tracing
 from sluice.kv.prefix_cache import block_hashes
 
 logger = logging.getLogger("sluice")
@@ -149,7 +150,7 @@ class KVRouter(_SluiceRouter):
             if "kv_events" in stats and not self.index.watched(r.replica_id):
                 self.index.watch(r.replica_id, stats["kv_events"], stats.get("kv_replay"))
         live = set(self.curr_replicas)
-        for rid in [rid for rid in self.index.replicas if rid not in live]:
+        for rid in [rid for rid in self.index.watching if rid not in live]:
             self.index.forget(rid)
 
     def hashes(self, req: ReplicaRequest) -> list:
@@ -162,11 +163,23 @@ class KVRouter(_SluiceRouter):
         if req is None:
             return _first(candidates[least_loaded(queues)], candidates)
         hashes = self.hashes(req)
-        matches = [self.index.match(r.replica_id, hashes) for r in candidates]
+        split = [self.index.match_split(r.replica_id, hashes) for r in candidates]
+        matches = [total for _, total in split]
         chosen = kv_choice(matches, queues, self.max_imbalance)
-        logger.debug("kv routing %s: matches %s, queues %s -> %d", req.request_id, matches, queues, chosen)
         # the replica is about to compute these blocks: the next request with this prefix follows this one
         self.index.note_routed(candidates[chosen].replica_id, hashes)
+        if tracing():
+            record(
+                RouteDecision(
+                    req.request_id,
+                    chosen,
+                    [r.replica_id.unique_id for r in candidates],
+                    [confirmed for confirmed, _ in split],
+                    [total - confirmed for confirmed, total in split],
+                    queues,
+                    max(matches) > matches[chosen],
+                )
+            )
         return _first(candidates[chosen], candidates)
 
 
