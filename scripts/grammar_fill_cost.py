@@ -1,7 +1,7 @@
 """The host's cost of one step's grammar mask (`GrammarRows.fill`) at R constrained rows, on the CPU: the whole
 `fill`, and llguidance's part alone (`LLExecutor` at 1, 2 and 8 threads or ``--threads``, and row by row in this
-thread). Rows follow `sluice bench structured`'s schema; between steps each row takes a random token its mask allows, so the
-rows' states differ, as in a real batch.
+thread). Rows follow `sluice bench structured`'s schema; between steps each row takes a random token its mask
+allows, so the rows' states differ, as in a real batch.
 
     PYTHONPATH=$(scripts/namespace_path.sh) python scripts/grammar_fill_cost.py --rows 64 --steps 100
 """
