@@ -17,6 +17,7 @@ BENCHMARKS = (
     "sluice.app.bench.clients",
     "sluice.app.bench.disagg",
     "sluice.app.bench.structured",
+    "sluice.app.bench.cpu_load",
 )
 
 
