@@ -18,6 +18,7 @@ BENCHMARKS = (
     "sluice.app.bench.disagg",
     "sluice.app.bench.structured",
     "sluice.app.bench.cpu_load",
+    "sluice.app.bench.cpu_peer",
 )
 
 
