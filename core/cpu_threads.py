@@ -24,12 +24,11 @@ setting): so it is applied where the model is built, before any step thread runs
 Why OpenMP must wait passively: torch's CPU wheel runs its intra-op pool on GNU OpenMP (libgomp, shipped in
 ``torch/lib``; MKL and oneDNN use the same pool). By default libgomp's workers spin after each parallel region
 before they sleep; with another busy process on the machine the spinning workers and the engine's own threads
-take each other's time slices, and each parallel region waits for a descheduled worker. Measured on a 2-core
-machine with one core kept busy: 4 prompts x 16 tokens took 67 s with the default against 3.5 s with
-``OMP_WAIT_POLICY=PASSIVE`` (5.5 s with ``OMP_NUM_THREADS=1``), the process burning 40 s of CPU against 5 s.
-libgomp reads the policy once, when it is loaded (with torch), so `prefer_passive_waits` sets it in the
-environment before torch is imported: `sluice.core`'s ``__init__`` calls it, and spawned processes (the core
-process, tensor-parallel ranks) inherit it. A caller's own ``OMP_WAIT_POLICY`` is left as it is.
+take each other's time slices, and each parallel region waits for a descheduled worker: steps many times
+slower, and many times the CPU burnt (`sluice bench cpu-load --configs defaults,spin` shows both). libgomp
+reads the policy once, when it is loaded (with torch), so `prefer_passive_waits` sets it in the environment
+before torch is imported: `sluice.core`'s ``__init__`` calls it, and spawned processes (the core process,
+tensor-parallel ranks) inherit it. A caller's own ``OMP_WAIT_POLICY`` is left as it is.
 """
 
 from __future__ import annotations
