@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,9 +156,19 @@ def apply(threads: CpuThreads) -> None:
     if torch.get_num_threads() != threads.count:
         torch.set_num_threads(threads.count)
     logger.info("cpu: %s", threads.describe())
+    if _policy["too_late"] and threads.count > 1:
+        _policy["too_late"] = False  # said once
+        logger.warning(
+            "cpu: torch was imported before sluice.core, so its OpenMP workers spin when idle and slow the engine "
+            "down under other load; import sluice.core first, or export OMP_WAIT_POLICY=PASSIVE"
+        )
+
+
+_policy = {"too_late": False}  # set here after torch (and OpenMP) had loaded: this process's workers still spin
 
 
 def prefer_passive_waits() -> None:
     """OpenMP workers that sleep when idle instead of spinning: set before torch loads its OpenMP runtime (see
     the module doc); a no-op where the caller chose a policy."""
-    envs.set_default_openmp_wait_policy("PASSIVE")
+    if envs.set_default_openmp_wait_policy("PASSIVE") and "torch" in sys.modules:
+        _policy["too_late"] = True

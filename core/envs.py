@@ -214,7 +214,10 @@ def omp_num_threads() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def set_default_openmp_wait_policy(policy: str) -> None:
-    """``OMP_WAIT_POLICY`` for this process and the processes it starts, unless the caller set one; OpenMP reads
-    it once, when its runtime loads (with torch)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", policy)
+def set_default_openmp_wait_policy(policy: str) -> bool:
+    """``OMP_WAIT_POLICY`` for this process and the processes it starts, unless the caller set one (then False);
+    OpenMP reads it once, when its runtime loads (with torch)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = policy
+    return True

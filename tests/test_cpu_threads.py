@@ -112,6 +112,18 @@ def test_importing_sluice_makes_openmp_wait_passively():
     assert out.stdout.split()[0] == "ACTIVE"
 
 
+def test_torch_loaded_first_is_told_once_where_threads_are_applied():
+    code = (
+        "import logging, torch, sluice.core\n"
+        "from sluice.core import cpu_threads\n"
+        "logging.basicConfig()\n"
+        "for _ in range(2): cpu_threads.apply(cpu_threads.CpuThreads(2, 'test', 2, 0))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stderr.count("import sluice.core first, or export OMP_WAIT_POLICY=PASSIVE") == 1
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to tell two counts apart")
 def test_the_engines_step_thread_runs_with_the_decided_count(monkeypatch):
     before = torch.get_num_threads()
