@@ -99,3 +99,16 @@ def test_each_sides_run_reports_its_figures_on_a_tiny_model():
         | {"decode_input_len": 4, "decode_output_len": 4}
     )
     assert load["burst_s"] > 0 and load["decode_tok_s"] > 0 and "intra-op thread" in load["threads"]
+
+
+def test_the_llama_cpp_side_runs_where_it_is_installed():
+    """Skipped where llama-cpp-python is not installed (CI: the `llamacpp` extra is not in `make install`)."""
+    pytest.importorskip("llama_cpp")
+    from sluice.core.models.loader import resolve_model
+
+    gguf = resolve_model("smollm2-135m-instruct").gguf_file
+    fig = cpu_peer.run_llama_cpp(
+        {"gguf": gguf, "threads": 1, "prefill_len": 16, "decode_input_len": 8, "decode_output_len": 6}
+    )
+    assert fig["decode_steps"] == 5
+    assert all(math.isfinite(fig[k]) and fig[k] > 0 for k in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib"))

@@ -64,10 +64,17 @@ def llama_cpp_missing() -> str | None:
     return INSTALL_HINT if importlib.util.find_spec("llama_cpp") is None else None
 
 
-def _max_rss_mib() -> float:
+def _rss_mib() -> dict[str, float]:
+    """This process's peak RSS, and its RSS now (after the runs: what serving holds, the load's peak aside)."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    fig = {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            fig["rss_after_mib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        pass
+    return fig
 
 
 # -- the sluice side (a child process) -------------------------------------------------------------------------
@@ -107,8 +114,7 @@ def run_sluice(cfg: dict) -> dict:
             "decode_steps": steps,
         }
 
-    figures = anyio.run(go)
-    return figures | {"peak_rss_mib": _max_rss_mib()}
+    return anyio.run(go) | _rss_mib()
 
 
 # -- the llama.cpp side (a child process) ----------------------------------------------------------------------
@@ -168,8 +174,8 @@ def run_llama_cpp(cfg: dict) -> dict:
         "prefill_tok_s": cfg["prefill_len"] / prefill_s,
         "decode_tok_s": steps / decode_s,
         "decode_steps": steps,
-        "peak_rss_mib": _max_rss_mib(),
-    }
+        "version": llama_cpp.__version__,
+    } | _rss_mib()
 
 
 # -- the parent --------------------------------------------------------------------------------------------------
@@ -195,10 +201,14 @@ def summarize(runs: dict[tuple[str, int], list[dict]]) -> dict:
     """Medians (with min and max) per side and thread count, and sluice / llama.cpp ratios."""
     fig: dict = {}
     for (side, threads), rs in runs.items():
-        for key in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib"):
-            xs = [r[key] for r in rs]
+        if "version" in rs[0]:
+            fig[f"{side}_version"] = rs[0]["version"]
+        for key in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib", "rss_after_mib"):
+            xs = [r[key] for r in rs if key in r]
+            if not xs:
+                continue
             fig[f"{side}_{threads}t_{key}"] = statistics.median(xs)
-            if key != "peak_rss_mib":
+            if not key.endswith("rss_mib"):
                 fig[f"{side}_{threads}t_{key}_range"] = [round(min(xs), 2), round(max(xs), 2)]
     for threads in sorted({t for _, t in runs}):
         for key in ("decode_tok_s", "prefill_tok_s"):
@@ -237,7 +247,8 @@ def main(ns: argparse.Namespace) -> int:
                 runs.setdefault((side, t), []).append(r)
                 print(
                     f"  [{i}] {side:9s} {t} thread(s)  decode {r['decode_tok_s']:7.2f} tok/s  prefill "
-                    f"{r['prefill_tok_s']:8.1f} tok/s  peak RSS {r['peak_rss_mib']:7.1f} MiB",
+                    f"{r['prefill_tok_s']:8.1f} tok/s  RSS peak {r['peak_rss_mib']:7.1f} MiB, after "
+                    f"{r.get('rss_after_mib', float('nan')):7.1f} MiB",
                     flush=True,
                 )
     figures = summarize(runs)
