@@ -32,7 +32,7 @@ def test_without_llama_cpp_the_peer_is_skipped_with_how_to_install(monkeypatch, 
     assert "llama_cpp module is not installed" in message and "pip install 'sluice[llamacpp]'" in message
     sides = []
 
-    def fake_child(side: str, cfg: dict) -> dict:  # the children's figures, without the children
+    def fake_child(side: str, cfg: dict, load_cores: int = 0) -> dict:  # the children's figures, without the children
         sides.append((side, cfg["threads"]))
         return {"decode_tok_s": 10.0 * cfg["threads"], "prefill_tok_s": 100.0, "peak_rss_mib": 500.0}
 

@@ -19,8 +19,10 @@ phase in the same process):
 
 Both pay their own per-step host overhead (sluice its scheduler and actors, llama.cpp the ctypes call); neither
 samples beyond argmax. llama.cpp runs with ``n_threads`` = ``n_threads_batch`` = the thread count, sluice with
-``--cpu-threads`` = the thread count. llama.cpp comes from the package registry (``llama-cpp-python``, which
-compiles it: the ``llamacpp`` extra); without it the sluice side runs alone and the result says how to install.
+``--cpu-threads`` = the thread count. ``--load-cores N`` runs both beside the same competing load (`sluice bench
+cpu-load`'s spinners), to compare how each degrades. llama.cpp comes from the package registry
+(``llama-cpp-python``, which compiles it: the ``llamacpp`` extra); without it the sluice side runs alone and the
+result says how to install.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="auto", help="sluice's model dtype (default: auto = float32 on the CPU)")
     p.add_argument("--quantization", default=None, help="sluice's --quantization (default: none)")
     p.add_argument("--engine-args", default="{}", help="other EngineArgs fields for sluice, as a JSON object")
+    p.add_argument(
+        "--load-cores", type=int, default=0, help="both sides beside a competing load of this many busy cores (0: none)"
+    )
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=main)
 
@@ -179,13 +184,19 @@ def run_llama_cpp(cfg: dict) -> dict:
 
 
 # -- the parent --------------------------------------------------------------------------------------------------
-def _child(side: str, cfg: dict) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "sluice.app.bench.cpu_peer", side, json.dumps(cfg)],
-        env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},  # each side is told its threads
-        capture_output=True,
-        text=True,
-    )
+def _child(side: str, cfg: dict, load_cores: int = 0) -> dict:
+    from sluice.app.bench.cpu_load import start_busy, stop_busy
+
+    busy = start_busy(load_cores) if load_cores else []
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "sluice.app.bench.cpu_peer", side, json.dumps(cfg)],
+            env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},  # each side is told its threads
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        stop_busy(busy)
     if out.returncode != 0:
         raise RuntimeError(f"the {side} run ({cfg['threads']} threads) failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -234,7 +245,8 @@ def main(ns: argparse.Namespace) -> int:
             raise ValueError(f"model: llama.cpp needs a GGUF file; {ns.model!r} is not one")
     print(
         f"cpu-peer: {ns.model}, threads {threads}, {ns.repeats} alternation(s); prefill {ns.prefill_len} tokens, "
-        f"decode {ns.decode_output_len} after {ns.decode_input_len}; os load average {os.getloadavg()[0]:.2f}"
+        f"decode {ns.decode_output_len} after {ns.decode_input_len}; competing load {ns.load_cores} core(s); "
+        f"os load average {os.getloadavg()[0]:.2f}"
     )
     if skipped:
         print(skipped)
@@ -243,7 +255,7 @@ def main(ns: argparse.Namespace) -> int:
     for i in range(ns.repeats):
         for t in threads:
             for side in sides:
-                r = _child(side, cfg | {"threads": t})
+                r = _child(side, cfg | {"threads": t}, ns.load_cores)
                 runs.setdefault((side, t), []).append(r)
                 print(
                     f"  [{i}] {side:9s} {t} thread(s)  decode {r['decode_tok_s']:7.2f} tok/s  prefill "
@@ -260,6 +272,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.out:
         dataset = {"name": "random", "prefill_len": ns.prefill_len, "decode_input_len": ns.decode_input_len}
         dataset |= {"decode_output_len": ns.decode_output_len, "threads": threads, "repeats": ns.repeats}
+        dataset |= {"load_cores": ns.load_cores}
         write_result(ns.out, command_line(), ns.model, dataset, figures)
         print(f"wrote {ns.out}")
     return 0
