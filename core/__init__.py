@@ -11,6 +11,12 @@ import importlib
 import importlib.metadata
 from typing import TYPE_CHECKING
 
+from sluice.core import cpu_threads
+
+# Before anything here loads torch (and with it OpenMP, which reads its wait policy once): idle OpenMP workers
+# sleep instead of spinning against the engine's own threads (`core/cpu_threads.py`).
+cpu_threads.prefer_passive_waits()
+
 if TYPE_CHECKING:
     from sluice.core.args import EngineArgs
     from sluice.core.errors import (

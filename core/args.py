@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,11 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "KV pool size in blocks; default: sized from memory")
     cpu_kv_cache_gib: float = _arg(2.0, "CPU: GiB for the KV pool when --num-kv-blocks is not given")
     gpu_memory_utilization: float = _arg(0.9, "GPU: fraction of its memory the engine may use (weights, KV pool)")
+    cpu_threads: int | None = _arg(
+        None,
+        "CPU: torch's intra-op threads for the model; default: OMP_NUM_THREADS if set, else the cores this process "
+        "may use (affinity, cgroup quota), less one for the engine's own threads from 4 cores on",
+    )
     max_num_seqs: int = _arg(128, "most sequences in one step's batch")
     max_num_batched_tokens: int = _arg(2048, "most tokens in one step (longer prompts are prefilled in chunks)")
     max_waiting_requests: int = _arg(
@@ -152,6 +158,9 @@ class EngineArgs:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting_requests"):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
+        cpus = os.cpu_count() or 1
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= cpus:
+            raise bad("cpu_threads", f"must be in [1, {cpus}] (the machine's CPUs), got {self.cpu_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise bad("num_kv_blocks", f"must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -204,3 +204,20 @@ def configure_kernels() -> None:
 
     pdl.configure(enabled=__getattr__("SLUICE_PDL"))
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))
+
+
+# -- other programs' variables the engine reads (OpenMP's, for `core/cpu_threads.py`) --------------------------
+def omp_num_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as the count of one parallel level: its first entry (OpenMP reads ``4,2`` as nested
+    levels); None when unset or not a positive integer (OpenMP ignores such a value too)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def set_default_openmp_wait_policy(policy: str) -> bool:
+    """``OMP_WAIT_POLICY`` for this process and the processes it starts, unless the caller set one (then False);
+    OpenMP reads it once, when its runtime loads (with torch)."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return False
+    os.environ["OMP_WAIT_POLICY"] = policy
+    return True

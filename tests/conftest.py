@@ -9,16 +9,20 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+from sluice.core import cpu_threads  # noqa: E402  (before torch loads: OpenMP's wait policy, core/cpu_threads.py)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # `make test` runs the suite in pytest-xdist workers (`-n 2`, whole modules each). Each worker's torch takes its
-# share of the cores, not all of them: two workers of two threads each on CI's two cores only contend.
-# Processes the tests start (an engine core, tensor-parallel ranks, a served CLI) keep torch's default.
+# share of the cores, not all of them: two workers of two threads each on CI's two cores only contend. The share
+# is the engine's own rule (`cpu_threads.decide` with the workers as ranks), handed on as OMP_NUM_THREADS, so that
+# an engine a test builds in this process, and the processes a test starts (an engine core, tensor-parallel ranks,
+# a served CLI), keep to it rather than take the whole machine.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORKERS))
+    share = cpu_threads.decide(ranks=WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(share.count)
+    cpu_threads.apply(share)
 
 # Under xdist, the longest modules (measured on CI's 2-core machine) are handed out first, so that the two
 # workers finish together rather than one starting a minute-long module while the other has nothing left.

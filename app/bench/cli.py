@@ -17,6 +17,8 @@ BENCHMARKS = (
     "sluice.app.bench.clients",
     "sluice.app.bench.disagg",
     "sluice.app.bench.structured",
+    "sluice.app.bench.cpu_load",
+    "sluice.app.bench.cpu_peer",
 )
 
 

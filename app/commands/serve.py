@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 
-from sluice.core import envs
+from sluice.core import cpu_threads, envs
 from sluice.core.errors import SluiceError
 
 DEFAULT_MAX_TOKENS = 1024  # app.server.app.DEFAULT_MAX_TOKENS, without importing the server to build --help
@@ -186,6 +186,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         return serve_data_parallel(ns, args, sock)
     if ns.record_trace:
         args.enable_inspector = True
+    if args.engine_core_process and not args.enable_inspector:  # the model runs in the core's process
+        cpu_threads.apply(cpu_threads.front_end())
     engine = pair_engine(ns, args) or AsyncEngine(args)
     server = build_server(ns, engine)
     server.run(sockets=[sock])  # a failed startup (model load) exits non-zero inside, after logging why

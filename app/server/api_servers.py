@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.core import cpu_threads
 from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process, watch_parent
 from sluice.core.errors import InvalidRequestError
@@ -110,6 +111,7 @@ def run_api_server(spec: ApiServerSpec) -> None:
         spec.ready.send(spec.index)
         spec.ready.close()
 
+    cpu_threads.apply(cpu_threads.front_end())
     engine = AsyncEngine(spec.args, shared_core=spec.core)  # attaches to the supervisor's core
     server = build_server(spec.ns, engine, log_config=_tagged_log_config(tag), on_started=started)
     server.run(sockets=[spec.sock])  # a failed start exits non-zero inside (uvicorn)

@@ -20,7 +20,7 @@ from collections import deque
 import anyio
 import torch
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
-from sluice.core import envs
+from sluice.core import cpu_threads, envs
 from sluice.core.args import EngineArgs
 from sluice.core.host_profile import HostProfile
 from sluice.core.models.loader import ModelSource
@@ -61,6 +61,8 @@ class ExecutorActor:
         (`core/worker/tp/runner.py`), stopped when `run` ends."""
         if args.tensor_parallel_size > 1:
             return cls(TPRunner(args, source, max_model_len))
+        if args.resolve_device().type == "cpu":  # before the model is built: the step threads start after
+            cpu_threads.apply(cpu_threads.decide(args.cpu_threads))
         return cls(ModelRunner(args, source, max_model_len))
 
     @property

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
-from sluice.core import envs
+from sluice.core import cpu_threads, envs
 from sluice.core.args import EngineArgs
 from sluice.core.errors import InvalidRequestError
 
@@ -54,13 +54,13 @@ def run_worker(spec: WorkerSpec, conn=None) -> None:
 
     try:
         device = torch.device(f"cuda:{spec.local_rank}" if spec.device_type == "cuda" else "cpu")
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.local_world_size))
         tp = init_tensor_parallel(spec.rank, spec.world_size, spec.master_addr, spec.master_port, device)
         args, max_model_len, device_type = broadcast_from_rank0(tp, (spec.args, spec.max_model_len, spec.device_type))
         if device_type != spec.device_type:
             raise InvalidRequestError(f"device: rank 0 runs on {device_type}, rank {spec.rank} on {spec.device_type}")
         args = replace(args, device=str(device))
+        if device.type == "cpu":  # before the model is built; the host's cores are shared by its ranks
+            cpu_threads.apply(cpu_threads.decide(args.cpu_threads, spec.local_world_size))
         runner = ModelRunner(args, resolve_model(args.model, envs.SLUICE_CACHE_DIR), max_model_len, tp)
     except BaseException as e:
         if conn is not None:
