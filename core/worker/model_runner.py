@@ -65,7 +65,9 @@ class ModelRunner:
         self.tp = tp
         self.samples = tp is None or tp.rank == 0  # the rank that samples (and keeps the grammars)
         self.device = args.resolve_device()
-        self.dtype = args.resolve_dtype(self.device)
+        gguf = source.gguf_file if tp is None else None  # a rank holds a shard: quantized from it, not the file
+        self.dtype = args.resolve_dtype(self.device, gguf)
+        self.quantization = args.resolve_quantization(self.device, gguf)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
@@ -104,16 +106,20 @@ class ModelRunner:
     def _load_model(self, source: ModelSource):
         args, tp = self.args, self.tp
         model = load_model(source, self.dtype, self.device, max_position=self.max_model_len, seed=args.seed, tp=tp)
-        if args.quantization is not None:
+        if self.quantization is not None:
             from sluice.core.models.quant import quantize_model  # imports the gguf reader
 
             counts = quantize_model(
                 model,
-                args.quantization,
+                self.quantization,
                 source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
                 include_lm_head=args.speculative_model is None,
             )
-            logger.info("quantization %s: %s linear layers", args.quantization, counts)
+            logger.info("quantization %s: %s linear layers", self.quantization, counts)
+            if self.device.type == "cpu":
+                from sluice.core.models.cpu_linear import pack_for_cpu
+
+                pack_for_cpu(model, self.dtype, tied_head=args.speculative_model is None)  # the draft head reads it
         return model
 
     def _calibrate_kv_scales(self) -> None:
@@ -188,7 +194,7 @@ class ModelRunner:
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             weight_bytes(self.model) / GiB,
             self.dtype,
-            self.args.quantization or "unquantized",
+            self.quantization or "unquantized",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.block_size,
