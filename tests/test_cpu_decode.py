@@ -174,3 +174,66 @@ def test_auto_quantization_resolves_per_device_and_model(monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_capability", lambda: "DEFAULT")
     assert auto.resolve_quantization(cpu, "model.gguf") is None
     assert auto.resolve_dtype(cpu, "model.gguf") == torch.float32
+
+
+# ------------------------------------------------------------------------------------- CPU kernels
+
+
+def _reference_modules(dtype: torch.dtype):
+    from sluice.core.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+    from sluice.core.models.loader import resolve_model
+
+    cfg = resolve_model("dummy:tiny").config
+    norm = RMSNorm(64, 1e-5).to(dtype).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm, RotaryEmbedding(cfg, 32, 256), SiluAndMul()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_kernels_do_the_reference_arithmetic(dtype):
+    """RMSNorm within one step of the activation dtype (one rounding fewer), RoPE and SiLU-and-mul equal."""
+    from sluice.core.models import cpu_kernels
+
+    norm, rotary, act = _reference_modules(dtype)
+    g = torch.Generator().manual_seed(4)
+    x, res = (torch.randn(7, 64, generator=g).to(dtype) * 3 for _ in range(2))
+    want, want_res = norm(x, res)
+    got, got_res = cpu_kernels.add_rmsnorm(x, res, norm.weight, norm.eps)
+    assert torch.equal(got_res, want_res)
+    step = 2.0**-7 if dtype == torch.bfloat16 else 1e-6
+    assert float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max()) <= step
+    assert torch.allclose(cpu_kernels.add_rmsnorm(x, None, norm.weight, norm.eps)[0].float(), norm(x).float(), 1e-2)
+
+    gate_up = torch.randn(7, 128, generator=g).to(dtype)
+    assert torch.equal(cpu_kernels.silu_and_mul(gate_up.clone()), act(gate_up))
+
+    positions = torch.tensor([0, 3, 9, 100, 101, 5, 255])
+    qkv = torch.randn(7, (4 + 2 + 2) * 32, generator=g).to(dtype)  # q: 4 heads, k and v: 2, head_dim 32
+    q, k = qkv[:, :128].view(7, 4, 32), qkv[:, 128:192].view(7, 2, 32)
+    want_q, want_k = rotary(positions, q.clone(), k.clone())
+    rope = cpu_kernels.Rope()
+    rope(positions, q, k, rotary.cos, rotary.sin)  # adjacent: rotated as one [T, 6, D] view, in place
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    q2, k2 = q.clone(), k.clone()  # not adjacent: one at a time
+    rope(positions, q2, k2, rotary.cos, rotary.sin)
+    want_q2, want_k2 = rotary(positions, q.clone(), k.clone())
+    assert torch.equal(q2, want_q2) and torch.equal(k2, want_k2)
+
+
+def test_cpu_kernels_are_the_auto_choice_of_a_16_bit_cpu_model():
+    from sluice.core.args import EngineArgs
+    from sluice.core.models import cpu_kernels
+    from sluice.core.models.layers import RMSNorm
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.worker.model_runner import ModelRunner
+
+    src = resolve_model("dummy:tiny")
+    runners = {
+        dtype: ModelRunner(EngineArgs(model="dummy:tiny", device="cpu", dtype=dtype, num_kv_blocks=8), src, 64)
+        for dtype in ("bfloat16", "float32")
+    }
+    norms = {d: [m for m in r.model.modules() if type(m) is RMSNorm] for d, r in runners.items()}
+    assert all(m.fused is cpu_kernels.add_rmsnorm for m in norms["bfloat16"])
+    assert all(m.fused is None for m in norms["float32"])  # fp32: the reference modules
+    assert isinstance(runners["bfloat16"].model.rotary.fused, cpu_kernels.Rope)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from sluice.core import envs
 from sluice.core.args import EngineArgs
-from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.models.layers import ForwardContext, enable_cpu_kernels, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
@@ -131,7 +131,12 @@ class ModelRunner:
         logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
 
     def _fuse_kernels(self) -> bool:
+        """The Triton kernels (on a GPU, or ``on``); with ``auto`` on the CPU, a 16-bit model's CPU kernels (fp32
+        on the CPU is the reference configuration and keeps the reference modules); returns whether Triton's."""
         fused = self.args.fused_kernels
+        if fused == "auto" and self.device.type == "cpu" and self.dtype != torch.float32:
+            n = enable_cpu_kernels(self.model)
+            logger.info("CPU kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules", n)
         if fused == "auto":
             fused = "on" if self.device.type == "cuda" else "off"
         if fused == "on":
