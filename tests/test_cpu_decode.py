@@ -80,6 +80,23 @@ def test_int4pack_is_the_int4_format_with_bf16_scales(group):
 
 
 @needs_packed
+def test_int4_many_rows_run_dense_on_the_kernels_weight():
+    """From `DENSE_MIN_ROWS` rows the weight is dequantized for a bf16 GEMM: the packed kernel's own weight, so the
+    rows agree with the same rows through the packed kernel (a few at a time) up to summation order."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    packed, scales, mins = quantize_int4(w, 32)
+    lin = Int4PackedLinear.from_int4(packed, scales, mins, torch.randn(64, generator=g).bfloat16(), 32)
+    rows = Int4PackedLinear.DENSE_MIN_ROWS + 8
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    few = torch.cat([lin(x[i : i + 4]) for i in range(0, rows, 4)])
+    assert _rel_err(lin(x), few) < 2.0**-7
+    q = dequantize_int4(packed, torch.ones_like(scales), torch.zeros_like(mins), torch.float32).view(64, 4, 32)
+    s, z = scales.float().bfloat16().float(), (mins.float() + 8 * scales.float()).bfloat16().float()
+    assert torch.equal(lin.dense_weight(), ((q - 8) * s[:, :, None] + z[:, :, None]).view(64, 128).bfloat16())
+
+
+@needs_packed
 def test_int8pack_is_the_int8_format():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(80, 192, generator=g)

@@ -14,7 +14,8 @@ was ~42 ms in bf16 on two cores, most of it there). torch ships CPU matmuls that
 
 Both are vectorized for AVX2 and AVX-512 (`select_cpu_kernel`); elsewhere, and for fp32 models (whose int4
 path must stay exactly the file's weights in fp32), the layer keeps the reference path. The packed form replaces
-the unpacked one (no second copy of the weights).
+the dense one: int8 is 1 byte a weight, int4 too (the packed nibbles and, for many-row calls, the unpacked ones:
+`Int4PackedLinear`).
 
 A tied LM head (the embedding, SmolLM2's: 49152 x 576, a fifth of the model) is the largest single matmul of a
 decode step; left in bf16 it reads 57 MB a token, as much as every packed projection together. `quantize_tied_head`
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger("sluice")
@@ -56,39 +58,61 @@ def select_cpu_kernel(bits: int, dtype: torch.dtype, isa: str) -> str:
 
 
 class Int4PackedLinear(nn.Module):
-    """``y = x @ W^T + bias`` with ``W`` in torch's CPU int4 packing (groups of ``group_size`` along K)."""
+    """``y = x @ W^T + bias`` with ``W`` in torch's CPU int4 packing (groups of ``group_size`` along K).
 
-    def __init__(
-        self, in_features: int, out_features: int, group_size: int, packed: torch.Tensor, scales_and_zeros, bias
-    ) -> None:
+    The packed kernel is a GEMV at heart: at a few rows (decode) it reads a quarter of bf16's bytes and wins, but
+    from a few dozen rows on (prefill chunks, large decode batches) oneDNN's bf16 GEMM on the dense weight is
+    twice as fast or more. From `DENSE_MIN_ROWS` rows the weight is dequantized for the call (a pass over the int4
+    bytes, small against a GEMM of that many rows) and multiplied dense; it is the packed kernel's own weight
+    (``(q - 8) * scale + zero`` with the same bf16 scale and zero), so the two paths differ by summation order only.
+    The nibbles are kept unpacked for that: 1 byte a weight in all, half of bf16's."""
+
+    DENSE_MIN_ROWS = 32
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bias) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K / group, N, 2] bf16
+        self.out_features, self.in_features, self.group_size = qweight.shape[0], qweight.shape[1] * 2, group_size
+        q = _unpack_nibbles(qweight, scales.shape[1])
+        self.register_buffer("packed", pack_int4(q.to(torch.int32), 2))  # (inner k tiles: unused on the CPU)
+        self.register_buffer("qweight", qweight.contiguous())  # [N, K/2], for the dense path
+        s, z = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)  # [N, K / group]
+        self.register_buffer("scales_and_zeros", torch.stack((s.t(), z.t()), dim=-1).contiguous())  # [K/g, N, 2]
+        # scale and min for the dense path: (q - 8) * s + z == q * s + (z - 8 s), exact in fp32 (s and z are bf16)
+        self.register_buffer("dense_scales", torch.stack((s.float(), z.float() - 8 * s.float()))[..., None])
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
     def from_int4(cls, qweight, scales, mins, bias, group_size: int) -> Int4PackedLinear:
         """From our int4 format (`quant.quantize_int4`: ``[N, K/2]`` uint8, low nibbles the first half of each
         group; fp16 ``scale`` and ``min`` ``[N, K / group]``)."""
-        n, groups = scales.shape
-        b = qweight.view(n, groups, -1)
-        q = torch.cat((b & 0xF, b >> 4), dim=-1).reshape(n, -1).to(torch.int32)  # [N, K], 0..15
-        packed = pack_int4(q, 2)  # (inner k tiles: unused on the CPU)
         s = scales.float()
-        zeros = mins.float() + 8 * s  # (q - 8) * s + zero == q * s + min
-        sz = torch.stack((s.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
-        return cls(q.shape[1], n, group_size, packed, sz, bias)
+        return cls(qweight, s, mins.float() + 8 * s, group_size, bias)  # (q - 8) * s + zero == q * s + min
 
     def extra_repr(self) -> str:
         return f"int4pack, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
 
+    def dense_weight(self) -> torch.Tensor:
+        """``[N, K]`` bf16: the weight the packed kernel computes with."""
+        s, m = self.dense_scales  # [N, K / group, 1]
+        q = _unpack_nibbles(self.qweight, s.shape[1]).view(*s.shape[:2], -1)
+        return torch.addcmul(m, q, s).view(self.out_features, -1).to(torch.bfloat16)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
+        if x2.shape[0] >= self.DENSE_MIN_ROWS:
+            y = F.linear(x2, self.dense_weight(), self.bias)
+        else:
+            y = int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            if self.bias is not None:
+                y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def _unpack_nibbles(qweight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[N, K]`` uint8 0..15 of our int4 format's ``[N, K/2]`` bytes (low nibbles the first half of each group)."""
+    n = qweight.shape[0]
+    b = qweight.view(n, groups, -1)
+    return torch.cat((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
 
 
 class Int8PackedLinear(nn.Module):
