@@ -20,7 +20,8 @@ the dense one: int8 is 1 byte a weight, int4 too (the packed nibbles and, for ma
 A tied LM head (the embedding, SmolLM2's: 49152 x 576, a fifth of the model) is the largest single matmul of a
 decode step; left in bf16 it reads 57 MB a token, as much as every packed projection together. `quantize_tied_head`
 gives it an int8 copy (per-row scales, `int8pack`): the GGUF stores that embedding as Q8_0 (int8 in blocks of
-32), so int8 rows are the precision the file itself chose for it; the embedding lookup keeps the dense table.
+32), so int8 rows are the precision the file itself chose for it (an int4 head, twice as fast again, moved the
+default model's perplexity by several percent); the embedding lookup keeps the dense table.
 """
 
 from __future__ import annotations
