@@ -227,11 +227,12 @@ class EngineArgs:
     def resolve_quantization(self, device: torch.device, gguf_file: str | None) -> str | None:
         """The quantization the model loads with; ``auto`` made concrete. On the CPU, for a GGUF model (whose
         projections are Q4_1 blocks: the default model), ``auto`` is int4 with bf16 activations (`resolve_dtype`
-        then picks bf16) where the CPU runs torch's packed int4 matmul (AVX2 / AVX-512): int4 there
-        computes with the file's own weights, and a decode step reads a quarter of the bf16 bytes through kernels
-        made for them (`core/models/cpu_linear.py`), several times the tokens per second of fp32 or bf16, with
-        perplexity within a bf16 rounding of the fp32 model's. Elsewhere (a GPU, a model without Q4_1 blocks, a CPU
-        without those kernels) ``auto`` is none: the GPU's default stays the dense model."""
+        then picks bf16) where the CPU runs torch's packed int4 matmul (AVX2 / AVX-512): int4 there computes with
+        the file's own weights (layers the file holds no Q4_1 blocks for stay dense: never rounded to int4 here),
+        and a decode step reads a quarter of the bf16 bytes through kernels made for them
+        (`core/models/cpu_linear.py`): about twice bf16's decode speed at batch 1, with perplexity within a bf16
+        rounding of the fp32 model's. Elsewhere (a GPU, a model without a GGUF, a CPU without those kernels)
+        ``auto`` is none: the GPU's default stays the dense model."""
         if self.quantization != "auto":
             return self.quantization
         if device.type != "cpu" or gguf_file is None:

@@ -254,3 +254,14 @@ def test_cpu_kernels_are_the_auto_choice_of_a_16_bit_cpu_model():
     assert all(m.fused is cpu_kernels.add_rmsnorm for m in norms["bfloat16"])
     assert all(m.fused is None for m in norms["float32"])  # fp32: the reference modules
     assert isinstance(runners["bfloat16"].model.rotary.fused, cpu_kernels.Rope)
+
+
+def test_auto_never_rounds_a_layer_to_int4_itself():
+    """``auto`` takes a GGUF's Q4_1 blocks as they are; a layer without them stays dense (requantize=False)."""
+    from torch import nn
+
+    model = _tiny_model(torch.float32)
+    n = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert quantize_model(model, "int4", None, requantize=False) == {"gguf_q4_1": 0, "quantized": 0}
+    assert sum(isinstance(m, nn.Linear) for m in model.modules()) == n
+    assert quantize_model(model, "int4", None)["quantized"] == n

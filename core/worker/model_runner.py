@@ -114,6 +114,7 @@ class ModelRunner:
                 self.quantization,
                 source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
                 include_lm_head=args.speculative_model is None,
+                requantize=args.quantization != "auto",  # auto: the file's own Q4_1 blocks only
             )
             logger.info("quantization %s: %s linear layers", self.quantization, counts)
             if self.device.type == "cpu":
