@@ -81,8 +81,8 @@ def test_int4pack_is_the_int4_format_with_bf16_scales(group):
 
 @needs_packed
 def test_int4_many_rows_run_dense_on_the_kernels_weight():
-    """From `DENSE_MIN_ROWS` rows the weight is dequantized for a bf16 GEMM: the packed kernel's own weight, so the
-    rows agree with the same rows through the packed kernel (a few at a time) up to summation order."""
+    """From `DENSE_MIN_ROWS` rows the weight is dequantized for a bf16 GEMM: the packed kernel's own weight rounded
+    to bf16, so the rows agree with the same rows through the packed kernel (a few at a time) within bf16 rounding."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(64, 128, generator=g) * 0.05
     packed, scales, mins = quantize_int4(w, 32)

