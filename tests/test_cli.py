@@ -74,8 +74,9 @@ def test_every_engine_flag_says_what_it_does_and_its_default(command):
 
     help_text = _subparser(command).format_help()
     by_flag = {a.option_strings[0]: a for a in _subparser(command)._actions if a.option_strings}
-    # a server runs its engine core in a process of its own; the library (and the other commands) in one
-    own_defaults = {"engine_core_process": True} if command == "serve" else {}
+    # a server runs its engine core in a process of its own, and the CPU's fast default (quantization auto: int4 on
+    # the CPU, none on a GPU); the library (and the other commands) in one process, unquantized
+    own_defaults = {"engine_core_process": True, "quantization": "auto"} if command == "serve" else {}
     for f in fields(EngineArgs):
         action = by_flag["--" + f.name.replace("_", "-")]
         assert action.help and len(action.help) > 15, f.name

@@ -127,7 +127,7 @@ def main(ns: argparse.Namespace) -> int:
     cfg = source.config
     args = engine_args_for(ns, ns.batch_size, ns.input_len + ns.output_len)
     device = args.resolve_device()
-    dtype = args.resolve_dtype(device)
+    dtype = args.resolve_dtype(device, source.gguf_file)
     print(
         f"latency: batch {ns.batch_size}, {ns.input_len} in / {ns.output_len} out, {ns.num_iters} iterations "
         f"(+{ns.num_iters_warmup} warm-up); model {ns.model} on {device} ({str(dtype).removeprefix('torch.')})"
@@ -142,7 +142,7 @@ def main(ns: argparse.Namespace) -> int:
         "enforce_eager": args.enforce_eager,
         "fused_kernels": args.fused_kernels,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "quantization": args.quantization,
+        "quantization": args.resolve_quantization(device, source.gguf_file),  # auto made concrete
         "dtype": str(dtype).removeprefix("torch."),
     }
     print_figures(f"sluice ({time.perf_counter() - t:.1f}s with start-up)", figures)

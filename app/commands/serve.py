@@ -155,7 +155,7 @@ def register(subparsers) -> None:
     add_disagg_args(p)  # --prefill-device / --decode-device: a prefill/decode pair (app/commands/disagg.py)
     # A server runs its engine core in a process of its own: HTTP, detokenization and SSE encoding then never
     # take time from scheduling (--no-engine-core-process keeps one process).
-    p.set_defaults(func=cmd_serve, engine_core_process=True)
+    p.set_defaults(func=cmd_serve, engine_core_process=True, quantization="auto")  # args.resolve_quantization
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

@@ -219,6 +219,24 @@ def enable_fused_kernels(model: nn.Module, gemv: bool = True, fused_rope_kv: boo
     return n
 
 
+def enable_cpu_kernels(model: nn.Module) -> int:
+    """Switch every norm, activation and rotary module of a CPU model to the implementations of
+    `core/models/cpu_kernels.py` (the same arithmetic in a few torch calls); returns how many modules switched."""
+    from sluice.core.models import cpu_kernels
+
+    kernels = {RMSNorm: cpu_kernels.add_rmsnorm, SiluAndMul: cpu_kernels.silu_and_mul}
+    n = 0
+    for m in model.modules():
+        if type(m) is RotaryEmbedding:
+            m.fused = cpu_kernels.Rope()  # holds its own tables cast to the activation dtype
+        elif type(m) in kernels:
+            m.fused = kernels[type(m)]
+        else:
+            continue
+        n += 1
+    return n
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -201,9 +201,11 @@ def quantize_model(
     method: str,
     gguf_file: str | None = None,
     include_lm_head: bool = True,
+    requantize: bool = True,
 ) -> dict[str, int]:
     """Replace the model's linear layers by `QuantizedLinear` (module doc), or by `Fp8Linear` for ``fp8`` (its
-    LM head stays dense: `core/models/fp8_linear.py`); returns counts by origin."""
+    LM head stays dense: `core/models/fp8_linear.py`); returns counts by origin. ``requantize=False`` (int4 from a
+    GGUF only): a layer the file holds no Q4_1 blocks for stays dense rather than being rounded to int4 here."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: must be one of {QUANTIZATION_METHODS}, got {method!r}")
     if method == "fp8":
@@ -226,6 +228,8 @@ def quantize_model(
         if gguf is not None:
             new = _from_gguf(gguf, name, lin, tuner)
             counts["gguf_q4_1"] += new is not None
+        if new is None and not requantize:
+            continue
         if new is None:
             new = _quantize_linear(lin, method, tuner)
             counts["quantized"] += 1

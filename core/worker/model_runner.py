@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from sluice.core import envs
 from sluice.core.args import EngineArgs
-from sluice.core.models.layers import ForwardContext, enable_fused_kernels
+from sluice.core.models.layers import ForwardContext, enable_cpu_kernels, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
@@ -65,7 +65,9 @@ class ModelRunner:
         self.tp = tp
         self.samples = tp is None or tp.rank == 0  # the rank that samples (and keeps the grammars)
         self.device = args.resolve_device()
-        self.dtype = args.resolve_dtype(self.device)
+        gguf = source.gguf_file if tp is None else None  # a rank holds a shard: quantized from it, not the file
+        self.dtype = args.resolve_dtype(self.device, gguf)
+        self.quantization = args.resolve_quantization(self.device, gguf)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         torch.manual_seed(args.seed)
@@ -104,16 +106,21 @@ class ModelRunner:
     def _load_model(self, source: ModelSource):
         args, tp = self.args, self.tp
         model = load_model(source, self.dtype, self.device, max_position=self.max_model_len, seed=args.seed, tp=tp)
-        if args.quantization is not None:
+        if self.quantization is not None:
             from sluice.core.models.quant import quantize_model  # imports the gguf reader
 
             counts = quantize_model(
                 model,
-                args.quantization,
+                self.quantization,
                 source.gguf_file if tp is None else None,  # a rank holds a shard: quantized from it
                 include_lm_head=args.speculative_model is None,
+                requantize=args.quantization != "auto",  # auto: the file's own Q4_1 blocks only
             )
-            logger.info("quantization %s: %s linear layers", args.quantization, counts)
+            logger.info("quantization %s: %s linear layers", self.quantization, counts)
+            if self.device.type == "cpu":
+                from sluice.core.models.cpu_linear import pack_for_cpu
+
+                pack_for_cpu(model, self.dtype, tied_head=args.speculative_model is None)  # the draft head reads it
         return model
 
     def _calibrate_kv_scales(self) -> None:
@@ -125,7 +132,12 @@ class ModelRunner:
         logger.info("fp8 KV cache: per-head scales from calibration, %.3g..%.3g", scales.min(), scales.max())
 
     def _fuse_kernels(self) -> bool:
+        """The Triton kernels (on a GPU, or ``on``); with ``auto`` on the CPU, a 16-bit model's CPU kernels (fp32
+        on the CPU is the reference configuration and keeps the reference modules); returns whether Triton's."""
         fused = self.args.fused_kernels
+        if fused == "auto" and self.device.type == "cpu" and self.dtype != torch.float32:
+            n = enable_cpu_kernels(self.model)
+            logger.info("CPU kernels (RMSNorm+residual, SiLU-and-mul, RoPE): %d modules", n)
         if fused == "auto":
             fused = "on" if self.device.type == "cuda" else "off"
         if fused == "on":
@@ -188,7 +200,7 @@ class ModelRunner:
             "weights: %.3f GiB (%s, %s); KV pool: %d blocks x %d tokens = %d tokens, %.3f GiB (%s)",
             weight_bytes(self.model) / GiB,
             self.dtype,
-            self.args.quantization or "unquantized",
+            self.quantization or "unquantized",
             self.num_kv_blocks,
             self.block_size,
             self.num_kv_blocks * self.block_size,

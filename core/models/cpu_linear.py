@@ -1,0 +1,186 @@
+"""Weight-only quantized linear layers prepacked for the CPU's own kernels, chosen per machine at load.
+
+`QuantizedLinear` (`core/models/quant.py`) off the GPU dequantizes its whole weight at every call: correct, and
+the reference, but a decode step then reads and writes the dense weight of every projection (a 135M model's step
+was ~42 ms in bf16 on two cores, most of it there). torch ships CPU matmuls that read packed weights directly:
+
+* ``int4pack``: ``aten._weight_int4pack_mm_for_cpu``, int4 groups along the input dimension, each weight
+  ``(q - 8) * scale + zero``. Our int4 format (and GGUF's Q4_1) is ``q * scale + min``, the same affine map with
+  ``zero = min + 8 * scale``: a repack, not a requantization. The kernel takes bf16 activations and bf16
+  ``scale`` / ``zero`` (fp16 and fp32 inputs run a scalar path ~30x slower), so the fp16 scale and min of the
+  file are rounded to bf16 once at load: weights within a bf16 rounding of the file's (what a bf16 model has anyway).
+* ``int8pack``: ``aten._weight_int8pack_mm``, int8 weights with one scale per output channel, our int8 format
+  exactly (the scale rounded to bf16).
+
+Both are vectorized for AVX2 and AVX-512 (`select_cpu_kernel`); elsewhere, and for fp32 models (whose int4
+path must stay exactly the file's weights in fp32), the layer keeps the reference path. The packed form replaces
+the dense one: int8 is 1 byte a weight, int4 too (the packed nibbles and, for many-row calls, the unpacked ones:
+`Int4PackedLinear`).
+
+A tied LM head (the embedding, SmolLM2's: 49152 x 576, a fifth of the model) is the largest single matmul of a
+decode step; left in bf16 it reads 57 MB a token, as much as every packed projection together. `quantize_tied_head`
+gives it an int8 copy (per-row scales, `int8pack`): the GGUF stores that embedding as Q8_0 (int8 in blocks of
+32), so int8 rows are the precision the file itself chose for it (an int4 head, twice as fast again, moved the
+default model's perplexity by several percent); the embedding lookup keeps the dense table.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger("sluice")
+
+# ISAs (torch.backends.cpu.get_cpu_capability()) whose packed int4/int8 matmuls are vectorized
+PACKED_ISAS = ("AVX2", "AVX512")
+
+# torch's packed CPU matmuls have no public names yet
+_aten = torch.ops.aten
+pack_int4 = _aten._convert_weight_to_int4pack_for_cpu  # noqa: SLF001
+int4pack_mm = _aten._weight_int4pack_mm_for_cpu  # noqa: SLF001
+int8pack_mm = _aten._weight_int8pack_mm  # noqa: SLF001
+
+
+def cpu_capability() -> str:
+    """The vector ISA torch's CPU kernels dispatch to on this machine: "AVX512", "AVX2", "DEFAULT", ... ."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def select_cpu_kernel(bits: int, dtype: torch.dtype, isa: str) -> str:
+    """The kernel a weight-only ``bits``-bit linear layer runs on this CPU for ``dtype`` activations:
+    ``int4pack`` / ``int8pack`` (prepacked, bf16 activations, an AVX2 or AVX-512 machine), else ``dequantize``
+    (the reference: the weight dequantized at each call)."""
+    if dtype != torch.bfloat16 or isa not in PACKED_ISAS or bits not in (4, 8):
+        return "dequantize"
+    return f"int{bits}pack"
+
+
+class Int4PackedLinear(nn.Module):
+    """``y = x @ W^T + bias`` with ``W`` in torch's CPU int4 packing (groups of ``group_size`` along K).
+
+    The packed kernel is a GEMV at heart: at a few rows (decode) it reads a quarter of bf16's bytes and wins, but
+    from a few dozen rows on (prefill chunks, large decode batches) oneDNN's bf16 GEMM on the dense weight is
+    twice as fast or more. From `DENSE_MIN_ROWS` rows the weight is dequantized for the call (a pass over the int4
+    bytes, small against a GEMM of that many rows) and multiplied dense: the packed kernel's own weight
+    (``(q - 8) * scale + zero`` with the same bf16 scale and zero) rounded to bf16, the rounding a bf16 model's
+    weights have (the packed kernel keeps them in fp32), so the two paths agree within bf16 rounding, not bit for
+    bit. The nibbles are kept unpacked for that: 1 byte a weight in all, half of bf16's."""
+
+    DENSE_MIN_ROWS = 32
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bias) -> None:
+        super().__init__()
+        self.out_features, self.in_features, self.group_size = qweight.shape[0], qweight.shape[1] * 2, group_size
+        q = _unpack_nibbles(qweight, scales.shape[1])
+        self.register_buffer("packed", pack_int4(q.to(torch.int32), 2))  # (inner k tiles: unused on the CPU)
+        self.register_buffer("qweight", qweight.contiguous())  # [N, K/2], for the dense path
+        s, z = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)  # [N, K / group]
+        self.register_buffer("scales_and_zeros", torch.stack((s.t(), z.t()), dim=-1).contiguous())  # [K/g, N, 2]
+        # scale and min for the dense path: (q - 8) * s + z == q * s + (z - 8 s), exact in fp32 (s and z are bf16)
+        self.register_buffer("dense_scales", torch.stack((s.float(), z.float() - 8 * s.float()))[..., None])
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_int4(cls, qweight, scales, mins, bias, group_size: int) -> Int4PackedLinear:
+        """From our int4 format (`quant.quantize_int4`: ``[N, K/2]`` uint8, low nibbles the first half of each
+        group; fp16 ``scale`` and ``min`` ``[N, K / group]``)."""
+        s = scales.float()
+        return cls(qweight, s, mins.float() + 8 * s, group_size, bias)  # (q - 8) * s + zero == q * s + min
+
+    def extra_repr(self) -> str:
+        return f"int4pack, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
+
+    def dense_weight(self) -> torch.Tensor:
+        """``[N, K]`` bf16: the weight the packed kernel computes with."""
+        s, m = self.dense_scales  # [N, K / group, 1]
+        q = _unpack_nibbles(self.qweight, s.shape[1]).view(*s.shape[:2], -1)
+        return torch.addcmul(m, q, s).view(self.out_features, -1).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] >= self.DENSE_MIN_ROWS:
+            y = F.linear(x2, self.dense_weight(), self.bias)
+        else:
+            y = int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _unpack_nibbles(qweight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[N, K]`` uint8 0..15 of our int4 format's ``[N, K/2]`` bytes (low nibbles the first half of each group)."""
+    n = qweight.shape[0]
+    b = qweight.view(n, groups, -1)
+    return torch.cat((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
+
+
+class Int8PackedLinear(nn.Module):
+    """``y = (x @ Q^T) * scale + bias`` with int8 ``Q`` ``[N, K]`` and one bf16 scale per output channel."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def extra_repr(self) -> str:
+        return f"int8pack, in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def packed_kernels_available(isa: str | None = None) -> bool:
+    """Whether this CPU runs the packed int4 matmul vectorized (what `--quantization auto` resolves to int4 for)."""
+    return select_cpu_kernel(4, torch.bfloat16, cpu_capability() if isa is None else isa) == "int4pack"
+
+
+def quantize_tied_head(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> bool:
+    """Give a model whose LM head is its embedding (``lm_head`` None) an `Int8PackedLinear` head quantized from
+    the embedding (module doc), where this CPU packs int8 for ``dtype``; returns whether it did."""
+    from sluice.core.models.quant import quantize_int8
+
+    isa = cpu_capability() if isa is None else isa
+    if getattr(model, "lm_head", False) is not None or select_cpu_kernel(8, dtype, isa) != "int8pack":
+        return False
+    q, scales = quantize_int8(model.model.embed_tokens.weight.detach())
+    model.lm_head = Int8PackedLinear(q, scales, None)
+    return True
+
+
+def pack_for_cpu(
+    model: nn.Module, dtype: torch.dtype, tied_head: bool = True, isa: str | None = None
+) -> dict[str, int]:
+    """Replace each `QuantizedLinear` of a CPU model by its packed form where `select_cpu_kernel` picks one, and
+    with ``tied_head`` quantize a tied LM head (`quantize_tied_head`); returns the layer counts by kernel (logged:
+    which kernel runs)."""
+    from sluice.core.models.quant import QuantizedLinear
+
+    isa = cpu_capability() if isa is None else isa
+    counts: dict[str, int] = {}
+    targets = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    for name in targets:
+        lin = model.get_submodule(name)
+        kernel = select_cpu_kernel(lin.bits, dtype, isa)
+        counts[kernel] = counts.get(kernel, 0) + 1
+        if kernel == "dequantize":
+            continue
+        bias = lin.bias.detach().to(dtype) if lin.bias is not None else None
+        if kernel == "int4pack":
+            new = Int4PackedLinear.from_int4(lin.qweight, lin.scales, lin.mins, bias, lin.group_size)
+        else:
+            new = Int8PackedLinear(lin.qweight, lin.scales, bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    if tied_head and quantize_tied_head(model, dtype, isa):
+        counts["int8pack (tied LM head)"] = 1
+    if counts:
+        logger.info("CPU linear kernels (%s, %s activations): %s", isa, str(dtype).removeprefix("torch."), counts)
+    return counts
