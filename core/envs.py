@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
     SLUICE_SUBMIT_CHUNK: int = 64
+    SLUICE_FP8_WEIGHT_SCALE: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +168,11 @@ environment_variables: dict[str, Variable] = {
         "Comma-separated kernels folded into a GEMV: norm (into the one after it), silu (into the gate/up one "
         "before it); default none.",
     ),
+    "SLUICE_FP8_WEIGHT_SCALE": Variable(
+        _str("SLUICE_FP8_WEIGHT_SCALE"),
+        "How --quantization fp8 scales each weight row at load: mse (default, the scale of least reconstruction "
+        "error, core/models/fp8_scales.py) or max (amax / 448, the rule before it).",
+    ),
 }
 
 
@@ -197,10 +203,12 @@ def fused_kernel_options() -> dict[str, Any]:
 
 
 def configure_kernels() -> None:
-    """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, and the GEMV's
-    rows and folds. The model runner calls it before it builds anything that launches them."""
-    from sluice.core.models import gemv
+    """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, the GEMV's rows and
+    folds, and the fp8 weight scale rule (asked at load). The model runner calls it before it builds anything that
+    launches them."""
+    from sluice.core.models import fp8_scales, gemv
     from sluice.kv.attention import pdl
 
     pdl.configure(enabled=__getattr__("SLUICE_PDL"))
+    fp8_scales.configure(__getattr__("SLUICE_FP8_WEIGHT_SCALE"))
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))

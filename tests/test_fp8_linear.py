@@ -46,10 +46,10 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ quantizers
 
 
-def test_weight_scales_are_per_row_amax_over_448_and_codes_round_to_nearest():
+def test_max_rule_scales_are_per_row_amax_over_448_and_codes_round_to_nearest():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 64, generator=g) * torch.logspace(-3, 2, 8)[:, None]
-    q, s = quantize_weight(w)
+    q, s = quantize_weight(w, "max")
     assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
     assert torch.allclose(s, w.abs().amax(dim=1) / 448)
     assert torch.equal(q.float().abs().amax(dim=1), torch.full((8,), 448.0))  # each row's largest hits the top

@@ -23,28 +23,41 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-# The issue's bounds on the perplexity increase; int4-requant is shown for information (see the module doc).
-BOUNDS_PCT = {"fp8-kv": 1.0, "int8": 1.0, "int4": 5.0, "fp8": 1.5}
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One way of loading the model: `EngineArgs` overrides, the issue's bound on its perplexity increase (None:
+    shown for information), the fp8 weight scale rule (`core/models/fp8_scales.py`; None: the process's default)
+    and whether int4 is quantized from the dense weights instead of a GGUF's own blocks."""
+
+    engine: dict[str, Any] = field(default_factory=dict)
+    bound_pct: float | None = None
+    fp8_weight_scale: str | None = None
+    from_dense: bool = False
+
+
 VARIANTS = {
-    "base": {},
-    "fp8-kv": {"kv_cache_dtype": "fp8"},
-    "int8": {"quantization": "int8"},
-    "int4": {"quantization": "int4"},
-    "int4-requant": {"quantization": "int4"},
-    "fp8": {"quantization": "fp8"},
-    "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "base": Variant(),
+    "fp8-kv": Variant({"kv_cache_dtype": "fp8"}, 1.0),
+    "int8": Variant({"quantization": "int8"}, 1.0),
+    "int4": Variant({"quantization": "int4"}, 5.0),
+    "int4-requant": Variant({"quantization": "int4"}, from_dense=True),
+    "fp8": Variant({"quantization": "fp8"}, 1.5),
+    "fp8+fp8-kv": Variant({"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+    "fp8-maxscale": Variant({"quantization": "fp8"}, fp8_weight_scale="max"),
 }
+DEFAULT_VARIANTS = "base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv"
 
 
 def register(sub) -> None:
     from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("perplexity", help="perplexity on held-out ShareGPT text: each quantization option vs none")
-    p.add_argument(
-        "--variants", default="base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv", help=f"from {', '.join(VARIANTS)}"
-    )
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"from {', '.join(VARIANTS)}")
     p.add_argument("--num-tokens", type=int, default=16384, help="text tokens to score (whole windows)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     p.add_argument("--out", default=None, help="write the JSON result here")
@@ -119,19 +132,20 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 
     from sluice.app.commands.cli import engine_args_from
     from sluice.core.models.quant import weight_bytes
-    from sluice.core.worker.model_runner import ModelRunner
     from sluice.kv.manager import cdiv
 
-    args = replace(engine_args_from(ns), **VARIANTS[name], num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
-    src = replace(source, gguf_file=None) if name == "int4-requant" else source
+    variant = VARIANTS[name]
+    args = replace(engine_args_from(ns), **variant.engine, num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
+    src = replace(source, gguf_file=None) if variant.from_dense else source
     t0 = time.perf_counter()
-    runner = ModelRunner(args, src, ns.seq_len)
+    runner = load_runner(args, src, ns.seq_len, variant)
     t1 = time.perf_counter()
     nll, count = score(runner, windows)
     fig = {
         "variant": name,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "fp8_weight_scale": weight_scale_of(runner.model),
         "weights_gib": weight_bytes(runner.model) / 1024**3,
         "kv_bytes_per_token": runner.kv_bytes_per_block() // runner.block_size,
         "nll_per_token": nll / count,
@@ -145,6 +159,33 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
     return fig
 
 
+def load_runner(args, source, max_model_len: int, variant: Variant):
+    """The engine's `ModelRunner` for ``variant`` (its fp8 weight scale rule in force while it loads)."""
+    from sluice.core.models import fp8_scales
+    from sluice.core.worker.model_runner import ModelRunner
+
+    rule = variant.fp8_weight_scale
+    with fp8_scales.default_rule_as(rule) if rule else nullcontext():
+        return ModelRunner(args, source, max_model_len)
+
+
+def weight_scale_of(model) -> str | None:
+    """The fp8 weight scale rule the model's fp8 layers were quantized with (None: no fp8 layer)."""
+    from sluice.core.models.fp8_linear import Fp8Linear
+
+    rules = {m.weight_scale_rule for m in model.modules() if isinstance(m, Fp8Linear)}
+    return ",".join(sorted(r or "checkpoint" for r in rules)) or None
+
+
+def variant_names(spec: str) -> list[str]:
+    """``--variants`` as a list, ``base`` first (added when missing: every figure is against it)."""
+    names = [v.strip() for v in spec.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    return ["base", *(n for n in dict.fromkeys(names) if n != "base")]
+
+
 def main(ns: argparse.Namespace) -> int:
     from sluice.app.bench.common import print_figures
     from sluice.app.bench.results import command_line, machine_line, print_table, write_result
@@ -152,13 +193,7 @@ def main(ns: argparse.Namespace) -> int:
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
-    names = [v.strip() for v in ns.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown or not names:
-        raise ValueError(f"variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    if "base" in names:
-        names.remove("base")
-    names.insert(0, "base")
+    names = variant_names(ns.variants)
     source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     windows = heldout_windows(tokenizer, ns.num_tokens, ns.seq_len)
@@ -179,7 +214,7 @@ def main(ns: argparse.Namespace) -> int:
     ok = True
     for r in rows:
         r["delta_pct"] = 100 * (r["perplexity"] / base - 1)
-        bound = BOUNDS_PCT.get(r["variant"])
+        bound = VARIANTS[r["variant"]].bound_pct
         r["bound_pct"] = bound
         r["within_bound"] = None if bound is None else r["delta_pct"] <= bound
         ok &= r["within_bound"] is not False
