@@ -152,7 +152,8 @@ def _rank_quantizes(rank: int, model_dir: str, port: int, out: str) -> None:
 
 def test_row_parallel_shards_take_the_whole_rows_scales(dense_dir, tmp_path):
     """Two gloo ranks quantize their shards: o/down (row-parallel) codes put back together, and their scales, are
-    the single process's to the bit (the rows' amax all-reduced at load), and so are the column-parallel MLP rows."""
+    the single process's to the bit (the rows' statistics all-reduced at load), and so are the column-parallel MLP
+    rows (layer 0: the last layer stays dense)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -165,14 +166,14 @@ def test_row_parallel_shards_take_the_whole_rows_scales(dense_dir, tmp_path):
     ranks = [torch.load(tmp_path / f"q.{r}") for r in range(2)]
     one = load_model(resolve_model(str(dense_dir)), torch.float32, CPU, 64)
     quantize_model(one, "fp8")
-    for name in ("model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
         whole = one.get_submodule(name)
         assert all(torch.equal(r[name][1], whole.weight_scale) for r in ranks)
         if name.endswith("down_proj"):  # o_proj's columns are heads, in each rank's plan: down's are a plain split
             assert torch.equal(torch.cat([r[name][0] for r in ranks], dim=1), whole.qweight.view(torch.uint8))
-    gate_up = one.model.layers[1].mlp.gate_up_proj
+    gate_up = one.model.layers[0].mlp.gate_up_proj
     m = gate_up.out_features // 2
-    gate = torch.cat([r["model.layers.1.mlp.gate_up_proj"][1][: m // 2] for r in ranks])
+    gate = torch.cat([r["model.layers.0.mlp.gate_up_proj"][1][: m // 2] for r in ranks])
     assert torch.equal(gate, gate_up.weight_scale[:m])
 
 

@@ -1,5 +1,5 @@
 """The fp8 weight scale rules (`core/models/fp8_scales.py`): the mse search against amax / 448, extreme rows,
-row-parallel shards, the process switch; and the perplexity bench's choice of variants (`app/bench/perplexity.py`)."""
+row-parallel shards; and the perplexity bench's choice of variants (`app/bench/perplexity.py`)."""
 
 from __future__ import annotations
 
@@ -85,31 +85,15 @@ def test_row_parallel_shards_pick_the_scale_of_the_whole_row():
     assert not torch.equal(weight_scales(halves[0], "mse"), whole)
 
 
-def test_the_process_rule_comes_from_the_environment_and_a_bad_rule_is_refused(monkeypatch):
-    from sluice.core import envs
-    from sluice.core.models.fp8_linear import Fp8Linear, quantize_model_fp8
-    from torch import nn
+def test_bad_rules_are_refused():
+    from sluice.core.models.fp8_recipe import Fp8Recipe
 
-    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16))
-    dense = [m.weight.detach().clone() for m in model]
-    monkeypatch.setenv("SLUICE_FP8_WEIGHT_SCALE", "max")
-    try:
-        envs.configure_kernels()
-        assert fp8_scales.default_rule() == "max"
-        quantize_model_fp8(model)
-        for m, w in zip(model, dense):
-            assert isinstance(m, Fp8Linear) and m.weight_scale_rule == "max"
-            assert torch.allclose(m.weight_scale, w.abs().amax(dim=1) / 448)
-        monkeypatch.delenv("SLUICE_FP8_WEIGHT_SCALE")
-        envs.configure_kernels()  # unset leaves the process's rule
-        assert fp8_scales.default_rule() == "max"
-    finally:
-        fp8_scales.configure("mse")
     with pytest.raises(ValueError, match="weight scale rule"):
-        fp8_scales.configure("absmax")
-    with fp8_scales.default_rule_as("max"):
-        assert fp8_scales.default_rule() == "max"
-    assert fp8_scales.default_rule() == "mse"
+        weight_scales(torch.ones(2, 4), "absmax")
+    with pytest.raises(ValueError, match="weight scale rule"):
+        Fp8Recipe("absmax")
+    with pytest.raises(ValueError, match="dense_last_layers"):
+        Fp8Recipe(dense_last_layers=-1)
 
 
 # ---------------------------------------------------------------------------------- the perplexity bench
@@ -128,13 +112,17 @@ def test_variant_names_put_base_first_once_and_refuse_unknown_ones():
 
 def test_bench_runs_the_old_and_the_new_fp8_scale_rule_side_by_side(tmp_path):
     from sluice.app.commands.cli import main
+    from sluice.core.models.fp8_recipe import Fp8Recipe, recipe
 
     out = tmp_path / "ppl.json"
     argv = ["bench", "perplexity", "--model", "dummy:tiny", "--device", "cpu", "--num-tokens", "64", "--seq-len", "64"]
     main([*argv, "--variants", "fp8-maxscale,fp8", "--out", str(out)])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
     assert list(rows) == ["base", "fp8-maxscale", "fp8"]
-    assert [rows[v]["fp8_weight_scale"] for v in rows] == [None, "max", "mse"]
+    assert rows["base"]["fp8_layers"] is None
+    old, new = rows["fp8-maxscale"]["fp8_layers"], rows["fp8"]["fp8_layers"]
+    assert old["weight_scale"] == "max" and old["fp8_linear"] == 4 * 2 and old["dense_linear"] == 0
+    assert new["weight_scale"] == "mse" and new["fp8_linear"] == 4 and new["dense_linear"] == 4  # the last layer
     assert rows["fp8"]["bound_pct"] == 1.5 and rows["fp8-maxscale"]["bound_pct"] is None
-    assert rows["fp8"]["perplexity"] != rows["fp8-maxscale"]["perplexity"]
-    assert fp8_scales.default_rule() == "mse"  # the variant's rule held only while it loaded
+    assert rows["fp8"]["weights_gib"] > rows["fp8-maxscale"]["weights_gib"]
+    assert recipe() == Fp8Recipe()  # the variant's recipe held only while it loaded

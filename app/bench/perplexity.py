@@ -15,7 +15,9 @@ needs it). The default model is itself a Q4_1 file, so ``int4-requant`` moves we
 a 16-level grid per 32-weight block onto a coarser grid per 64/128 weights: it measures that double
 rounding on a 135M model, not int4 from 16-bit weights, and has no bound. ``fp8`` (W8A8: e4m3 weights per
 output channel, activations per token, the LM head dense; on the CPU the same numerics emulated) and
-``fp8+fp8-kv`` (both; reported without a bound of its own).
+``fp8+fp8-kv`` (both; reported without a bound of its own); ``fp8`` is `core/models/fp8_recipe.py`'s recipe
+(mse weight scales, the last decoder layer dense), ``fp8-maxscale`` the one before it (amax / 448 scales, every
+layer fp8), for before and after in one run.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One way of loading the model: `EngineArgs` overrides, the issue's bound on its perplexity increase (None:
-    shown for information), the fp8 weight scale rule (`core/models/fp8_scales.py`; None: the process's default)
-    and whether int4 is quantized from the dense weights instead of a GGUF's own blocks."""
+    shown for information), the fp8 recipe (`core/models/fp8_recipe.py`; None: the process's) and whether int4 is
+    quantized from the dense weights instead of a GGUF's own blocks."""
 
     engine: dict[str, Any] = field(default_factory=dict)
     bound_pct: float | None = None
-    fp8_weight_scale: str | None = None
+    fp8_recipe: dict[str, Any] | None = None  # `Fp8Recipe`'s fields (torch is imported only to run)
     from_dense: bool = False
 
 
@@ -48,7 +50,8 @@ VARIANTS = {
     "int4-requant": Variant({"quantization": "int4"}, from_dense=True),
     "fp8": Variant({"quantization": "fp8"}, 1.5),
     "fp8+fp8-kv": Variant({"quantization": "fp8", "kv_cache_dtype": "fp8"}),
-    "fp8-maxscale": Variant({"quantization": "fp8"}, fp8_weight_scale="max"),
+    # the recipe before the mse scales and the dense last layer, for a side-by-side run
+    "fp8-maxscale": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 0}),
 }
 DEFAULT_VARIANTS = "base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv"
 
@@ -145,7 +148,7 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
         "variant": name,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
-        "fp8_weight_scale": weight_scale_of(runner.model),
+        "fp8_layers": fp8_layers(runner.model),
         "weights_gib": weight_bytes(runner.model) / 1024**3,
         "kv_bytes_per_token": runner.kv_bytes_per_block() // runner.block_size,
         "nll_per_token": nll / count,
@@ -160,21 +163,27 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 
 
 def load_runner(args, source, max_model_len: int, variant: Variant):
-    """The engine's `ModelRunner` for ``variant`` (its fp8 weight scale rule in force while it loads)."""
-    from sluice.core.models import fp8_scales
+    """The engine's `ModelRunner` for ``variant`` (its fp8 recipe in force while it loads)."""
+    from sluice.core.models import fp8_recipe
     from sluice.core.worker.model_runner import ModelRunner
 
-    rule = variant.fp8_weight_scale
-    with fp8_scales.default_rule_as(rule) if rule else nullcontext():
+    recipe = variant.fp8_recipe
+    with fp8_recipe.recipe_as(fp8_recipe.Fp8Recipe(**recipe)) if recipe else nullcontext():
         return ModelRunner(args, source, max_model_len)
 
 
-def weight_scale_of(model) -> str | None:
-    """The fp8 weight scale rule the model's fp8 layers were quantized with (None: no fp8 layer)."""
+def fp8_layers(model) -> dict[str, Any] | None:
+    """How the model's linear layers were quantized to fp8: the weight scale rule(s), and how many linear layers
+    are fp8 and how many dense (the LM head not counted); None without fp8 layers."""
     from sluice.core.models.fp8_linear import Fp8Linear
+    from torch import nn
 
-    rules = {m.weight_scale_rule for m in model.modules() if isinstance(m, Fp8Linear)}
-    return ",".join(sorted(r or "checkpoint" for r in rules)) or None
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    if not fp8:
+        return None
+    dense = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+    rules = sorted({m.weight_scale_rule or "checkpoint" for m in fp8})
+    return {"weight_scale": ",".join(rules), "fp8_linear": len(fp8), "dense_linear": len(dense)}
 
 
 def variant_names(spec: str) -> list[str]:

@@ -20,6 +20,7 @@ Triton kernel and multiply through ``torch._scaled_mm`` (Hopper's fp8 tensor cor
 the same numerics are emulated in torch (`fp8_linear_reference`): ``x`` rounded to e4m3 and back, times the
 dequantized weight in fp32; so CPU tests and the CPU perplexity bench measure the real quantization error.
 
+What is made fp8 is `core/models/fp8_recipe.py`'s: every linear layer but the last decoder layer's (why there).
 The LM head and the embedding stay in the model's dtype: the embedding is a lookup, not a matmul, and the head's
 logits are what sampling sees directly (a relative error of a few 1e-3 per logit moves greedy picks at near-ties
 with nothing after it to average the error out); its weight is ~6% of an 8B model's bytes (`quantize_model`'s
@@ -29,8 +30,10 @@ with nothing after it to average the error out); its weight is ~6% of an 8B mode
 from __future__ import annotations
 
 import torch
+from sluice.core.models import fp8_recipe
 from sluice.core.models.fp8_format import F32_MAX, MIN_AMAX, MIN_BLOCK_N
-from sluice.core.models.fp8_scales import Reduce, default_rule, weight_scales
+from sluice.core.models.fp8_recipe import Fp8Recipe
+from sluice.core.models.fp8_scales import Reduce, weight_scales
 from sluice.kv.attention.fp8 import FP8_DTYPE, FP8_MAX
 from torch import nn
 
@@ -128,31 +131,29 @@ class Fp8Linear(nn.Module):
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def quantize_model_fp8(
-    model: nn.Module, include_lm_head: bool = False, weight_scale: str | None = None
-) -> dict[str, int]:
-    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``: module doc) by
-    `Fp8Linear` with ``weight_scale``'s scales (`fp8_scales`; None: the process's default), one at a time (each
-    dense weight is freed as its replacement goes in). Under tensor parallelism (``model.tp``) a column-parallel
-    shard holds whole rows, so its scales are the single process's; a row-parallel one (o, down) holds part of
-    each row, and its rows' statistics are combined over every rank's part (all-reduces at load), so its scales
-    are too. Returns counts."""
+def quantize_model_fp8(model: nn.Module, include_lm_head: bool = False, recipe: Fp8Recipe | None = None) -> dict:
+    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``: module doc) but the
+    ones ``recipe`` keeps dense (`fp8_recipe`; None: the process's) by `Fp8Linear` with the recipe's weight
+    scales, one at a time (each dense weight is freed as its replacement goes in). Under tensor parallelism
+    (``model.tp``) a column-parallel shard holds whole rows, so its scales are the single process's; a row-parallel
+    one (o, down) holds part of each row, and its rows' statistics are combined over every rank's part
+    (all-reduces at load), so its scales are too. Returns counts."""
     tp = getattr(model, "tp", None)
-    weight_scale = weight_scale or default_rule()
-    targets = [
+    recipe = recipe or fp8_recipe.recipe()
+    linears = [
         name
         for name, mod in model.named_modules()
         if isinstance(mod, nn.Linear) and (include_lm_head or not name.endswith("lm_head"))
     ]
+    targets = recipe.fp8_targets(linears)
     for name in targets:
         lin = model.get_submodule(name)
         parent, _, attr = name.rpartition(".")
         reduce = across_ranks(tp) if tp is not None and attr in ROW_PARALLEL else None
-        setattr(
-            model.get_submodule(parent) if parent else model, attr, Fp8Linear.from_linear(lin, weight_scale, reduce)
-        )
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, Fp8Linear.from_linear(lin, recipe.weight_scale, reduce))
         del lin
-    return {"fp8": len(targets)}
+    return {"fp8": len(targets), "dense": len(linears) - len(targets)}
 
 
 def across_ranks(tp) -> Reduce:

@@ -20,14 +20,12 @@ candidates' errors the sum over every rank's part (``reduce``), so every rank pi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from sluice.kv.attention.fp8 import FP8_DTYPE, FP8_MAX
 
 WEIGHT_SCALE_RULES = ("mse", "max")
-_default_rule = "mse"
 # How many multiples of amax / 448 the mse rule tries, evenly over one octave.
 MSE_STEPS = 32
 # Rows per pass of the search: bounds its temporaries (fp32) to ~64 MiB whatever the layer's size.
@@ -37,31 +35,7 @@ _CHUNK_ELEMENTS = 1 << 24
 Reduce = Callable[[torch.Tensor, str], None]
 
 
-def configure(rule: str | None) -> None:
-    """The process's rule for layers quantized at load (``None`` leaves it): `core/envs.py`'s
-    ``SLUICE_FP8_WEIGHT_SCALE``, or a benchmark's side-by-side variant (`default_rule_as`)."""
-    global _default_rule
-    if rule is not None:
-        _check(rule)
-        _default_rule = rule
-
-
-def default_rule() -> str:
-    return _default_rule
-
-
-@contextmanager
-def default_rule_as(rule: str) -> Iterator[None]:
-    """`default_rule` is ``rule`` inside the block, what it was after it."""
-    before = _default_rule
-    configure(rule)
-    try:
-        yield
-    finally:
-        configure(before)
-
-
-def _check(rule: str) -> None:
+def check_rule(rule: str) -> None:
     if rule not in WEIGHT_SCALE_RULES:
         raise ValueError(f"fp8 weight scale rule: one of {WEIGHT_SCALE_RULES}, got {rule!r}")
 
@@ -90,7 +64,7 @@ def candidate_errors(wf: torch.Tensor, scales: torch.Tensor, ratios: torch.Tenso
 
 def weight_scales(wf: torch.Tensor, rule: str = "mse", reduce: Reduce | None = None) -> torch.Tensor:
     """Float32 per-row scales of ``wf [N, K]`` (finite fp32) under ``rule`` (module doc)."""
-    _check(rule)
+    check_rule(rule)
     amax = wf.abs().amax(dim=1)
     if reduce is not None:
         reduce(amax, "max")
