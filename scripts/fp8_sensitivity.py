@@ -10,6 +10,7 @@ a reload). Prints one line per configuration: the perplexity increase over the u
     python scripts/fp8_sensitivity.py --study ends       # the first two and the last layers' kinds one at a time
     python scripts/fp8_sensitivity.py --study rules      # whole-model W8A8 under each weight/activation rule
     python scripts/fp8_sensitivity.py --study recipes    # whole-model W8A8, mse scales, candidate dense sets
+    python scripts/fp8_sensitivity.py --study halves     # max/mse scales x last layer dense or not
     python scripts/fp8_sensitivity.py --study stats      # per-layer relative output error and activation amax
 
 Nothing here is used by the engine; it is the measurement behind `core/models/fp8_linear.py`'s choices.
@@ -176,6 +177,16 @@ def study_recipes(sc, ns) -> None:
         sc.measure(f"all W8A8 weights=mse, dense: {label}", [n for n in names if not dense(n)], "mse", "max")
 
 
+def study_halves(sc, ns) -> None:
+    """The bench's fp8 recipes on the same text: max or mse weight scales, with and without the last layer dense."""
+    names = linears(sc.runner.model)
+    last = f".layers.{sc.runner.model.config.num_hidden_layers - 1}."
+    for dense_last in (False, True):
+        sel = [n for n in names if not (dense_last and last in n)]
+        for w in ("max", "mse"):
+            sc.measure(f"all W8A8 weights={w}, last layer dense: {dense_last}", sel, w, "max")
+
+
 def study_stats(sc, ns) -> None:
     """Per layer: relative output error of weights-only and activations-only rounding, and the inputs' amax over
     their row's RMS (how far the row's largest value sits above the rest), over the first window."""
@@ -219,7 +230,10 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--study", choices=("kinds", "depth", "ends", "rules", "recipes", "stats"), action="append", required=True
+        "--study",
+        choices=("kinds", "depth", "ends", "rules", "recipes", "halves", "stats"),
+        action="append",
+        required=True,
     )
     p.add_argument("--model", default=EngineArgs().model)
     p.add_argument("--num-tokens", type=int, default=4096)
@@ -240,6 +254,7 @@ def main() -> None:
         "ends": study_ends,
         "rules": study_rules,
         "recipes": study_recipes,
+        "halves": study_halves,
         "stats": study_stats,
     }
     for name in ns.study:

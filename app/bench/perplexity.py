@@ -52,6 +52,9 @@ VARIANTS = {
     "fp8+fp8-kv": Variant({"quantization": "fp8", "kv_cache_dtype": "fp8"}),
     # the recipe before the mse scales and the dense last layer, for a side-by-side run
     "fp8-maxscale": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 0}),
+    # each half of the recipe alone
+    "fp8-mse-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 0}),
+    "fp8-max-lastdense": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 1}),
 }
 DEFAULT_VARIANTS = "base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv"
 
