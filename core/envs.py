@@ -171,8 +171,8 @@ environment_variables: dict[str, Variable] = {
     ),
     "SLUICE_FP8_WEIGHT_SCALE": Variable(
         _str("SLUICE_FP8_WEIGHT_SCALE"),
-        "How --quantization fp8 scales each weight row at load: mse (default, the scale of least reconstruction "
-        "error, core/models/fp8_scales.py) or max (amax / 448, the rule before it).",
+        "How --quantization fp8 scales each weight row at load: max (default, amax / 448) or mse (the scale of "
+        "least reconstruction error, core/models/fp8_scales.py).",
     ),
     "SLUICE_FP8_DENSE_LAST_LAYERS": Variable(
         _int("SLUICE_FP8_DENSE_LAST_LAYERS", None),

@@ -185,7 +185,8 @@ def _tiny_model():
     return source, load_model(source, torch.float32, torch.device("cpu"), 64)
 
 
-def test_quantize_model_makes_the_projections_fp8_and_keeps_the_head_and_last_layer_dense():
+def test_quantize_model_makes_the_projections_fp8_and_keeps_the_head_and_the_recipes_layers_dense():
+    from sluice.core.models.fp8_recipe import Fp8Recipe
     from sluice.core.models.quant import quantize_model, weight_bytes
 
     _, model = _tiny_model()
@@ -193,9 +194,10 @@ def test_quantize_model_makes_the_projections_fp8_and_keeps_the_head_and_last_la
     before = weight_bytes(model)
     counts = quantize_model(model, "fp8")
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    layers = len(model.model.layers)
-    assert counts == {"fp8": len(fp8), "dense": 4} and len(fp8) == 4 * (layers - 1)  # the last layer stays dense
-    assert not any(isinstance(m, Fp8Linear) for m in model.model.layers[-1].modules())
+    layers, dense_last = len(model.model.layers), Fp8Recipe().dense_last_layers
+    assert counts == {"fp8": len(fp8), "dense": 4 * dense_last} and len(fp8) == 4 * (layers - dense_last)
+    for layer in model.model.layers[layers - dense_last :]:  # the recipe's dense layers stay as they were
+        assert not any(isinstance(m, Fp8Linear) for m in layer.modules())
     assert not isinstance(model.lm_head, Fp8Linear) if model.lm_head is not None else True
     for n, m in fp8.items():
         assert torch.equal(_bits(m.qweight), _bits(quantize_weight(dense[n])[0]))

@@ -1,5 +1,5 @@
-"""What ``--quantization fp8`` makes fp8 (`core/models/fp8_recipe.py`): every linear layer but the last decoder
-layer's, with mse weight scales by default; the process recipe from the environment."""
+"""What ``--quantization fp8`` makes fp8 (`core/models/fp8_recipe.py`): the last decoder layers kept dense by
+position, the weight scale rule; the process recipe from the environment."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ NAMES = [f"model.layers.{i}.{p}" for i in range(3) for p in ("self_attn.qkv_proj
 
 
 def test_the_last_decoder_layers_stay_dense_by_position():
-    assert Fp8Recipe().fp8_targets(NAMES) == NAMES[:4] + ["mtp.proj"]  # layer 2's two stay dense
+    assert Fp8Recipe(dense_last_layers=1).fp8_targets(NAMES) == NAMES[:4] + ["mtp.proj"]  # layer 2's stay dense
     assert Fp8Recipe(dense_last_layers=2).fp8_targets(NAMES) == NAMES[:2] + ["mtp.proj"]
     assert Fp8Recipe(dense_last_layers=0).fp8_targets(NAMES) == NAMES
-    assert Fp8Recipe().fp8_targets(["a.proj", "b.proj"]) == ["a.proj", "b.proj"]  # no decoder layers: all
+    assert Fp8Recipe(dense_last_layers=1).fp8_targets(["a.proj", "b.proj"]) == ["a.proj", "b.proj"]  # no layers
 
 
 def _model(layers: int = 3) -> nn.Module:
@@ -31,7 +31,7 @@ def _model(layers: int = 3) -> nn.Module:
 def test_quantize_model_keeps_the_recipes_dense_layers_as_they_were():
     model = _model()
     last = model.model.layers[2]["proj"]
-    counts = quantize_model_fp8(model)
+    counts = quantize_model_fp8(model, recipe=Fp8Recipe("mse", dense_last_layers=1))
     assert counts == {"fp8": 2, "dense": 1}
     assert [type(m["proj"]) for m in model.model.layers] == [Fp8Linear, Fp8Linear, nn.Linear]
     assert model.model.layers[2]["proj"] is last and type(model.lm_head) is nn.Linear
@@ -41,6 +41,8 @@ def test_quantize_model_keeps_the_recipes_dense_layers_as_they_were():
 def test_the_process_recipe_comes_from_the_environment(monkeypatch):
     from sluice.core import envs
 
+    before = fp8_recipe.recipe()
+    assert before == Fp8Recipe()
     monkeypatch.setenv("SLUICE_FP8_WEIGHT_SCALE", "max")
     monkeypatch.setenv("SLUICE_FP8_DENSE_LAST_LAYERS", "0")
     try:
@@ -57,7 +59,7 @@ def test_the_process_recipe_comes_from_the_environment(monkeypatch):
         envs.configure_kernels()  # unset leaves the process's recipe
         assert fp8_recipe.recipe() == Fp8Recipe("max", 0)
     finally:
-        fp8_recipe.configure("mse", 1)
+        fp8_recipe.configure(before.weight_scale, before.dense_last_layers)
     with fp8_recipe.recipe_as(Fp8Recipe("max", 2)):
         assert fp8_recipe.recipe() == Fp8Recipe("max", 2)
     assert fp8_recipe.recipe() == Fp8Recipe()

@@ -103,26 +103,32 @@ def test_variant_names_put_base_first_once_and_refuse_unknown_ones():
     from sluice.app.bench.perplexity import variant_names
 
     assert variant_names("fp8") == ["base", "fp8"]
-    assert variant_names("fp8,base,fp8-maxscale,fp8") == ["base", "fp8", "fp8-maxscale"]
+    assert variant_names("fp8,base,fp8-all,fp8") == ["base", "fp8", "fp8-all"]
     with pytest.raises(ValueError, match="unknown"):
         variant_names("fp8,fp9")
     with pytest.raises(ValueError):
         variant_names(" , ")
 
 
-def test_bench_runs_the_old_and_the_new_fp8_scale_rule_side_by_side(tmp_path):
+def test_bench_runs_fp8_recipes_side_by_side_and_the_default_last(tmp_path):
     from sluice.app.commands.cli import main
     from sluice.core.models.fp8_recipe import Fp8Recipe, recipe
 
     out = tmp_path / "ppl.json"
     argv = ["bench", "perplexity", "--model", "dummy:tiny", "--device", "cpu", "--num-tokens", "64", "--seq-len", "64"]
-    main([*argv, "--variants", "fp8-maxscale,fp8", "--out", str(out)])
+    main([*argv, "--variants", "fp8-mse-all,fp8-all,fp8", "--out", str(out)])
     rows = {r["variant"]: r for r in json.loads(out.read_text())["variants"]}
-    assert list(rows) == ["base", "fp8-maxscale", "fp8"]
+    assert list(rows) == ["base", "fp8-mse-all", "fp8-all", "fp8"]
     assert rows["base"]["fp8_layers"] is None
-    old, new = rows["fp8-maxscale"]["fp8_layers"], rows["fp8"]["fp8_layers"]
-    assert old["weight_scale"] == "max" and old["fp8_linear"] == 4 * 2 and old["dense_linear"] == 0
-    assert new["weight_scale"] == "mse" and new["fp8_linear"] == 4 and new["dense_linear"] == 4  # the last layer
-    assert rows["fp8"]["bound_pct"] == 1.5 and rows["fp8-maxscale"]["bound_pct"] is None
-    assert rows["fp8"]["weights_gib"] > rows["fp8-maxscale"]["weights_gib"]
-    assert recipe() == Fp8Recipe()  # the variant's recipe held only while it loaded
+    assert rows["fp8-mse-all"]["fp8_layers"] == {"weight_scale": "mse", "fp8_linear": 8, "dense_linear": 0}
+    assert rows["fp8-all"]["fp8_layers"] == {"weight_scale": "max", "fp8_linear": 8, "dense_linear": 0}
+    default = Fp8Recipe()  # fp8 is the process's recipe
+    dense = 4 * default.dense_last_layers
+    assert rows["fp8"]["fp8_layers"] == {
+        "weight_scale": default.weight_scale,
+        "fp8_linear": 8 - dense,
+        "dense_linear": dense,
+    }
+    assert (rows["fp8"]["weights_gib"] > rows["fp8-all"]["weights_gib"]) == (dense > 0)
+    assert rows["fp8"]["bound_pct"] == 1.5 and rows["fp8-mse-all"]["bound_pct"] is None
+    assert recipe() == default  # each variant's recipe held only while it loaded

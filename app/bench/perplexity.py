@@ -16,8 +16,8 @@ a 16-level grid per 32-weight block onto a coarser grid per 64/128 weights: it m
 rounding on a 135M model, not int4 from 16-bit weights, and has no bound. ``fp8`` (W8A8: e4m3 weights per
 output channel, activations per token, the LM head dense; on the CPU the same numerics emulated) and
 ``fp8+fp8-kv`` (both; reported without a bound of its own); ``fp8`` is `core/models/fp8_recipe.py`'s recipe
-(mse weight scales, the last decoder layer dense), ``fp8-maxscale`` the one before it (amax / 448 scales, every
-layer fp8), for before and after in one run.
+(amax / 448 weight scales, the last decoder layer dense), ``fp8-all`` the one before it (every layer fp8), for
+before and after in one run; ``fp8-mse-all`` and ``fp8-mse-lastdense`` the same two with the mse weight scales.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ VARIANTS = {
     "int4-requant": Variant({"quantization": "int4"}, from_dense=True),
     "fp8": Variant({"quantization": "fp8"}, 1.5),
     "fp8+fp8-kv": Variant({"quantization": "fp8", "kv_cache_dtype": "fp8"}),
-    # the recipe before the mse scales and the dense last layer, for a side-by-side run
-    "fp8-maxscale": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 0}),
-    # each half of the recipe alone
+    # the recipe before the dense last layer (every layer fp8), for a side-by-side run
+    "fp8-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 0}),
+    # the mse weight scales, with every layer fp8 / the last one dense
     "fp8-mse-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 0}),
-    "fp8-max-lastdense": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 1}),
+    "fp8-mse-lastdense": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 1}),
 }
 DEFAULT_VARIANTS = "base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv"
 

@@ -1,10 +1,9 @@
 """FP8 (e4m3) W8A8 linear layers: ``--quantization fp8``.
 
 Format: ``qweight`` ``float8_e4m3fn [N, K]`` and ``weight_scale`` float32 ``[N]`` (one per output channel),
-``W[n, k] = qweight[n, k] * weight_scale[n]``. Quantized online at load (`quantize_weight`): each row's scale is
-the one of least reconstruction error among ``amax / 448`` times ``[1, 2)`` (`core/models/fp8_scales.py`: why
-that range, and why no clipping), an all-zero row gets scale 1, non-finite weights saturate instead of poisoning
-their row's scale.
+``W[n, k] = qweight[n, k] * weight_scale[n]``. Quantized online at load (`quantize_weight`): ``scale = amax / 448``
+over the row by default (`core/models/fp8_scales.py` has the ``mse`` alternative), an all-zero row gets scale 1,
+non-finite weights saturate instead of poisoning their row's scale.
 A Hugging Face FP8 checkpoint brings its own codes and scales (`core/models/fp8_checkpoint.py`).
 
 Activations are quantized per token (per row of ``x``) when the layer runs: ``s_x = amax(|x_row|) / 448`` with
@@ -45,9 +44,9 @@ def sanitize(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight(
-    w: torch.Tensor, rule: str = "mse", reduce: Reduce | None = None
+    w: torch.Tensor, rule: str = "max", reduce: Reduce | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` -> (e4m3 codes, float32 per-row scales): scales by ``rule`` (`fp8_scales`: ``mse`` or ``max``),
+    """``[N, K]`` -> (e4m3 codes, float32 per-row scales): scales by ``rule`` (`fp8_scales`: ``max`` or ``mse``),
     codes ``round(w / scale)`` saturated at +-448. ``reduce``: how a row-parallel shard under tensor parallelism
     combines its rows' statistics with the other ranks' (`fp8_scales.weight_scales`), so every rank's scales are
     the single process's."""
@@ -106,7 +105,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("counters", torch.zeros(n_tiles, dtype=torch.int32, device=qweight.device))
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, rule: str = "mse", reduce: Reduce | None = None) -> Fp8Linear:
+    def from_linear(cls, lin: nn.Linear, rule: str = "max", reduce: Reduce | None = None) -> Fp8Linear:
         q, s = quantize_weight(lin.weight.detach(), rule, reduce)
         return cls(q, s, lin.bias.detach() if lin.bias is not None else None, rule)
 
