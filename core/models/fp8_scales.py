@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from sluice.kv.attention.fp8 import FP8_DTYPE, FP8_MAX
 
-WEIGHT_SCALE_RULES = ("mse", "max")
+WEIGHT_SCALE_RULES = ("max", "mse")
 # How many multiples of amax / 448 the mse rule tries, evenly over one octave.
 MSE_STEPS = 32
 # Rows per pass of the search: bounds its temporaries (fp32) to ~64 MiB whatever the layer's size.
