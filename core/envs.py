@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
     SLUICE_SUBMIT_CHUNK: int = 64
+    SLUICE_FP8_WEIGHT_SCALE: str | None = None
+    SLUICE_FP8_DENSE_LAST_LAYERS: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +169,16 @@ environment_variables: dict[str, Variable] = {
         "Comma-separated kernels folded into a GEMV: norm (into the one after it), silu (into the gate/up one "
         "before it); default none.",
     ),
+    "SLUICE_FP8_WEIGHT_SCALE": Variable(
+        _str("SLUICE_FP8_WEIGHT_SCALE"),
+        "How --quantization fp8 scales each weight row at load: max (default, amax / 448) or mse (the scale of "
+        "least reconstruction error, core/models/fp8_scales.py).",
+    ),
+    "SLUICE_FP8_DENSE_LAST_LAYERS": Variable(
+        _int("SLUICE_FP8_DENSE_LAST_LAYERS", None),
+        "How many of the last decoder layers --quantization fp8 keeps in the model's dtype (unset: 1, "
+        "core/models/fp8_recipe.py; 0 makes every layer fp8).",
+    ),
 }
 
 
@@ -197,12 +209,14 @@ def fused_kernel_options() -> dict[str, Any]:
 
 
 def configure_kernels() -> None:
-    """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, and the GEMV's
-    rows and folds. The model runner calls it before it builds anything that launches them."""
-    from sluice.core.models import gemv
+    """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, the GEMV's rows and
+    folds, and the fp8 recipe (asked at load). The model runner calls it before it builds anything that
+    launches them."""
+    from sluice.core.models import fp8_recipe, gemv
     from sluice.kv.attention import pdl
 
     pdl.configure(enabled=__getattr__("SLUICE_PDL"))
+    fp8_recipe.configure(__getattr__("SLUICE_FP8_WEIGHT_SCALE"), __getattr__("SLUICE_FP8_DENSE_LAST_LAYERS"))
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))
 
 

@@ -48,6 +48,8 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_DECODE_BLOCK_N": 128,
         "SLUICE_GEMV_ROWS": None,
         "SLUICE_GEMV_FOLD": frozenset(),
+        "SLUICE_FP8_WEIGHT_SCALE": None,
+        "SLUICE_FP8_DENSE_LAST_LAYERS": None,
     }
     assert {n: getattr(envs, n) for n in defaults} == defaults
     assert set(defaults) | set(ON_UNLESS_ZERO) == set(envs.environment_variables)
@@ -62,6 +64,8 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_DECODE_BLOCK_N": ("64", 64),
         "SLUICE_GEMV_ROWS": ("16", 16),
         "SLUICE_GEMV_FOLD": (" norm, silu,", frozenset({"norm", "silu"})),
+        "SLUICE_FP8_WEIGHT_SCALE": ("max", "max"),
+        "SLUICE_FP8_DENSE_LAST_LAYERS": ("0", 0),
     }
     for n, (raw, value) in set_to.items():
         clean_env.setenv(n, raw)

@@ -152,7 +152,8 @@ def _rank_quantizes(rank: int, model_dir: str, port: int, out: str) -> None:
 
 def test_row_parallel_shards_take_the_whole_rows_scales(dense_dir, tmp_path):
     """Two gloo ranks quantize their shards: o/down (row-parallel) codes put back together, and their scales, are
-    the single process's to the bit (the rows' amax all-reduced at load), and so are the column-parallel MLP rows."""
+    the single process's to the bit (the rows' statistics all-reduced at load), and so are the column-parallel MLP
+    rows (layer 0: the last layer stays dense)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -165,32 +166,35 @@ def test_row_parallel_shards_take_the_whole_rows_scales(dense_dir, tmp_path):
     ranks = [torch.load(tmp_path / f"q.{r}") for r in range(2)]
     one = load_model(resolve_model(str(dense_dir)), torch.float32, CPU, 64)
     quantize_model(one, "fp8")
-    for name in ("model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj"):
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
         whole = one.get_submodule(name)
         assert all(torch.equal(r[name][1], whole.weight_scale) for r in ranks)
         if name.endswith("down_proj"):  # o_proj's columns are heads, in each rank's plan: down's are a plain split
             assert torch.equal(torch.cat([r[name][0] for r in ranks], dim=1), whole.qweight.view(torch.uint8))
-    gate_up = one.model.layers[1].mlp.gate_up_proj
+    gate_up = one.model.layers[0].mlp.gate_up_proj
     m = gate_up.out_features // 2
-    gate = torch.cat([r["model.layers.1.mlp.gate_up_proj"][1][: m // 2] for r in ranks])
+    gate = torch.cat([r["model.layers.0.mlp.gate_up_proj"][1][: m // 2] for r in ranks])
     assert torch.equal(gate, gate_up.weight_scale[:m])
 
 
 def test_two_gloo_ranks_serve_fp8(dense_dir, default_tokenizer):
     """``--quantization fp8`` over two tensor-parallel ranks serves, and its first greedy token of every prompt is
-    the single process's. Later tokens may part: a rank quantizes its slice of a row-parallel layer's input per
-    token (no collective on the hot path), a finer scale than the whole row's, so logits differ by fp8 rounding."""
+    the single process's best or within a near tie of it. Not always the same: a rank quantizes its slice of a
+    row-parallel layer's input per token (no collective on the hot path), a finer scale than the whole row's, so
+    logits differ by fp8 rounding, and this random model's top two are often close."""
     from sluice.core import LLM, SamplingParams
 
     engine = dict(device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256, quantization="fp8")
     prompts = [prompt_of_length(default_tokenizer, n, f"Note {n}:") for n in (1, 17, 40)]
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=4)
     outs = []
     for tp in (1, 2):
         with LLM(model=str(dense_dir), tensor_parallel_size=tp, **engine) as llm:
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
-    assert [t[0] for t in outs[0]] == [t[0] for t in outs[1]]
-    assert all(len(t) == 16 for t in outs[1]) and len({t for r in outs[1] for t in r}) > 5
+            outs.append([o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    for one, two in zip(*outs):
+        top = {t: lp.logprob for t, lp in one.logprobs[0].items()}
+        assert two.token_ids[0] in top and top[one.token_ids[0]] - top[two.token_ids[0]] < 0.05
+    assert all(len(o.token_ids) == 16 for o in outs[1]) and len({t for o in outs[1] for t in o.token_ids}) > 5
 
 
 def test_qwen3_runs_under_fp8(tmp_path, default_tokenizer):

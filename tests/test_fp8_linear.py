@@ -46,10 +46,10 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ quantizers
 
 
-def test_weight_scales_are_per_row_amax_over_448_and_codes_round_to_nearest():
+def test_max_rule_scales_are_per_row_amax_over_448_and_codes_round_to_nearest():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 64, generator=g) * torch.logspace(-3, 2, 8)[:, None]
-    q, s = quantize_weight(w)
+    q, s = quantize_weight(w, "max")
     assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
     assert torch.allclose(s, w.abs().amax(dim=1) / 448)
     assert torch.equal(q.float().abs().amax(dim=1), torch.full((8,), 448.0))  # each row's largest hits the top
@@ -185,7 +185,8 @@ def _tiny_model():
     return source, load_model(source, torch.float32, torch.device("cpu"), 64)
 
 
-def test_quantize_model_makes_every_projection_fp8_and_keeps_the_head_dense():
+def test_quantize_model_makes_the_projections_fp8_and_keeps_the_head_and_the_recipes_layers_dense():
+    from sluice.core.models.fp8_recipe import Fp8Recipe
     from sluice.core.models.quant import quantize_model, weight_bytes
 
     _, model = _tiny_model()
@@ -193,7 +194,10 @@ def test_quantize_model_makes_every_projection_fp8_and_keeps_the_head_dense():
     before = weight_bytes(model)
     counts = quantize_model(model, "fp8")
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    assert counts == {"fp8": len(fp8)} and len(fp8) == 4 * len(model.model.layers)
+    layers, dense_last = len(model.model.layers), Fp8Recipe().dense_last_layers
+    assert counts == {"fp8": len(fp8), "dense": 4 * dense_last} and len(fp8) == 4 * (layers - dense_last)
+    for layer in model.model.layers[layers - dense_last :]:  # the recipe's dense layers stay as they were
+        assert not any(isinstance(m, Fp8Linear) for m in layer.modules())
     assert not isinstance(model.lm_head, Fp8Linear) if model.lm_head is not None else True
     for n, m in fp8.items():
         assert torch.equal(_bits(m.qweight), _bits(quantize_weight(dense[n])[0]))

@@ -15,7 +15,9 @@ needs it). The default model is itself a Q4_1 file, so ``int4-requant`` moves we
 a 16-level grid per 32-weight block onto a coarser grid per 64/128 weights: it measures that double
 rounding on a 135M model, not int4 from 16-bit weights, and has no bound. ``fp8`` (W8A8: e4m3 weights per
 output channel, activations per token, the LM head dense; on the CPU the same numerics emulated) and
-``fp8+fp8-kv`` (both; reported without a bound of its own).
+``fp8+fp8-kv`` (both; reported without a bound of its own); ``fp8`` is `core/models/fp8_recipe.py`'s recipe
+(amax / 448 weight scales, the last decoder layer dense), ``fp8-all`` the one before it (every layer fp8), for
+before and after in one run; ``fp8-mse-all`` and ``fp8-mse-lastdense`` the same two with the mse weight scales.
 """
 
 from __future__ import annotations
@@ -23,28 +25,45 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import replace
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-# The issue's bounds on the perplexity increase; int4-requant is shown for information (see the module doc).
-BOUNDS_PCT = {"fp8-kv": 1.0, "int8": 1.0, "int4": 5.0, "fp8": 1.5}
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One way of loading the model: `EngineArgs` overrides, the issue's bound on its perplexity increase (None:
+    shown for information), the fp8 recipe (`core/models/fp8_recipe.py`; None: the process's) and whether int4 is
+    quantized from the dense weights instead of a GGUF's own blocks."""
+
+    engine: dict[str, Any] = field(default_factory=dict)
+    bound_pct: float | None = None
+    fp8_recipe: dict[str, Any] | None = None  # `Fp8Recipe`'s fields (torch is imported only to run)
+    from_dense: bool = False
+
+
 VARIANTS = {
-    "base": {},
-    "fp8-kv": {"kv_cache_dtype": "fp8"},
-    "int8": {"quantization": "int8"},
-    "int4": {"quantization": "int4"},
-    "int4-requant": {"quantization": "int4"},
-    "fp8": {"quantization": "fp8"},
-    "fp8+fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    "base": Variant(),
+    "fp8-kv": Variant({"kv_cache_dtype": "fp8"}, 1.0),
+    "int8": Variant({"quantization": "int8"}, 1.0),
+    "int4": Variant({"quantization": "int4"}, 5.0),
+    "int4-requant": Variant({"quantization": "int4"}, from_dense=True),
+    "fp8": Variant({"quantization": "fp8"}, 1.5),
+    "fp8+fp8-kv": Variant({"quantization": "fp8", "kv_cache_dtype": "fp8"}),
+    # the recipe before the dense last layer (every layer fp8), for a side-by-side run
+    "fp8-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 0}),
+    # the mse weight scales, with every layer fp8 / the last one dense
+    "fp8-mse-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 0}),
+    "fp8-mse-lastdense": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 1}),
 }
+DEFAULT_VARIANTS = "base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv"
 
 
 def register(sub) -> None:
     from sluice.app.commands.cli import add_engine_args
 
     p = sub.add_parser("perplexity", help="perplexity on held-out ShareGPT text: each quantization option vs none")
-    p.add_argument(
-        "--variants", default="base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv", help=f"from {', '.join(VARIANTS)}"
-    )
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"from {', '.join(VARIANTS)}")
     p.add_argument("--num-tokens", type=int, default=16384, help="text tokens to score (whole windows)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per window")
     p.add_argument("--out", default=None, help="write the JSON result here")
@@ -119,19 +138,20 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
 
     from sluice.app.commands.cli import engine_args_from
     from sluice.core.models.quant import weight_bytes
-    from sluice.core.worker.model_runner import ModelRunner
     from sluice.kv.manager import cdiv
 
-    args = replace(engine_args_from(ns), **VARIANTS[name], num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
-    src = replace(source, gguf_file=None) if name == "int4-requant" else source
+    variant = VARIANTS[name]
+    args = replace(engine_args_from(ns), **variant.engine, num_kv_blocks=cdiv(ns.seq_len, ns.block_size))
+    src = replace(source, gguf_file=None) if variant.from_dense else source
     t0 = time.perf_counter()
-    runner = ModelRunner(args, src, ns.seq_len)
+    runner = load_runner(args, src, ns.seq_len, variant)
     t1 = time.perf_counter()
     nll, count = score(runner, windows)
     fig = {
         "variant": name,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "fp8_layers": fp8_layers(runner.model),
         "weights_gib": weight_bytes(runner.model) / 1024**3,
         "kv_bytes_per_token": runner.kv_bytes_per_block() // runner.block_size,
         "nll_per_token": nll / count,
@@ -145,6 +165,39 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
     return fig
 
 
+def load_runner(args, source, max_model_len: int, variant: Variant):
+    """The engine's `ModelRunner` for ``variant`` (its fp8 recipe in force while it loads)."""
+    from sluice.core.models import fp8_recipe
+    from sluice.core.worker.model_runner import ModelRunner
+
+    recipe = variant.fp8_recipe
+    with fp8_recipe.recipe_as(fp8_recipe.Fp8Recipe(**recipe)) if recipe else nullcontext():
+        return ModelRunner(args, source, max_model_len)
+
+
+def fp8_layers(model) -> dict[str, Any] | None:
+    """How the model's linear layers were quantized to fp8: the weight scale rule(s), and how many linear layers
+    are fp8 and how many dense (the LM head not counted); None without fp8 layers."""
+    from sluice.core.models.fp8_linear import Fp8Linear
+    from torch import nn
+
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    if not fp8:
+        return None
+    dense = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")]
+    rules = sorted({m.weight_scale_rule or "checkpoint" for m in fp8})
+    return {"weight_scale": ",".join(rules), "fp8_linear": len(fp8), "dense_linear": len(dense)}
+
+
+def variant_names(spec: str) -> list[str]:
+    """``--variants`` as a list, ``base`` first (added when missing: every figure is against it)."""
+    names = [v.strip() for v in spec.split(",") if v.strip()]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown or not names:
+        raise ValueError(f"variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
+    return ["base", *(n for n in dict.fromkeys(names) if n != "base")]
+
+
 def main(ns: argparse.Namespace) -> int:
     from sluice.app.bench.common import print_figures
     from sluice.app.bench.results import command_line, machine_line, print_table, write_result
@@ -152,13 +205,7 @@ def main(ns: argparse.Namespace) -> int:
     from sluice.core.frontend.tokenizer import load_tokenizer
     from sluice.core.models.loader import resolve_model
 
-    names = [v.strip() for v in ns.variants.split(",") if v.strip()]
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown or not names:
-        raise ValueError(f"variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
-    if "base" in names:
-        names.remove("base")
-    names.insert(0, "base")
+    names = variant_names(ns.variants)
     source = resolve_model(ns.model, envs.SLUICE_CACHE_DIR)
     tokenizer = load_tokenizer(source.tokenizer_dir)
     windows = heldout_windows(tokenizer, ns.num_tokens, ns.seq_len)
@@ -179,7 +226,7 @@ def main(ns: argparse.Namespace) -> int:
     ok = True
     for r in rows:
         r["delta_pct"] = 100 * (r["perplexity"] / base - 1)
-        bound = BOUNDS_PCT.get(r["variant"])
+        bound = VARIANTS[r["variant"]].bound_pct
         r["bound_pct"] = bound
         r["within_bound"] = None if bound is None else r["delta_pct"] <= bound
         ok &= r["within_bound"] is not False

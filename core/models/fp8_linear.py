@@ -2,7 +2,8 @@
 
 Format: ``qweight`` ``float8_e4m3fn [N, K]`` and ``weight_scale`` float32 ``[N]`` (one per output channel),
 ``W[n, k] = qweight[n, k] * weight_scale[n]``. Quantized online at load (`quantize_weight`): ``scale = amax / 448``
-over the row, an all-zero row gets scale 1, non-finite weights saturate instead of poisoning their row's scale.
+over the row by default (`core/models/fp8_scales.py` has the ``mse`` alternative), an all-zero row gets scale 1,
+non-finite weights saturate instead of poisoning their row's scale.
 A Hugging Face FP8 checkpoint brings its own codes and scales (`core/models/fp8_checkpoint.py`).
 
 Activations are quantized per token (per row of ``x``) when the layer runs: ``s_x = amax(|x_row|) / 448`` with
@@ -18,6 +19,7 @@ Triton kernel and multiply through ``torch._scaled_mm`` (Hopper's fp8 tensor cor
 the same numerics are emulated in torch (`fp8_linear_reference`): ``x`` rounded to e4m3 and back, times the
 dequantized weight in fp32; so CPU tests and the CPU perplexity bench measure the real quantization error.
 
+What is made fp8 is `core/models/fp8_recipe.py`'s: every linear layer but the last decoder layer's (why there).
 The LM head and the embedding stay in the model's dtype: the embedding is a lookup, not a matmul, and the head's
 logits are what sampling sees directly (a relative error of a few 1e-3 per logit moves greedy picks at near-ties
 with nothing after it to average the error out); its weight is ~6% of an 8B model's bytes (`quantize_model`'s
@@ -27,7 +29,10 @@ with nothing after it to average the error out); its weight is ~6% of an 8B mode
 from __future__ import annotations
 
 import torch
+from sluice.core.models import fp8_recipe
 from sluice.core.models.fp8_format import F32_MAX, MIN_AMAX, MIN_BLOCK_N
+from sluice.core.models.fp8_recipe import Fp8Recipe
+from sluice.core.models.fp8_scales import Reduce, weight_scales
 from sluice.kv.attention.fp8 import FP8_DTYPE, FP8_MAX
 from torch import nn
 
@@ -38,18 +43,15 @@ def sanitize(w: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(w.float(), nan=0.0, posinf=big, neginf=-big)
 
 
-def row_amax(w: torch.Tensor) -> torch.Tensor:
-    """Per-row max |w| (fp32, NaN/inf sanitized), the statistic `quantize_weight` scales from."""
-    return sanitize(w).abs().amax(dim=1)
-
-
-def quantize_weight(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` -> (e4m3 codes, float32 per-row scales): ``scale = amax / 448`` (1 for an all-zero row), codes
-    ``round(w / scale)`` saturated at +-448. ``amax``: the rows' amax when it is not ``w``'s own (a row-parallel
-    shard under tensor parallelism takes the whole row's, so every rank's scales are the single process's)."""
+def quantize_weight(
+    w: torch.Tensor, rule: str = "max", reduce: Reduce | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` -> (e4m3 codes, float32 per-row scales): scales by ``rule`` (`fp8_scales`: ``max`` or ``mse``),
+    codes ``round(w / scale)`` saturated at +-448. ``reduce``: how a row-parallel shard under tensor parallelism
+    combines its rows' statistics with the other ranks' (`fp8_scales.weight_scales`), so every rank's scales are
+    the single process's."""
     wf = sanitize(w)
-    amax = wf.abs().amax(dim=1) if amax is None else amax.float()
-    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scales = weight_scales(wf, rule, reduce)
     q = (wf / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scales
 
@@ -81,10 +83,18 @@ def fp8_linear_reference(
 
 
 class Fp8Linear(nn.Module):
-    """``y = x @ W^T + bias`` with ``W`` in e4m3 and a scale per output channel, ``x`` quantized per token."""
+    """``y = x @ W^T + bias`` with ``W`` in e4m3 and a scale per output channel, ``x`` quantized per token.
+    ``weight_scale_rule``: how the scales were chosen at load (`fp8_scales`), None for a checkpoint's own."""
 
-    def __init__(self, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        weight_scale_rule: str | None = None,
+    ) -> None:
         super().__init__()
+        self.weight_scale_rule = weight_scale_rule
         assert qweight.dtype == FP8_DTYPE and weight_scale.shape == (qweight.shape[0],)
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
@@ -95,12 +105,13 @@ class Fp8Linear(nn.Module):
         self.register_buffer("counters", torch.zeros(n_tiles, dtype=torch.int32, device=qweight.device))
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, amax: torch.Tensor | None = None) -> Fp8Linear:
-        q, s = quantize_weight(lin.weight.detach(), amax)
-        return cls(q, s, lin.bias.detach() if lin.bias is not None else None)
+    def from_linear(cls, lin: nn.Linear, rule: str = "max", reduce: Reduce | None = None) -> Fp8Linear:
+        q, s = quantize_weight(lin.weight.detach(), rule, reduce)
+        return cls(q, s, lin.bias.detach() if lin.bias is not None else None, rule)
 
     def extra_repr(self) -> str:
-        return f"fp8 e4m3, in_features={self.in_features}, out_features={self.out_features}"
+        scales = self.weight_scale_rule or "checkpoint"
+        return f"fp8 e4m3, in_features={self.in_features}, out_features={self.out_features}, scales={scales}"
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_weight(self.qweight, self.weight_scale, dtype)
@@ -119,33 +130,38 @@ class Fp8Linear(nn.Module):
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
-def quantize_model_fp8(model: nn.Module, include_lm_head: bool = False) -> dict[str, int]:
-    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``: module doc) by
-    `Fp8Linear`, one at a time (each dense weight is freed as its replacement goes in). Under tensor parallelism
-    (``model.tp``) a column-parallel shard holds whole rows, so its scales are the single process's; a
-    row-parallel one (o, down) holds part of each row, and its rows' amax is the max over every rank's part (an
-    all-reduce at load), so its scales are too. Returns counts."""
+def quantize_model_fp8(model: nn.Module, include_lm_head: bool = False, recipe: Fp8Recipe | None = None) -> dict:
+    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``: module doc) but the
+    ones ``recipe`` keeps dense (`fp8_recipe`; None: the process's) by `Fp8Linear` with the recipe's weight
+    scales, one at a time (each dense weight is freed as its replacement goes in). Under tensor parallelism
+    (``model.tp``) a column-parallel shard holds whole rows, so its scales are the single process's; a row-parallel
+    one (o, down) holds part of each row, and its rows' statistics are combined over every rank's part
+    (all-reduces at load), so its scales are too. Returns counts."""
     tp = getattr(model, "tp", None)
-    targets = [
+    recipe = recipe or fp8_recipe.recipe()
+    linears = [
         name
         for name, mod in model.named_modules()
         if isinstance(mod, nn.Linear) and (include_lm_head or not name.endswith("lm_head"))
     ]
+    targets = recipe.fp8_targets(linears)
     for name in targets:
         lin = model.get_submodule(name)
-        amax = None
-        if tp is not None and name.rpartition(".")[2] in ROW_PARALLEL:
-            amax = whole_row_amax(lin.weight.detach(), tp)
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, Fp8Linear.from_linear(lin, amax))
+        reduce = across_ranks(tp) if tp is not None and attr in ROW_PARALLEL else None
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, attr, Fp8Linear.from_linear(lin, recipe.weight_scale, reduce))
         del lin
-    return {"fp8": len(targets)}
+    return {"fp8": len(targets), "dense": len(linears) - len(targets)}
 
 
-def whole_row_amax(w: torch.Tensor, tp) -> torch.Tensor:
-    """Per-row amax of a row-parallel weight over every rank's columns (``tp``: a `parallel.TensorParallel`)."""
+def across_ranks(tp) -> Reduce:
+    """`fp8_scales.Reduce` over the ranks of ``tp`` (a `parallel.TensorParallel`): an all-reduce in place."""
     import torch.distributed as dist
 
-    amax = row_amax(w)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
-    return amax
+    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+
+    def reduce(t: torch.Tensor, op: str) -> None:
+        dist.all_reduce(t, op=ops[op], group=tp.group)
+
+    return reduce

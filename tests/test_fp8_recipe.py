@@ -1,0 +1,65 @@
+"""What ``--quantization fp8`` makes fp8 (`core/models/fp8_recipe.py`): the last decoder layers kept dense by
+position, the weight scale rule; the process recipe from the environment."""
+
+from __future__ import annotations
+
+import torch
+from sluice.core.models import fp8_recipe
+from sluice.core.models.fp8_linear import Fp8Linear, quantize_model_fp8
+from sluice.core.models.fp8_recipe import Fp8Recipe
+from torch import nn
+
+NAMES = [f"model.layers.{i}.{p}" for i in range(3) for p in ("self_attn.qkv_proj", "mlp.down_proj")] + ["mtp.proj"]
+
+
+def test_the_last_decoder_layers_stay_dense_by_position():
+    assert Fp8Recipe(dense_last_layers=1).fp8_targets(NAMES) == NAMES[:4] + ["mtp.proj"]  # layer 2's stay dense
+    assert Fp8Recipe(dense_last_layers=2).fp8_targets(NAMES) == NAMES[:2] + ["mtp.proj"]
+    assert Fp8Recipe(dense_last_layers=0).fp8_targets(NAMES) == NAMES
+    assert Fp8Recipe(dense_last_layers=1).fp8_targets(["a.proj", "b.proj"]) == ["a.proj", "b.proj"]  # no layers
+
+
+def _model(layers: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList(nn.ModuleDict({"proj": nn.Linear(32, 16)}) for _ in range(layers))
+    model.lm_head = nn.Linear(16, 8)
+    return model
+
+
+def test_quantize_model_keeps_the_recipes_dense_layers_as_they_were():
+    model = _model()
+    last = model.model.layers[2]["proj"]
+    counts = quantize_model_fp8(model, recipe=Fp8Recipe("mse", dense_last_layers=1))
+    assert counts == {"fp8": 2, "dense": 1}
+    assert [type(m["proj"]) for m in model.model.layers] == [Fp8Linear, Fp8Linear, nn.Linear]
+    assert model.model.layers[2]["proj"] is last and type(model.lm_head) is nn.Linear
+    assert {m["proj"].weight_scale_rule for m in model.model.layers[:2]} == {"mse"}
+
+
+def test_the_process_recipe_comes_from_the_environment(monkeypatch):
+    from sluice.core import envs
+
+    before = fp8_recipe.recipe()
+    assert before == Fp8Recipe()
+    monkeypatch.setenv("SLUICE_FP8_WEIGHT_SCALE", "max")
+    monkeypatch.setenv("SLUICE_FP8_DENSE_LAST_LAYERS", "0")
+    try:
+        envs.configure_kernels()
+        assert fp8_recipe.recipe() == Fp8Recipe("max", 0)
+        model = _model()
+        dense = [m["proj"].weight.detach().clone() for m in model.model.layers]
+        assert quantize_model_fp8(model) == {"fp8": 3, "dense": 0}
+        for m, w in zip(model.model.layers, dense):
+            assert m["proj"].weight_scale_rule == "max"
+            assert torch.allclose(m["proj"].weight_scale, w.abs().amax(dim=1) / 448)
+        monkeypatch.delenv("SLUICE_FP8_WEIGHT_SCALE")
+        monkeypatch.delenv("SLUICE_FP8_DENSE_LAST_LAYERS")
+        envs.configure_kernels()  # unset leaves the process's recipe
+        assert fp8_recipe.recipe() == Fp8Recipe("max", 0)
+    finally:
+        fp8_recipe.configure(before.weight_scale, before.dense_last_layers)
+    with fp8_recipe.recipe_as(Fp8Recipe("max", 2)):
+        assert fp8_recipe.recipe() == Fp8Recipe("max", 2)
+    assert fp8_recipe.recipe() == Fp8Recipe()
