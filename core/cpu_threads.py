@@ -23,12 +23,13 @@ setting): so it is applied where the model is built, before any step thread runs
 
 Why OpenMP must wait passively: torch's CPU wheel runs its intra-op pool on GNU OpenMP (libgomp, shipped in
 ``torch/lib``; MKL and oneDNN use the same pool). By default libgomp's workers spin after each parallel region
-before they sleep; with another busy process on the machine the spinning workers and the engine's own threads
-take each other's time slices, and each parallel region waits for a descheduled worker: steps many times
-slower, and many times the CPU burnt (`sluice bench cpu-load --configs defaults,spin` shows both). libgomp
-reads the policy once, when it is loaded (with torch), so `prefer_passive_waits` sets it in the environment
-before torch is imported: `sluice.core`'s ``__init__`` calls it, and spawned processes (the core process,
-tensor-parallel ranks) inherit it. A caller's own ``OMP_WAIT_POLICY`` is left as it is.
+(300,000 times) before they sleep; with another busy process on the machine the spinning workers and the
+engine's own threads take each other's time slices, and each parallel region waits for a descheduled worker:
+steps many times slower, and many times the CPU burnt (`sluice bench cpu-load --configs defaults,spin` shows
+both). libgomp reads the policy once, when it is loaded (with torch), so `prefer_passive_waits` sets it
+(passive, with a short spin: ``SPIN_COUNT``) in the environment before torch is imported: `sluice.core`'s
+``__init__`` calls it, and spawned processes (the core process, tensor-parallel ranks) inherit it. A caller's
+own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left as it is.
 """
 
 from __future__ import annotations
@@ -164,11 +165,17 @@ def apply(threads: CpuThreads) -> None:
         )
 
 
+# libgomp's spins before an idle worker sleeps: long enough to bridge the gap between two ops of one step (a
+# worker that slept must be woken by a futex, which at batch 1 costs more than the op), short enough that
+# workers are asleep between steps and do not hold a core another process needs (`sluice bench cpu-load`,
+# `cpu-peer`: passive alone, 0 spins, made 2-thread decode slower than 1 thread on a quiet machine).
+SPIN_COUNT = 20_000
+
 _policy = {"too_late": False}  # set here after torch (and OpenMP) had loaded: this process's workers still spin
 
 
 def prefer_passive_waits() -> None:
     """OpenMP workers that sleep when idle instead of spinning: set before torch loads its OpenMP runtime (see
     the module doc); a no-op where the caller chose a policy."""
-    if envs.set_default_openmp_wait_policy("PASSIVE") and "torch" in sys.modules:
+    if envs.set_default_openmp_waits("PASSIVE", SPIN_COUNT) and "torch" in sys.modules:
         _policy["too_late"] = True

@@ -228,10 +228,22 @@ def omp_num_threads() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def set_default_openmp_wait_policy(policy: str) -> bool:
-    """``OMP_WAIT_POLICY`` for this process and the processes it starts, unless the caller set one (then False);
-    OpenMP reads it once, when its runtime loads (with torch)."""
-    if "OMP_WAIT_POLICY" in os.environ:
+_OPENMP_SET_HERE: list[str] = []  # the OpenMP variables this process set itself, not its caller
+
+
+def set_default_openmp_waits(policy: str, spin_count: int) -> bool:
+    """``OMP_WAIT_POLICY`` and libgomp's ``GOMP_SPINCOUNT`` (its spin before a wait sleeps; it overrides what the
+    policy implies) for this process and the processes it starts, unless the caller set either (then False):
+    OpenMP reads them once, when its runtime loads (with torch)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return False
     os.environ["OMP_WAIT_POLICY"] = policy
+    os.environ["GOMP_SPINCOUNT"] = str(spin_count)
+    _OPENMP_SET_HERE[:] = ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT"]
     return True
+
+
+def openmp_vars_set_here() -> tuple[str, ...]:
+    """The OpenMP variables `set_default_openmp_waits` set in this process (a peer program started from it, such
+    as llama.cpp in a benchmark, should run with its own defaults, not sluice's)."""
+    return tuple(_OPENMP_SET_HERE)

@@ -112,3 +112,23 @@ def test_the_llama_cpp_side_runs_where_it_is_installed():
     )
     assert fig["decode_steps"] == 5
     assert all(math.isfinite(fig[k]) and fig[k] > 0 for k in ("decode_tok_s", "prefill_tok_s", "peak_rss_mib"))
+
+
+def test_llama_cpp_runs_without_the_openmp_waits_sluice_chose_for_itself(monkeypatch):
+    """sluice's passive waits (set in this process on import) leaked into the llama.cpp child and slowed its
+    2-thread decode; a caller's own variables still reach both sides."""
+    from sluice.app.bench import cpu_peer
+    from sluice.core import envs
+
+    monkeypatch.setattr(envs, "_OPENMP_SET_HERE", [])  # this process's record, restored after
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert envs.set_default_openmp_waits("PASSIVE", 5)
+    llama, ours = cpu_peer._child_env("llama.cpp"), cpu_peer._child_env("sluice")
+    assert not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"} & llama.keys()
+    assert (ours["OMP_WAIT_POLICY"], ours["GOMP_SPINCOUNT"]) == ("PASSIVE", "5") and "OMP_NUM_THREADS" not in ours
+    monkeypatch.setenv("GOMP_SPINCOUNT", "9")  # a caller's choice: not set here, so kept for llama.cpp too
+    assert not envs.set_default_openmp_waits("PASSIVE", 5)
+    envs._OPENMP_SET_HERE.clear()
+    assert cpu_peer._child_env("llama.cpp")["GOMP_SPINCOUNT"] == "9"

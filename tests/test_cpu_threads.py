@@ -103,13 +103,16 @@ def test_cpu_threads_range_is_checked_at_the_edge():
 
 def test_importing_sluice_makes_openmp_wait_passively():
     """Set before torch loads OpenMP (it reads the policy once); a caller's own policy is kept."""
-    code = "import os, sys, sluice.core; print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = (
+        "import os, sys, sluice.core; from sluice.core import cpu_threads\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["PASSIVE", "False"]
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split()[0] == "ACTIVE"
+    assert out.stdout.split() == ["PASSIVE", str(cpu_threads.SPIN_COUNT), "False"]
+    for caller in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "7"}):  # the caller's choice stands, alone
+        out = subprocess.run([sys.executable, "-c", code], env=env | caller, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[:2] == [caller.get("OMP_WAIT_POLICY", "None"), caller.get("GOMP_SPINCOUNT", "None")]
 
 
 def test_torch_loaded_first_is_told_once_where_threads_are_applied():
@@ -119,7 +122,7 @@ def test_torch_loaded_first_is_told_once_where_threads_are_applied():
         "logging.basicConfig()\n"
         "for _ in range(2): cpu_threads.apply(cpu_threads.CpuThreads(2, 'test', 2, 0))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stderr.count("import sluice.core first, or export OMP_WAIT_POLICY=PASSIVE") == 1
 

@@ -13,9 +13,10 @@ The load is ``--load-cores`` processes (1) each spinning a pure-Python loop on o
 ``scripts/cpu_busy.py``), started before the child and stopped after it. The configurations: ``defaults`` (the
 engine's own rule, `core/cpu_threads.py`), ``omp1`` (``OMP_NUM_THREADS=1``), and on request ``spin``
 (``GOMP_SPINCOUNT=300000``: libgomp's spin before it sleeps when no wait policy is set, i.e. the engine before
-it chose passive waits). Every repeat runs each configuration quiet then loaded, alternating, so a slow
-stretch of a shared machine touches them all. The ratios (medians): decode loaded / quiet per configuration
-(target >= 0.5), and the burst's loaded time with the defaults / with ``omp1`` (target <= 2).
+it chose passive waits), and ``passive`` (``GOMP_SPINCOUNT=0``: no spin at all). Every repeat runs each
+configuration quiet then loaded, alternating, so a slow stretch of a shared machine touches them all. The ratios
+(medians): decode loaded / quiet per configuration (target >= 0.5), and the burst's loaded time with the
+defaults / with ``omp1`` (target <= 2).
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from sluice.app.bench.common import print_figures
 from sluice.app.bench.results import command_line, machine_line, write_result
 from sluice.core.models.default_model import DEFAULT_MODEL
 
-CONFIGS = {"defaults": {}, "omp1": {"OMP_NUM_THREADS": "1"}, "spin": {"GOMP_SPINCOUNT": "300000"}}
+CONFIGS = {
+    "defaults": {},
+    "omp1": {"OMP_NUM_THREADS": "1"},
+    "spin": {"GOMP_SPINCOUNT": "300000"},
+    "passive": {"GOMP_SPINCOUNT": "0"},
+}
 # Variables a configuration sets; the others' values are cleared from the child's environment.
 CONFIG_VARS = ("OMP_NUM_THREADS", "GOMP_SPINCOUNT")
 

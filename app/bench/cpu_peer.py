@@ -184,6 +184,15 @@ def run_llama_cpp(cfg: dict) -> dict:
 
 
 # -- the parent --------------------------------------------------------------------------------------------------
+def _child_env(side: str) -> dict[str, str]:
+    """Each side is told its threads (no ``OMP_NUM_THREADS``); llama.cpp (built with OpenMP) also runs without
+    the wait policy sluice set for itself in this process (`envs.openmp_vars_set_here`): a caller's own stays."""
+    from sluice.core import envs
+
+    drop = {"OMP_NUM_THREADS", *(envs.openmp_vars_set_here() if side == "llama.cpp" else ())}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def _child(side: str, cfg: dict, load_cores: int = 0) -> dict:
     from sluice.app.bench.cpu_load import start_busy, stop_busy
 
@@ -191,7 +200,7 @@ def _child(side: str, cfg: dict, load_cores: int = 0) -> dict:
     try:
         out = subprocess.run(
             [sys.executable, "-m", "sluice.app.bench.cpu_peer", side, json.dumps(cfg)],
-            env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},  # each side is told its threads
+            env=_child_env(side),
             capture_output=True,
             text=True,
         )
