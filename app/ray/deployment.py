@@ -13,6 +13,10 @@ from sluice.app.ray.stats_board import StatsBoard
 from sluice.core.args import EngineArgs
 
 HEALTH_CHECK_PERIOD_S = 2.0
+# A replica's time to finish its requests when the deployment goes down (Serve's default is 20 s, polled every
+# 2 s): the server's own SIGTERM has drained its HTTP streams by then, and a loaded machine's shutdown stays
+# well inside a supervisor's kill timeout.
+GRACEFUL_SHUTDOWN_S = 5.0
 
 
 def replica_gpus(args: EngineArgs, configured: float | None) -> float:
@@ -41,6 +45,8 @@ def replica_app(args: EngineArgs, config: Any) -> tuple[Any, Any]:
         num_replicas=config.num_replicas,
         max_ongoing_requests=config.max_ongoing_requests,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+        graceful_shutdown_wait_loop_s=1.0,
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": replica_gpus(args, config.replica_gpus)},
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[config.routing],
