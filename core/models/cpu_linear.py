@@ -30,6 +30,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from sluice.core.models.quant import QuantizedLinear, quantize_int8, unpack_int4
 from torch import nn
 
 logger = logging.getLogger("sluice")
@@ -74,7 +75,7 @@ class Int4PackedLinear(nn.Module):
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bias) -> None:
         super().__init__()
         self.out_features, self.in_features, self.group_size = qweight.shape[0], qweight.shape[1] * 2, group_size
-        q = _unpack_nibbles(qweight, scales.shape[1])
+        q = unpack_int4(qweight, scales.shape[1]).view(qweight.shape[0], -1)
         self.register_buffer("packed", pack_int4(q.to(torch.int32), 2))  # (inner k tiles: unused on the CPU)
         self.register_buffer("qweight", qweight.contiguous())  # [N, K/2], for the dense path
         s, z = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)  # [N, K / group]
@@ -96,7 +97,7 @@ class Int4PackedLinear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """``[N, K]`` bf16: the weight the packed kernel computes with."""
         s, m = self.dense_scales  # [N, K / group, 1]
-        q = _unpack_nibbles(self.qweight, s.shape[1]).view(*s.shape[:2], -1)
+        q = unpack_int4(self.qweight, s.shape[1])
         return torch.addcmul(m, q, s).view(self.out_features, -1).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,13 +109,6 @@ class Int4PackedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
-
-
-def _unpack_nibbles(qweight: torch.Tensor, groups: int) -> torch.Tensor:
-    """``[N, K]`` uint8 0..15 of our int4 format's ``[N, K/2]`` bytes (low nibbles the first half of each group)."""
-    n = qweight.shape[0]
-    b = qweight.view(n, groups, -1)
-    return torch.cat((b & 0xF, b >> 4), dim=-1).reshape(n, -1)
 
 
 class Int8PackedLinear(nn.Module):
@@ -145,8 +139,6 @@ def packed_kernels_available(isa: str | None = None) -> bool:
 def quantize_tied_head(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> bool:
     """Give a model whose LM head is its embedding (``lm_head`` None) an `Int8PackedLinear` head quantized from
     the embedding (module doc), where this CPU packs int8 for ``dtype``; returns whether it did."""
-    from sluice.core.models.quant import quantize_int8
-
     isa = cpu_capability() if isa is None else isa
     if getattr(model, "lm_head", False) is not None or select_cpu_kernel(8, dtype, isa) != "int8pack":
         return False
@@ -161,8 +153,6 @@ def pack_for_cpu(
     """Replace each `QuantizedLinear` of a CPU model by its packed form where `select_cpu_kernel` picks one, and
     with ``tied_head`` quantize a tied LM head (`quantize_tied_head`); returns the layer counts by kernel (logged:
     which kernel runs)."""
-    from sluice.core.models.quant import QuantizedLinear
-
     isa = cpu_capability() if isa is None else isa
     counts: dict[str, int] = {}
     targets = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]

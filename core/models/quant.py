@@ -111,10 +111,16 @@ def dequantize_int4(
 ) -> torch.Tensor:
     """The ``[N, K]`` weight of the int4 format (computed in fp32 as ``q * scale + min``, then cast)."""
     n, groups = scales.shape
-    b = qweight.view(n, groups, -1)
-    q = torch.cat((b & 0xF, b >> 4), dim=-1).float()  # [N, groups, G]: low nibbles first
+    q = unpack_int4(qweight, groups).float()
     w = q * scales.float()[:, :, None] + mins.float()[:, :, None]
     return w.reshape(n, -1).to(dtype)
+
+
+def unpack_int4(qweight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[N, groups, G]`` uint8 codes 0..15 of the int4 format's ``[N, K/2]`` bytes (in each group of ``G``
+    weights the low nibbles are the first half)."""
+    b = qweight.view(qweight.shape[0], groups, -1)
+    return torch.cat((b & 0xF, b >> 4), dim=-1)
 
 
 def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
