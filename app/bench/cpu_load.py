@@ -85,6 +85,19 @@ def stop_busy(procs: list) -> None:
         proc.join()
 
 
+def run_beside_load(argv: list[str], env: dict[str, str], load_cores: int, what: str) -> dict:
+    """``python -m argv...`` in a child process beside ``load_cores`` busy cores (none: quiet); the JSON object of
+    its last output line. ``what`` names the run in the error when it fails."""
+    busy = start_busy(load_cores) if load_cores else []
+    try:
+        out = subprocess.run([sys.executable, "-m", *argv], env=env, capture_output=True, text=True)
+    finally:
+        stop_busy(busy)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 # -- one run, in a child process --------------------------------------------------------------------------------
 def run_child(cfg: dict) -> dict:
     """The burst and batch-1 decode on a fresh in-process engine; the figures as a dict."""
@@ -142,19 +155,9 @@ def _child_env(config: str) -> dict:
 def _run_one(ns: argparse.Namespace, config: str, loaded: bool) -> dict:
     cfg = {k: getattr(ns, k) for k in ("model", "dtype", "num_prompts", "input_len", "output_len")}
     cfg |= {"decode_input_len": ns.decode_input_len, "decode_output_len": ns.decode_output_len}
-    busy = start_busy(ns.load_cores) if loaded else []
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "sluice.app.bench.cpu_load", json.dumps(cfg)],
-            env=_child_env(config),
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        stop_busy(busy)
-    if out.returncode != 0:
-        raise RuntimeError(f"the {config} run ({'loaded' if loaded else 'quiet'}) failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    argv = ["sluice.app.bench.cpu_load", json.dumps(cfg)]
+    what = f"{config} run ({'loaded' if loaded else 'quiet'})"
+    return run_beside_load(argv, _child_env(config), ns.load_cores if loaded else 0, what)
 
 
 def summarize(runs: dict[tuple[str, bool], list[dict]]) -> dict:

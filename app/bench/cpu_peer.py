@@ -32,7 +32,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 from sluice.app.bench.common import print_figures
@@ -194,21 +193,10 @@ def _child_env(side: str) -> dict[str, str]:
 
 
 def _child(side: str, cfg: dict, load_cores: int = 0) -> dict:
-    from sluice.app.bench.cpu_load import start_busy, stop_busy
+    from sluice.app.bench.cpu_load import run_beside_load
 
-    busy = start_busy(load_cores) if load_cores else []
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "sluice.app.bench.cpu_peer", side, json.dumps(cfg)],
-            env=_child_env(side),
-            capture_output=True,
-            text=True,
-        )
-    finally:
-        stop_busy(busy)
-    if out.returncode != 0:
-        raise RuntimeError(f"the {side} run ({cfg['threads']} threads) failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    argv = ["sluice.app.bench.cpu_peer", side, json.dumps(cfg)]
+    return run_beside_load(argv, _child_env(side), load_cores, f"{side} run ({cfg['threads']} threads)")
 
 
 def _gguf_of(model: str) -> str | None:
