@@ -13,15 +13,16 @@ was ~42 ms in bf16 on two cores, most of it there). torch ships CPU matmuls that
   exactly (the scale rounded to bf16).
 
 Both are vectorized for AVX2 and AVX-512 (`select_cpu_kernel`); elsewhere, and for fp32 models (whose int4
-path must stay exactly the file's weights in fp32), the layer keeps the reference path. The packed form replaces
-the dense one: int8 is 1 byte a weight, int4 too (the packed nibbles and, for many-row calls, the unpacked ones:
-`Int4PackedLinear`).
+path must stay exactly the file's weights in fp32), the layer keeps the reference path. Both kernels are made for
+few rows (decode); calls of many rows (prefill chunks, batched decode) run a bf16 GEMM on a dense weight instead:
+`Int4PackedLinear` keeps a bf16 copy of its weight for them (2.5 bytes a weight in all), a tied head multiplies
+the embedding table it was quantized from.
 
 A tied LM head (the embedding, SmolLM2's: 49152 x 576, a fifth of the model) is the largest single matmul of a
 decode step; left in bf16 it reads 57 MB a token, as much as every packed projection together. `quantize_tied_head`
-gives it an int8 copy (per-row scales, `int8pack`): the GGUF stores that embedding as Q8_0 (int8 in blocks of
-32), so int8 rows are the precision the file itself chose for it (an int4 head, twice as fast again, moved the
-default model's perplexity by several percent); the embedding lookup keeps the dense table.
+gives it an int8 copy (per-row scales, `int8pack`) for calls of a few rows: the GGUF stores that embedding as
+Q8_0 (int8 in blocks of 32), so int8 rows are the precision the file itself chose for it (an int4 head, twice as
+fast again, moved the default model's perplexity by several percent); the embedding lookup keeps the dense table.
 """
 
 from __future__ import annotations
@@ -63,25 +64,27 @@ class Int4PackedLinear(nn.Module):
     """``y = x @ W^T + bias`` with ``W`` in torch's CPU int4 packing (groups of ``group_size`` along K).
 
     The packed kernel is a GEMV at heart: at a few rows (decode) it reads a quarter of bf16's bytes and wins, but
-    from a few dozen rows on (prefill chunks, large decode batches) oneDNN's bf16 GEMM on the dense weight is
-    twice as fast or more. From `DENSE_MIN_ROWS` rows the weight is dequantized for the call (a pass over the int4
-    bytes, small against a GEMM of that many rows) and multiplied dense: the packed kernel's own weight
+    its time grows with the rows, and from a dozen or so rows on (prefill chunks, batched decode) oneDNN's bf16
+    GEMM on a dense weight is faster, several times so at 64 rows and more. From `DENSE_MIN_ROWS` rows the layer
+    multiplies a dense bf16 copy of the weight made at load: the packed kernel's own weight
     (``(q - 8) * scale + zero`` with the same bf16 scale and zero) rounded to bf16, the rounding a bf16 model's
     weights have (the packed kernel keeps them in fp32), so the two paths agree within bf16 rounding, not bit for
-    bit. The nibbles are kept unpacked for that: 1 byte a weight in all, half of bf16's."""
+    bit. The copy costs 2 bytes a weight beside the packed half byte; dequantizing it at each call instead cost
+    more than the GEMM it fed at batched-decode sizes (several passes over the weight per projection, 30 layers)."""
 
-    DENSE_MIN_ROWS = 32
+    DENSE_MIN_ROWS = 16
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bias) -> None:
         super().__init__()
         self.out_features, self.in_features, self.group_size = qweight.shape[0], qweight.shape[1] * 2, group_size
         q = unpack_int4(qweight, scales.shape[1]).view(qweight.shape[0], -1)
         self.register_buffer("packed", pack_int4(q.to(torch.int32), 2))  # (inner k tiles: unused on the CPU)
-        self.register_buffer("qweight", qweight.contiguous())  # [N, K/2], for the dense path
         s, z = scales.to(torch.bfloat16), zeros.to(torch.bfloat16)  # [N, K / group]
         self.register_buffer("scales_and_zeros", torch.stack((s.t(), z.t()), dim=-1).contiguous())  # [K/g, N, 2]
-        # scale and min for the dense path: (q - 8) * s + z == q * s + (z - 8 s), exact in fp32 (s and z are bf16)
-        self.register_buffer("dense_scales", torch.stack((s.float(), z.float() - 8 * s.float()))[..., None])
+        # (q - 8) * s + z == q * s + (z - 8 s), exact in fp32 (s and z are bf16), then rounded to bf16 once
+        q = q.view(self.out_features, -1, group_size).float()
+        dense = torch.addcmul((z.float() - 8 * s.float())[..., None], q, s.float()[..., None])
+        self.register_buffer("dense", dense.view(self.out_features, -1).to(torch.bfloat16))
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
@@ -95,15 +98,13 @@ class Int4PackedLinear(nn.Module):
         return f"int4pack, in_features={self.in_features}, out_features={self.out_features}, group={self.group_size}"
 
     def dense_weight(self) -> torch.Tensor:
-        """``[N, K]`` bf16: the weight the packed kernel computes with."""
-        s, m = self.dense_scales  # [N, K / group, 1]
-        q = unpack_int4(self.qweight, s.shape[1])
-        return torch.addcmul(m, q, s).view(self.out_features, -1).to(torch.bfloat16)
+        """``[N, K]`` bf16: the weight the packed kernel computes with, rounded to bf16 (the many-row path's)."""
+        return self.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] >= self.DENSE_MIN_ROWS:
-            y = F.linear(x2, self.dense_weight(), self.bias)
+            y = F.linear(x2, self.dense, self.bias)
         else:
             y = int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
             if self.bias is not None:
@@ -112,20 +113,31 @@ class Int4PackedLinear(nn.Module):
 
 
 class Int8PackedLinear(nn.Module):
-    """``y = (x @ Q^T) * scale + bias`` with int8 ``Q`` ``[N, K]`` and one bf16 scale per output channel."""
+    """``y = (x @ Q^T) * scale + bias`` with int8 ``Q`` ``[N, K]`` and one bf16 scale per output channel.
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias) -> None:
+    With ``dense`` (a bf16 ``[N, K]`` weight the model holds anyway: a tied head's embedding table, shared, not
+    copied) calls of `DENSE_MIN_ROWS` rows or more multiply it instead: the int8 kernel's time grows with the rows
+    (a GEMV per row), and the head's 49152 columns made it a large part of a batched decode step."""
+
+    DENSE_MIN_ROWS = 8
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias, dense: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.dense = dense.detach() if dense is not None else None  # not a buffer: the owner's tensor, shared
 
     def extra_repr(self) -> str:
-        return f"int8pack, in_features={self.in_features}, out_features={self.out_features}"
+        dense = f", dense from {self.DENSE_MIN_ROWS} rows" if self.dense is not None else ""
+        return f"int8pack, in_features={self.in_features}, out_features={self.out_features}{dense}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        x2 = x.reshape(-1, self.in_features)
+        if self.dense is not None and x2.shape[0] >= self.DENSE_MIN_ROWS:
+            return F.linear(x2, self.dense, self.bias).view(*x.shape[:-1], self.out_features)
+        y = int8pack_mm(x2, self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -142,8 +154,9 @@ def quantize_tied_head(model: nn.Module, dtype: torch.dtype, isa: str | None = N
     isa = cpu_capability() if isa is None else isa
     if getattr(model, "lm_head", False) is not None or select_cpu_kernel(8, dtype, isa) != "int8pack":
         return False
-    q, scales = quantize_int8(model.model.embed_tokens.weight.detach())
-    model.lm_head = Int8PackedLinear(q, scales, None)
+    table = model.model.embed_tokens.weight.detach()
+    q, scales = quantize_int8(table)
+    model.lm_head = Int8PackedLinear(q, scales, None, dense=table if table.dtype == torch.bfloat16 else None)
     return True
 
 
