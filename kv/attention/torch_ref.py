@@ -24,6 +24,9 @@ MAX_BATCHED_QUERY_LEN = 17
 # A batched call closes once the padding it would gather exceeds this many tokens: about what one more
 # call costs on the CPU (a few small ops per layer) in gathered K/V.
 MAX_PADDING_TOKENS = 1024
+# Batched decode calls of this many sequences or more run in bf16 with GQA folded into the query rows
+# (`_decode_folded`); fewer keep the fp32 path.
+FOLD_MIN_SEQS = 2
 
 
 def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
@@ -143,16 +146,19 @@ class TorchAttentionBackend(AttentionBackend):
         b = call.rows_q.shape[0]
         shape = (b, call.num_blocks * kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4])
         k, v = gather_kv(kv_cache, call.block_ids, shape)
+        mask = call.mask
+        if variant is not None and variant.window:
+            keys = torch.arange(call.max_len, device=query.device)
+            mask = mask & (keys > (call.last_visible - variant.window)[:, :, None])[:, None]
+        if _folds(query, kv_cache, call, kv_scale, variant):
+            _decode_folded(query, k[:, : call.max_len], v[:, : call.max_len], call.rows_q[:, 0], mask, scale, out)
+            return
         # bf16 on the CPU: in fp32, whose SDPA kernel is several times faster there at these few query rows
         cdt = torch.float32 if query.dtype == torch.bfloat16 and query.device.type == "cpu" else query.dtype
         k, v = _upcast(k[:, : call.max_len], v[:, : call.max_len], kv_scale, cdt)
         # Strided [B, H, L, D] views: SDPA reads them in place (a contiguous copy would cost more).
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         q = query[call.rows_q].transpose(1, 2).to(cdt)  # [B, Hq, q_len, D]
-        mask = call.mask
-        if variant is not None and variant.window:
-            keys = torch.arange(call.max_len, device=q.device)
-            mask = mask & (keys > (call.last_visible - variant.window)[:, :, None])[:, None]
         o = _attention(q, k, v, mask, scale, variant)
         out[call.rows_q] = o.transpose(1, 2).to(out.dtype)
 
@@ -185,6 +191,33 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = mask & (keys > qpos - variant.window)
             o = _attention(qh, kh, vh, mask, scale, variant)
         return o[0].transpose(0, 1)
+
+
+def _folds(query: torch.Tensor, kv_cache: torch.Tensor, call: _BatchedCall, kv_scale, variant) -> bool:
+    """Whether a batched call runs `_decode_folded`: decodes (one query each) of several bf16 sequences on the
+    CPU, K/V of the query's dtype, no soft-cap. One sequence keeps the fp32 path (the batch-1 decode step's)."""
+    return (
+        query.dtype == torch.bfloat16
+        and query.device.type == "cpu"
+        and kv_cache.dtype == query.dtype
+        and kv_scale is None
+        and call.rows_q.shape[1] == 1
+        and call.rows_q.shape[0] >= FOLD_MIN_SEQS
+        and (variant is None or not variant.softcap)
+    )
+
+
+def _decode_folded(query, k, v, rows: torch.Tensor, mask: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """One decode query per sequence (query rows ``rows``) over its gathered K/V ``[B, L, Hk, D]``, in bf16, with
+    each KV head's group of query heads as that head's query rows (``[B, Hk, group, D]``): SDPA then needs no GQA
+    expansion, and K/V go in as gathered, without the fp32 copy the other path makes (at a batch of decodes that
+    copy and SDPA's per-head work over one query row cost more than the attention itself). SDPA's CPU kernel
+    accumulates in fp32; the output is rounded to bf16 as the other path's is."""
+    b, hk, d = k.shape[0], k.shape[2], k.shape[3]
+    q = query[rows].view(b, hk, -1, d)  # query head h reads KV head h // group
+    mask = mask.view(b, 1, 1, mask.shape[-1])  # one query row a sequence: its keys, for every head's group
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    out[rows] = o.reshape(b, -1, d)
 
 
 @dataclass(slots=True)
