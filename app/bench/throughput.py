@@ -110,6 +110,9 @@ def engine_throughput(
             # CPU seconds of the whole process (every thread): the work done, less blurred than the wall
             # clock by other processes competing for the cores
             facts["cpu_s"] = cpu
+            # the model's dtype as loaded: on the CPU, --quantization auto over a GGUF runs bf16 activations
+            dtype = args.resolve_dtype(args.resolve_device(), engine.source.gguf_file)
+            facts["dtype"] = str(dtype).removeprefix("torch.")
             # where each step's host time went, and the device's time per step (on a GPU)
             facts["host_profile_ms_per_step"] = engine.host_profile().since(prof).per_step_ms()
             if recorder is not None:  # what recording cost, measured inside the recorder
@@ -221,7 +224,7 @@ def engine_figures(args, requests: list[BenchRequest], stream: bool = False) -> 
         "fused_kernels": args.fused_kernels,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
-        "dtype": str(args.resolve_dtype(args.resolve_device())).removeprefix("torch."),
+        "dtype": figures.pop("dtype"),
         "tensor_parallel_size": args.tensor_parallel_size,
     }
     return figures
