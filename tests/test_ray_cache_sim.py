@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sluice.app.bench.workloads import shared_prefix
 from sluice.app.commands.cache_sim import SimConfig, simulate
-from sluice.app.commands.cache_sim_replicas import simulate_replicas
+from sluice.app.commands.cache_sim_replicas import SWEEP_TIMINGS, seed_sweep, simulate_replicas
 from sluice.app.ray.policy import kv_choice, prefix_choice
 
 
@@ -33,3 +33,15 @@ def test_cache_routing_keeps_the_hit_rate_of_one_engine_with_all_the_blocks():
     assert rates["prefix"].hit_rate >= 0.8 * one.hit_rate
     assert rates["kv"].hit_rate > rates["round-robin"].hit_rate + 0.1
     assert rates["kv"].hit_rate > rates["least-loaded"].hit_rate + 0.1
+
+
+def test_the_seed_sweep_reports_each_routings_spread_over_seeds_and_timings():
+    def workload(seed: int):
+        return shared_prefix(8, 6, 256, 32, output_len=4, seed=seed)
+
+    rows = seed_sweep(workload, SimConfig(num_kv_blocks=80, max_concurrency=4), 2, ["kv", "round-robin"], seeds=2)
+    by = {r["routing"]: {k: float(v.rstrip("x")) for k, v in r.items() if k.endswith("_vs_one")} for r in rows}
+    assert [r["runs"] for r in rows] == [2 * len(SWEEP_TIMINGS)] * 2
+    for spread in by.values():
+        assert spread["lowest_vs_one"] <= spread["p10_vs_one"] <= spread["mean_vs_one"] <= spread["highest_vs_one"]
+    assert by["kv"]["lowest_vs_one"] > by["round-robin"]["highest_vs_one"], by

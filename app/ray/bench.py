@@ -97,6 +97,36 @@ async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) ->
     return rows
 
 
+def make_workload(ns: argparse.Namespace, seed: int = 0) -> Workload:
+    return shared_prefix(ns.groups, ns.prompts_per_group, ns.system_len, ns.question_len, ns.output_len, seed=seed)
+
+
+def print_simulated(ns: argparse.Namespace, block_size: int) -> None:
+    """What `sluice cache-sim --replicas` predicts for this workload (``--cache-sim``), and its spread over
+    workload seeds and step timings (``--sim-seeds``)."""
+    from sluice.app.commands.cache_replay import SimConfig
+    from sluice.app.commands.cache_sim_replicas import compare_routings, seed_sweep
+
+    base = SimConfig(num_kv_blocks=ns.blocks_per_replica, max_concurrency=ns.max_concurrency, block_size=block_size)
+    if ns.cache_sim:
+        print("cache-sim:")
+        rows = compare_routings(
+            make_workload(ns), base, [ns.blocks_per_replica], ns.replicas, ns.routing, ns.max_imbalance
+        )
+        print_table(rows)
+    if ns.sim_seeds:
+        print(f"cache-sim over {ns.sim_seeds} workload seeds x step timings (vs one engine with all the blocks):")
+        sweep = seed_sweep(
+            lambda seed: make_workload(ns, seed),
+            base,
+            ns.replicas,
+            ns.routing,
+            ns.sim_seeds,
+            max_imbalance=ns.max_imbalance,
+        )
+        print_table(sweep)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sluice.app.ray.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy:tiny")
@@ -115,18 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-cpus", type=int, default=None, help="a local Ray's CPUs (default: the machine's)")
     p.add_argument("--cache-sim", action="store_true", help="print cache-sim's prediction first")
     p.add_argument("--trace", metavar="PREFIX", help="kv: count where the router lost hits, write PREFIX.kv.jsonl")
+    p.add_argument(
+        "--sim-seeds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print cache-sim's spread over N workload seeds x a few step timings first (0: none)",
+    )
+    p.add_argument("--sim-only", action="store_true", help="stop after the cache-sim figures (no engine, no Ray)")
     ns = p.parse_args(argv)
     args = EngineArgs(model=ns.model, device=ns.device, max_model_len=4096)
-    workload = shared_prefix(ns.groups, ns.prompts_per_group, ns.system_len, ns.question_len, ns.output_len)
-    if ns.cache_sim:
-        from sluice.app.commands.cache_replay import SimConfig
-        from sluice.app.commands.cache_sim_replicas import compare_routings
-
-        base = SimConfig(num_kv_blocks=1, max_concurrency=ns.max_concurrency, block_size=args.block_size)
-        print("cache-sim:")
-        print_table(
-            compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing, ns.max_imbalance)
-        )
+    workload = make_workload(ns)
+    if ns.cache_sim or ns.sim_seeds:
+        print_simulated(ns, args.block_size)
+    if ns.sim_only:
+        return 0
     print(f"served ({ns.model}, {ns.device}): {workload.summary()}")
     print_table(anyio.run(bench, ns, args, workload))
     return 0
