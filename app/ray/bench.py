@@ -7,7 +7,8 @@ and time to first token, side by side.
 Each replica is a full engine with its own core process, reached through `RayEngine` (what the HTTP app of
 `sluice serve --data-parallel-backend ray` talks to), so routing, Serve's streaming handles and the replicas are
 all measured; HTTP is not. One Ray is started for the whole run (``--ray-address`` joins a cluster instead);
-``--cache-sim`` first prints what `sluice cache-sim --replicas` predicts for the same workload.
+``--cache-sim`` first prints what `sluice cache-sim --replicas` predicts for the same workload, ``--sim-seeds N``
+its spread over N workload seeds and a few step timings (a served run is one draw of that spread).
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks-per-replica", type=int, default=160)
     p.add_argument("--routing", type=lambda s: s.split(","), default=["kv", "prefix", "round-robin", "least-loaded"])
     p.add_argument("--groups", type=int, default=16, help="tenants, each with its own system prompt")
-    p.add_argument("--prompts-per-group", type=int, default=8)
+    # 1024 requests: at 128, a handful of requests whose prefix is evicted while they wait in a replica's queue
+    # moved the ratio to the one engine by several points from run to run (docs/benchmarks/cpu_ray_dp2_dummy_tiny.md)
+    p.add_argument("--prompts-per-group", type=int, default=64)
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
