@@ -45,3 +45,14 @@ def test_the_seed_sweep_reports_each_routings_spread_over_seeds_and_timings():
     for spread in by.values():
         assert spread["lowest_vs_one"] <= spread["p10_vs_one"] <= spread["mean_vs_one"] <= spread["highest_vs_one"]
     assert by["kv"]["lowest_vs_one"] > by["round-robin"]["highest_vs_one"], by
+
+
+def test_the_ray_bench_prints_the_simulated_spread_without_an_engine(capsys):
+    from sluice.app.ray import bench
+
+    shape = "--groups 4 --prompts-per-group 3 --system-len 64 --question-len 8 --output-len 2 --blocks-per-replica 12"
+    assert bench.main([*shape.split(), "--routing", "kv,round-robin", "--sim-seeds", "1", "--sim-only"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("kv ", "round-robin "))}
+    assert set(rows) == {"kv", "round-robin"} and all(r[1] == str(len(SWEEP_TIMINGS)) for r in rows.values()), out
+    assert "served" not in out, "--sim-only starts no engine"
