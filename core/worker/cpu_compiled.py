@@ -1,0 +1,109 @@
+"""A compiled decode step for the CPU: what CUDA graphs are to the GPU (`core/worker/cuda_graphs.py`).
+
+On the CPU a small model's decode step is mostly per-op overhead: 30 layers of a dozen torch calls each, every one
+a Python call, a dispatch and an allocation, around a few weight-bound matmuls. `torch.compile` (inductor's C++
+backend) turns the step from the embedding to the logits into one call of generated code: the elementwise work
+of each layer fused into a few loops, the packed matmuls (`core/models/cpu_linear.py`) called as they are.
+
+The step reads the runner's `StepBuffers` for its batch, as a decode graph does, with the attention of
+`kv/attention/torch_decode.py` (tensors only). The batch size and the block-table width (the step's longest
+context, in blocks) are unbacked dynamic dimensions: the compiler neither specializes sizes 0 and 1 nor guards on
+a range, so one graph serves every batch of 1 to ``max_batch`` sequences and every context length, compiled at
+start-up (`capture`), never in the middle of serving (a step that would need another graph runs eagerly:
+``stance``). Since that one graph is all there is, its guards are not evaluated at each call
+(``skip_guard_eval_unsafe``: about a millisecond of checks over every weight a step would otherwise pay).
+Steps with more rows run eagerly: their matmuls outweigh the overhead, and the packed int4 layer switches to a
+dense GEMM from `Int4PackedLinear.DENSE_MIN_ROWS` rows, a branch a graph would have to take both ways.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from sluice.core.models.layers import ForwardContext
+from sluice.core.worker.step_buffers import StepBuffers
+from sluice.kv.attention.base import AttentionMetadata
+from sluice.kv.attention.torch_decode import TorchDecodeAttentionBackend
+from torch import nn
+
+logger = logging.getLogger("sluice")
+
+_MIN_BLOCKS = 2  # a width of 1 would be specialized by the compiler (a recompile in the middle of serving)
+
+
+class CompiledDecode:
+    """Compiled decode steps of up to ``max_batch`` sequences; the interface of `DecodeGraphs` the runner uses
+    (`padded_size`, `replay`, `num_replays`)."""
+
+    # below `Int4PackedLinear.DENSE_MIN_ROWS`: the packed layers take one branch for every batch compiled
+    MAX_BATCH = 16
+    # what a step that the graph cannot serve does after start-up (tests: "fail_on_recompile")
+    stance = "eager_on_recompile"
+
+    def __init__(
+        self, model: nn.Module, kv_caches: list[torch.Tensor], buffers: StepBuffers, block_size: int, max_batch: int
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.backend = TorchDecodeAttentionBackend()
+        self.batch_sizes = list(range(1, max_batch + 1))
+        self.num_replays = 0
+        self._captured = False
+        self._step = torch.compile(self._forward, fullgraph=True)
+
+    def _forward(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
+        # the unbacked sizes' ranges, for the compiler's branches (below the packed layers' dense switch: one way)
+        torch._check(input_ids.shape[0] >= 1)  # noqa: SLF001 (torch's public shape hints have no other name)
+        torch._check(input_ids.shape[0] <= self.max_batch)  # noqa: SLF001
+        torch._check(block_tables.shape[1] >= _MIN_BLOCKS)  # noqa: SLF001
+        # (decode rows: no query starts to read; the host lists are for backends that loop, not this one)
+        meta = AttentionMetadata(slot_mapping, seq_lens, seq_lens, block_tables, 1, 0, [], [])
+        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
+        return self.model.compute_logits(hidden)
+
+    def padded_size(self, n: int) -> int | None:
+        return n if n <= self.max_batch else None
+
+    def replay(self, bs: int) -> torch.Tensor:
+        """The logits ``[bs, V]`` of the decode step whose inputs are in the buffers' first ``bs`` rows."""
+        b = self.buffers
+        longest = int(b.seq_lens_np[:bs].max())
+        width = max(_MIN_BLOCKS, -(-longest // self.block_size))
+        self.num_replays += 1
+        return self._run(bs, width)
+
+    def _run(self, bs: int, width: int) -> torch.Tensor:
+        b = self.buffers
+        # the table's first ``width`` columns in a tensor of their own: one layout (row stride = width) at every step
+        tables = b.block_tables[:bs, :width].clone(memory_format=torch.contiguous_format)
+        inputs = (b.input_ids[:bs], b.positions[:bs], b.slot_mapping[:bs], b.seq_lens[:bs], tables)
+        for t in inputs:
+            torch._dynamo.decorators.mark_unbacked(t, 0)  # noqa: SLF001
+        torch._dynamo.decorators.mark_unbacked(inputs[-1], 1)  # noqa: SLF001
+        if not self._captured:
+            return self._step(*inputs)
+        with torch.compiler.set_stance(self.stance, skip_guard_eval_unsafe=True):
+            return self._step(*inputs)
+
+    def capture(self) -> None:
+        """Compile the graph over idle inputs (each row writes its K/V into block 0's first slot, which no request
+        holds yet, and sees that one key), at both ends of its batch and width ranges."""
+        b = self.buffers
+        b.input_ids[: self.max_batch].zero_()
+        b.positions[: self.max_batch].zero_()
+        b.slot_mapping[: self.max_batch].zero_()
+        b.seq_lens[: self.max_batch].fill_(1)
+        b.block_tables[: self.max_batch].zero_()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self._run(self.max_batch, b.max_blocks)
+            self._captured = True
+            self._run(1, _MIN_BLOCKS)
+        logger.info(
+            "compiled the CPU decode step (batches of 1..%d) in %.1fs", self.max_batch, time.perf_counter() - t0
+        )
