@@ -9,9 +9,10 @@ The step reads the runner's `StepBuffers` for its batch, as a decode graph does,
 `kv/attention/torch_decode.py` (tensors only). The batch size and the block-table width (the step's longest
 context, in blocks) are unbacked dynamic dimensions: the compiler neither specializes sizes 0 and 1 nor guards on
 a range, so one graph serves every batch of 1 to ``max_batch`` sequences and every context length, compiled at
-start-up (`capture`), never in the middle of serving (a step that would need another graph runs eagerly:
-``stance``). Since that one graph is all there is, its guards are not evaluated at each call
-(``skip_guard_eval_unsafe``: about a millisecond of checks over every weight a step would otherwise pay).
+start-up (`capture`, at both ends of both ranges), never in the middle of serving. That one graph is all there
+is, so it keeps no guards (``skip_all_guards_unsafe``, as vLLM compiles): checking them would walk every weight of
+the model at each call (about a millisecond for the default model), and `padded_size` already keeps each call
+within the ranges the graph was compiled for.
 Steps with more rows run eagerly: their matmuls outweigh the overhead, and the packed int4 layer switches to a
 dense GEMM from `Int4PackedLinear.DENSE_MIN_ROWS` rows, a branch a graph would have to take both ways.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 
 import torch
 from sluice.core.models.layers import ForwardContext
@@ -39,8 +41,6 @@ class CompiledDecode:
 
     # below `Int4PackedLinear.DENSE_MIN_ROWS`: the packed layers take one branch for every batch compiled
     MAX_BATCH = 16
-    # what a step that the graph cannot serve does after start-up (tests: "fail_on_recompile")
-    stance = "eager_on_recompile"
 
     def __init__(
         self, model: nn.Module, kv_caches: list[torch.Tensor], buffers: StepBuffers, block_size: int, max_batch: int
@@ -53,8 +53,17 @@ class CompiledDecode:
         self.backend = TorchDecodeAttentionBackend()
         self.batch_sizes = list(range(1, max_batch + 1))
         self.num_replays = 0
-        self._captured = False
-        self._step = torch.compile(self._forward, fullgraph=True)
+        # No guards: `capture` compiles the one graph there is, and `padded_size` keeps every call within its ranges.
+        # Dynamo keeps compiled graphs on the function's code object, shared by every instance: without guards an
+        # engine would run the graph another engine of this process compiled for its own model. Each instance
+        # compiles a code object of its own.
+        forward = CompiledDecode._forward
+        own = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__)
+        self._step = torch.compile(
+            types.MethodType(own, self),
+            fullgraph=True,
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        )
 
     def _forward(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
         # the unbacked sizes' ranges, for the compiler's branches (below the packed layers' dense switch: one way)
@@ -85,10 +94,7 @@ class CompiledDecode:
         for t in inputs:
             torch._dynamo.decorators.mark_unbacked(t, 0)  # noqa: SLF001
         torch._dynamo.decorators.mark_unbacked(inputs[-1], 1)  # noqa: SLF001
-        if not self._captured:
-            return self._step(*inputs)
-        with torch.compiler.set_stance(self.stance, skip_guard_eval_unsafe=True):
-            return self._step(*inputs)
+        return self._step(*inputs)
 
     def capture(self) -> None:
         """Compile the graph over idle inputs (each row writes its K/V into block 0's first slot, which no request
@@ -102,7 +108,6 @@ class CompiledDecode:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self._run(self.max_batch, b.max_blocks)
-            self._captured = True
             self._run(1, _MIN_BLOCKS)
         logger.info(
             "compiled the CPU decode step (batches of 1..%d) in %.1fs", self.max_batch, time.perf_counter() - t0
