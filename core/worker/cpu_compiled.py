@@ -24,6 +24,7 @@ import time
 import types
 
 import torch
+from sluice.core.models.cpu_linear import Int4PackedLinear, Int8PackedLinear
 from sluice.core.models.layers import ForwardContext
 from sluice.core.worker.step_buffers import StepBuffers
 from sluice.kv.attention.base import AttentionMetadata
@@ -40,7 +41,7 @@ class CompiledDecode:
     (`padded_size`, `replay`, `num_replays`)."""
 
     # below `Int4PackedLinear.DENSE_MIN_ROWS`: the packed layers take one branch for every batch compiled
-    MAX_BATCH = 16
+    MAX_BATCH = min(16, Int4PackedLinear.DENSE_MIN_ROWS - 1)
 
     def __init__(
         self, model: nn.Module, kv_caches: list[torch.Tensor], buffers: StepBuffers, block_size: int, max_batch: int
@@ -62,8 +63,10 @@ class CompiledDecode:
         self._step = torch.compile(
             types.MethodType(own, self),
             fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+            # the graph's own calls from C++ (its Python wrapper costs a few microseconds a call, ~300 calls a step)
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True},
         )
+        self._head_one_row = None  # the LM head of batches of one, when `_choose_head` finds a faster one
 
     def _forward(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
         # the unbacked sizes' ranges, for the compiler's branches (below the packed layers' dense switch: one way)
@@ -72,8 +75,7 @@ class CompiledDecode:
         torch._check(block_tables.shape[1] >= _MIN_BLOCKS)  # noqa: SLF001
         # (decode rows: no query starts to read; the host lists are for backends that loop, not this one)
         meta = AttentionMetadata(slot_mapping, seq_lens, seq_lens, block_tables, 1, 0, [], [])
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
-        return self.model.compute_logits(hidden)
+        return self.model(input_ids, positions, ForwardContext(meta, self.kv_caches, self.backend))
 
     def padded_size(self, n: int) -> int | None:
         return n if n <= self.max_batch else None
@@ -84,7 +86,10 @@ class CompiledDecode:
         longest = int(b.seq_lens_np[:bs].max())
         width = max(_MIN_BLOCKS, -(-longest // self.block_size))
         self.num_replays += 1
-        return self._run(bs, width)
+        hidden = self._run(bs, width)
+        if bs == 1 and self._head_one_row is not None:
+            return self._head_one_row(hidden)
+        return self.model.compute_logits(hidden)
 
     def _run(self, bs: int, width: int) -> torch.Tensor:
         b = self.buffers
@@ -98,7 +103,7 @@ class CompiledDecode:
 
     def capture(self) -> None:
         """Compile the graph over idle inputs (each row writes its K/V into block 0's first slot, which no request
-        holds yet, and sees that one key), at both ends of its batch and width ranges."""
+        holds yet, and sees that one key), at both ends of its batch and width ranges; then choose the head."""
         b = self.buffers
         b.input_ids[: self.max_batch].zero_()
         b.positions[: self.max_batch].zero_()
@@ -108,7 +113,36 @@ class CompiledDecode:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self._run(self.max_batch, b.max_blocks)
-            self._run(1, _MIN_BLOCKS)
+            self._choose_head(self._run(1, _MIN_BLOCKS))
         logger.info(
             "compiled the CPU decode step (batches of 1..%d) in %.1fs", self.max_batch, time.perf_counter() - t0
         )
+
+    def _choose_head(self, hidden: torch.Tensor) -> None:
+        """The LM head of a batch of one: an int8 head's packed kernel (the model's own `compute_logits`) or its
+        row as a compiled reduction (`Int8PackedLinear.forward_one_row`), whichever is faster on this machine at
+        these threads (the packed kernel's time at one row varies several-fold with the thread count)."""
+        head = getattr(self.model, "lm_head", None)
+        if not isinstance(head, Int8PackedLinear) or getattr(self.model, "tp", None) is not None:
+            return
+        one_row = torch.compile(head.forward_one_row, fullgraph=True, dynamic=False)
+        packed_s, one_row_s = (_seconds(f, hidden) for f in (self.model.compute_logits, one_row))
+        faster = one_row_s < 0.95 * packed_s
+        self._head_one_row = one_row if faster else None
+        logger.info(
+            "CPU LM head of one row: %s (packed kernel %.2f ms, compiled reduction %.2f ms)",
+            "compiled reduction" if faster else "packed kernel",
+            1e3 * packed_s,
+            1e3 * one_row_s,
+        )
+
+
+def _seconds(fn, x: torch.Tensor, repeats: int = 5) -> float:
+    """The least time of ``repeats`` calls of ``fn(x)`` after a first (the least: the call noise touched least)."""
+    fn(x)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return min(times)
