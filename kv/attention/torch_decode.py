@@ -51,7 +51,9 @@ class TorchDecodeAttentionBackend(AttentionBackend):
         k = kv_cache[0][tables.long()].flatten(1, 2).transpose(1, 2).float()
         v = kv_cache[1][tables.long()].flatten(1, 2).transpose(1, 2).float()
         q = query.float().view(b, hk, hq // hk, d)  # each KV head with its group of query heads
-        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hk, G, L]
+        # products and sums written out, not matmuls: a compiler fuses them with the gather, the mask and the
+        # softmax (one query row per head: a matmul call's fixed cost is most of its time)
+        logits = (q[:, :, :, None, :] * k[:, :, None, :, :]).sum(-1) * scale  # [B, Hk, G, L]
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         keys = torch.arange(length, device=query.device)
@@ -60,5 +62,5 @@ class TorchDecodeAttentionBackend(AttentionBackend):
         if window:
             visible = visible & (keys[None, :] > last - window)
         logits = logits.masked_fill(~visible[:, None, None, :], float("-inf"))
-        out = torch.matmul(torch.softmax(logits, dim=-1), v)  # [B, Hk, G, D]
+        out = (torch.softmax(logits, dim=-1)[..., None] * v[:, :, None, :, :]).sum(-2)  # [B, Hk, G, D]
         return out.view(b, hq, d).to(query.dtype)
