@@ -65,6 +65,11 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of prompt prefixes seen before")
     attention_backend: str = _arg("auto", "auto = triton on a GPU, torch on the CPU", ("auto", "torch", "triton"))
     enforce_eager: bool = _arg(False, "no CUDA graphs")
+    cpu_compile: bool = _arg(
+        False,
+        "CPU: compile the decode step of up to 16 sequences with torch.compile (inductor's C++ backend) at start-up, "
+        "a minute or more the first time (cached after); off: every step eager",
+    )
     max_graph_tokens: int = _arg(
         2048, "GPU: steps with prefill rows of up to this many tokens replay a CUDA graph; 0 = decode steps only"
     )

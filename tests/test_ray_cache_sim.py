@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sluice.app.bench.workloads import shared_prefix
 from sluice.app.commands.cache_sim import SimConfig, simulate
-from sluice.app.commands.cache_sim_replicas import simulate_replicas
+from sluice.app.commands.cache_sim_replicas import SWEEP_TIMINGS, seed_sweep, simulate_replicas
 from sluice.app.ray.policy import kv_choice, prefix_choice
 
 
@@ -33,3 +33,26 @@ def test_cache_routing_keeps_the_hit_rate_of_one_engine_with_all_the_blocks():
     assert rates["prefix"].hit_rate >= 0.8 * one.hit_rate
     assert rates["kv"].hit_rate > rates["round-robin"].hit_rate + 0.1
     assert rates["kv"].hit_rate > rates["least-loaded"].hit_rate + 0.1
+
+
+def test_the_seed_sweep_reports_each_routings_spread_over_seeds_and_timings():
+    def workload(seed: int):
+        return shared_prefix(8, 6, 256, 32, output_len=4, seed=seed)
+
+    rows = seed_sweep(workload, SimConfig(num_kv_blocks=80, max_concurrency=4), 2, ["kv", "round-robin"], seeds=2)
+    by = {r["routing"]: {k: float(v.rstrip("x")) for k, v in r.items() if k.endswith("_vs_one")} for r in rows}
+    assert [r["runs"] for r in rows] == [2 * len(SWEEP_TIMINGS)] * 2
+    for spread in by.values():
+        assert spread["lowest_vs_one"] <= spread["p10_vs_one"] <= spread["mean_vs_one"] <= spread["highest_vs_one"]
+    assert by["kv"]["lowest_vs_one"] > by["round-robin"]["highest_vs_one"], by
+
+
+def test_the_ray_bench_prints_the_simulated_spread_without_an_engine(capsys):
+    from sluice.app.ray import bench
+
+    shape = "--groups 4 --prompts-per-group 3 --system-len 64 --question-len 8 --output-len 2 --blocks-per-replica 12"
+    assert bench.main([*shape.split(), "--routing", "kv,round-robin", "--sim-seeds", "1", "--sim-only"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("kv ", "round-robin "))}
+    assert set(rows) == {"kv", "round-robin"} and all(r[1] == str(len(SWEEP_TIMINGS)) for r in rows.values()), out
+    assert "served" not in out, "--sim-only starts no engine"

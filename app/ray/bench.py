@@ -7,7 +7,8 @@ and time to first token, side by side.
 Each replica is a full engine with its own core process, reached through `RayEngine` (what the HTTP app of
 `sluice serve --data-parallel-backend ray` talks to), so routing, Serve's streaming handles and the replicas are
 all measured; HTTP is not. One Ray is started for the whole run (``--ray-address`` joins a cluster instead);
-``--cache-sim`` first prints what `sluice cache-sim --replicas` predicts for the same workload.
+``--cache-sim`` first prints what `sluice cache-sim --replicas` predicts for the same workload, ``--sim-seeds N``
+its spread over N workload seeds and a few step timings (a served run is one draw of that spread).
 """
 
 from __future__ import annotations
@@ -97,6 +98,36 @@ async def bench(ns: argparse.Namespace, args: EngineArgs, workload: Workload) ->
     return rows
 
 
+def make_workload(ns: argparse.Namespace, seed: int = 0) -> Workload:
+    return shared_prefix(ns.groups, ns.prompts_per_group, ns.system_len, ns.question_len, ns.output_len, seed=seed)
+
+
+def print_simulated(ns: argparse.Namespace, block_size: int) -> None:
+    """What `sluice cache-sim --replicas` predicts for this workload (``--cache-sim``), and its spread over
+    workload seeds and step timings (``--sim-seeds``)."""
+    from sluice.app.commands.cache_replay import SimConfig
+    from sluice.app.commands.cache_sim_replicas import compare_routings, seed_sweep
+
+    base = SimConfig(num_kv_blocks=ns.blocks_per_replica, max_concurrency=ns.max_concurrency, block_size=block_size)
+    if ns.cache_sim:
+        print("cache-sim:")
+        rows = compare_routings(
+            make_workload(ns), base, [ns.blocks_per_replica], ns.replicas, ns.routing, ns.max_imbalance
+        )
+        print_table(rows)
+    if ns.sim_seeds:
+        print(f"cache-sim over {ns.sim_seeds} workload seeds x step timings (vs one engine with all the blocks):")
+        sweep = seed_sweep(
+            lambda seed: make_workload(ns, seed),
+            base,
+            ns.replicas,
+            ns.routing,
+            ns.sim_seeds,
+            max_imbalance=ns.max_imbalance,
+        )
+        print_table(sweep)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sluice.app.ray.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy:tiny")
@@ -105,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks-per-replica", type=int, default=160)
     p.add_argument("--routing", type=lambda s: s.split(","), default=["kv", "prefix", "round-robin", "least-loaded"])
     p.add_argument("--groups", type=int, default=16, help="tenants, each with its own system prompt")
-    p.add_argument("--prompts-per-group", type=int, default=8)
+    # 1024 requests: at 128, a handful of requests whose prefix is evicted while they wait in a replica's queue
+    # moved the ratio to the one engine by several points from run to run (docs/benchmarks/cpu_ray_dp2_dummy_tiny.md)
+    p.add_argument("--prompts-per-group", type=int, default=64)
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--question-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=16)
@@ -115,18 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-cpus", type=int, default=None, help="a local Ray's CPUs (default: the machine's)")
     p.add_argument("--cache-sim", action="store_true", help="print cache-sim's prediction first")
     p.add_argument("--trace", metavar="PREFIX", help="kv: count where the router lost hits, write PREFIX.kv.jsonl")
+    p.add_argument(
+        "--sim-seeds",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print cache-sim's spread over N workload seeds x a few step timings first (0: none)",
+    )
+    p.add_argument("--sim-only", action="store_true", help="stop after the cache-sim figures (no engine, no Ray)")
     ns = p.parse_args(argv)
     args = EngineArgs(model=ns.model, device=ns.device, max_model_len=4096)
-    workload = shared_prefix(ns.groups, ns.prompts_per_group, ns.system_len, ns.question_len, ns.output_len)
-    if ns.cache_sim:
-        from sluice.app.commands.cache_replay import SimConfig
-        from sluice.app.commands.cache_sim_replicas import compare_routings
-
-        base = SimConfig(num_kv_blocks=1, max_concurrency=ns.max_concurrency, block_size=args.block_size)
-        print("cache-sim:")
-        print_table(
-            compare_routings(workload, base, [ns.blocks_per_replica], ns.replicas, ns.routing, ns.max_imbalance)
-        )
+    workload = make_workload(ns)
+    if ns.cache_sim or ns.sim_seeds:
+        print_simulated(ns, args.block_size)
+    if ns.sim_only:
+        return 0
     print(f"served ({ns.model}, {ns.device}): {workload.summary()}")
     print_table(anyio.run(bench, ns, args, workload))
     return 0

@@ -59,7 +59,10 @@ class Rope:
 
 def _adjacent(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q and k as one ``[T, Hq + Hk, D]`` view when k's heads follow q's in memory row by row (both views of the
-    qkv projection's output), else None."""
+    qkv projection's output), else None. None in a compiled step (`core/worker/cpu_compiled.py`): a compiler
+    has no pointers to compare, and fuses the two rotations itself."""
+    if torch.compiler.is_compiling():
+        return None
     d = q.shape[-1]
     same_rows = q.stride() == k.stride() and q.stride()[1:] == (d, 1) and q.shape[0] == k.shape[0]
     if not same_rows or k.data_ptr() != q.data_ptr() + q.shape[1] * d * q.element_size():

@@ -133,6 +133,15 @@ class Int8PackedLinear(nn.Module):
         dense = f", dense from {self.DENSE_MIN_ROWS} rows" if self.dense is not None else ""
         return f"int8pack, in_features={self.in_features}, out_features={self.out_features}{dense}"
 
+    def forward_one_row(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` of one row ``[1, K]`` as a plain reduction over K, for a compiler to turn into one vectorized
+        pass over the int8 weight: at one thread it beats the packed kernel, whose time there is not its bytes
+        (`core/worker/cpu_compiled.py` times both and keeps the faster)."""
+        y = (x.reshape(1, -1).float() * self.qweight.float()).sum(-1) * self.scales.float()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(1, self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.dense is not None and x2.shape[0] >= self.DENSE_MIN_ROWS:

@@ -32,6 +32,7 @@ from sluice.core.sampling_params import SamplingParams
 from sluice.core.step import ModelOutput, NewRequest, SchedulerOutput
 from sluice.core.structured.matchers import GrammarRows
 from sluice.core.structured.registry import DEFAULT_BACKEND, load_backend
+from sluice.core.worker.cpu_compiled import CompiledDecode
 from sluice.core.worker.cuda_graphs import DecodeGraphs, MixedGraphs, graph_batch_sizes, mixed_graph_sizes
 from sluice.core.worker.culprit import is_fatal, isolate_culprits
 from sluice.core.worker.drafter import Drafter, SpecRows
@@ -88,7 +89,7 @@ class ModelRunner:
         self.drafter = None  # speculative decoding: the draft head, verification and drafting
         if args.speculative_model is not None:
             self.drafter = Drafter(args, source, max_model_len, self.device, self.dtype, self.fused_kernels)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | CompiledDecode | None = None  # CUDA graphs, or the CPU's compiled step
         self.mixed_graphs: MixedGraphs | None = None
         self._init_step_state()
         self._init_kv_pool()
@@ -97,6 +98,8 @@ class ModelRunner:
                 self._capture_graphs()
             else:
                 logger.info("CUDA graphs off: the %s attention backend is not graph-safe", self.backend.name)
+        elif self.device.type == "cpu" and args.cpu_compile:
+            self._compile_cpu_decode()
         self.warm_up_eager()
         if self.device.type == "cuda" and envs.SLUICE_SYNC_DEBUG:
             # a warning (with where) at each call that makes the host wait for the device: none belongs in a step
@@ -236,6 +239,21 @@ class ModelRunner:
             del graphs
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
+
+    def _compile_cpu_decode(self) -> None:
+        """The CPU's compiled decode step (`core/worker/cpu_compiled.py`), in the place of the decode graphs, where
+        it serves: one process, no draft head, a 16- or 32-bit KV cache. A failed compile leaves every step eager."""
+        if self.tp is not None or self.drafter is not None or fp8.is_fp8(self.kv_dtype):
+            logger.info("CPU decode compile off: it serves one process without a draft head or an fp8 KV cache")
+            return
+        max_batch = min(self.max_num_seqs, CompiledDecode.MAX_BATCH)
+        compiled = CompiledDecode(self.model, self.kv_caches, self.buffers, self.block_size, max_batch)
+        try:
+            compiled.capture()
+        except Exception:
+            logger.exception("compiling the CPU decode step failed; every step runs eagerly")
+            return
+        self.graphs = compiled
 
     @property
     def num_speculative_tokens(self) -> int:
