@@ -67,7 +67,7 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, "no CUDA graphs")
     cpu_compile: bool = _arg(
         False,
-        "CPU: compile the decode step of up to 16 sequences with torch.compile (inductor's C++ backend) at start-up, "
+        "CPU: compile the decode step of up to 15 sequences with torch.compile (inductor's C++ backend) at start-up, "
         "a minute or more the first time (cached after); off: every step eager",
     )
     max_graph_tokens: int = _arg(
