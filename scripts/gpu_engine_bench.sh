@@ -43,6 +43,7 @@
 #                   # PEER_PROMPTS (default 100) of the same requests (output tok/s rates compared), batch 1 and its
 #                   # weight-read floor (active experts only); ~17 min, so over calls of at most 10 min each:
 #                   # moe-1 (kernels, greedy; ~5 min), moe-2 (Qwen3-30B-A3B; ~6 min), moe-3 (Mixtral-8x7B; ~7 min)
+#   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
 #                                      # when stage1-3 left its GGUF in $HOME/stage), ~8 min
@@ -437,7 +438,7 @@ print(f"equality: this build pass={now['pass']} equal={now['equal']} near_ties={
 PY
     ;;
 structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
-    run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats 2 --out "$OUT/structured64.json"
+    run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats ${REPEATS:-3} --out "$OUT/structured64.json"
     run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
     ;;
 fp8)  # issue 39: dummy:llama3-8b with --quantization fp8 beside bf16 in one call. The fp8 kernels' check comes
@@ -504,6 +505,13 @@ if agree.is_file():
     print(f"greedy agreement fp8 vs bf16, default model: {a['equal']} of {a['prompts']} prompts equal over "
           f"{a['tokens']} tokens ({a['near-tie']} part at a near-tie, {a['diverged']} wider)")
 PY
+    ;;
+fp8-b1)  # issue 39 in ~3 min: the fp8 kernels' check (batch 1's bandwidth per projection), then batch 1 bf16 and fp8
+    pyx
+    F="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py"
+    run fp8_kernels 240 $F kernels --out "$OUT/fp8_kernels.json"
+    lat_b1 lat_b1_bf16
+    lat_b1 lat_b1_fp8 "" "--quantization fp8"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -118,13 +118,21 @@ def test_extreme_activations_and_weights_never_make_nan_or_inf(scale):
 
 @pytest.mark.parametrize(
     "m,n,k,bias,cfg",
-    [(1, 96, 256, False, (32, 64, 1)), (3, 64, 320, True, (32, 64, 2)), (20, 40, 128, True, (32, 128, 1))],
+    [
+        (1, 96, 256, False, (32, 64, 1)),
+        (3, 64, 320, True, (32, 64, 2)),
+        (20, 40, 128, True, (32, 128, 1)),
+        (2, 32, 4500, False, (32, 256, 2)),
+    ],
 )
 def test_gemv_kernel_matches_the_emulation(m, n, k, bias, cfg):
-    """Split-K, K not a multiple of the step, N not of the tile, several row tiles (20 rows in tiles of 16)."""
+    """Split-K, K not a multiple of the step, N not of the tile, several row tiles (20 rows in tiles of 16); the
+    amax prologue over several steps with a ragged last one (2 rows: tiles of 2 x 2048)."""
     fk = _kernels()
     g = torch.Generator().manual_seed(m)
-    x = (torch.randn(m, k, generator=g) * 3).to(DEV)
+    x = torch.randn(m, k, generator=g) * 3
+    x[:, -1] = 20.0  # each row's amax in the prologue's last (ragged) step
+    x = x.to(DEV)
     w = (torch.randn(n, k, generator=g) * 0.05).to(DEV)
     b = torch.randn(n, generator=g).to(DEV) if bias else None
     q, s = quantize_weight(w)

@@ -39,6 +39,8 @@ from sluice.kv.attention.triton_kernels import _round_e4m3
 GEMV_ROWS = 32
 # The largest row tile of x the GEMV kernel takes; more rows are more tiles.
 MAX_BLOCK_M = 64
+# Elements of x per step of a GEMV program's amax prologue (`_rows_amax`): 32 a thread at 4 warps.
+AMAX_ELEMENTS = 4096
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 _F32_MAX = tl.constexpr(F32_MAX)
 _gemv_rows = GEMV_ROWS
@@ -62,15 +64,30 @@ def _to_e4m3(x, EXACT_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _rows_amax(x_ptr, offs_m, mmask, K, stride_xm, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``[BLOCK_M]`` max |x| of rows ``offs_m`` over all of K, clamped as `fp8_linear.quantize_rows` clamps it."""
-    offs_k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+def _rows_amax(x_ptr, row0, M, K, stride_xm, BLOCK_M: tl.constexpr, AMAX_M: tl.constexpr, AMAX_K: tl.constexpr):
+    """``[BLOCK_M]`` max |x| over all of K of rows ``row0 + arange(BLOCK_M)``, clamped as
+    `fp8_linear.quantize_rows` clamps it. Read in ``[AMAX_M, AMAX_K]`` tiles, AMAX_M the rows the tile can hold
+    (a power of two): at one row each step reads AMAX_K of its elements, not a row tile padded to BLOCK_M, so a
+    program's prologue before its first weight tile is a few steps even at K = 14,336."""
+    offs_r = tl.arange(0, AMAX_M)
+    r = row0 + offs_r
+    rmask = r < M
+    offs_k = tl.arange(0, AMAX_K)
+    peak = tl.zeros([AMAX_M, AMAX_K], dtype=tl.float32)
+    for k0 in range(0, K, AMAX_K):
         k = k0 + offs_k
-        xmask = (k < K)[:, None] & mmask[None, :]
-        xt = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k[:, None], mask=xmask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), axis=0))
+        xt = tl.load(
+            x_ptr + r[:, None].to(tl.int64) * stride_xm + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0
+        )
+        peak = tl.maximum(peak, tl.abs(xt.to(tl.float32)))
+    small = tl.max(peak, axis=1)
+    if AMAX_M == BLOCK_M:
+        amax = small
+    else:  # the AMAX_M values into the first places of a [BLOCK_M] vector (the rows past them are padding)
+        offs_m = tl.arange(0, BLOCK_M)
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in tl.static_range(AMAX_M):
+            amax = tl.where(offs_m == i, tl.max(tl.where(offs_r == i, small, 0.0), axis=0), amax)
     return tl.clamp(amax, _MIN_AMAX, _F32_MAX)
 
 
@@ -92,6 +109,8 @@ def _fp8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    AMAX_M: tl.constexpr,
+    AMAX_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -114,7 +133,7 @@ def _fp8_gemv_kernel(
     if PDL:  # the next kernel may launch; x is the previous kernel's output: wait for it
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    amax = _rows_amax(x_ptr, offs_m, mmask, K, stride_xm, BLOCK_K, BLOCK_M)
+    amax = _rows_amax(x_ptr, pid_m * BLOCK_M, M, K, stride_xm, BLOCK_M, AMAX_M, AMAX_K)
     inv = 448.0 / amax
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -229,6 +248,7 @@ def fp8_gemv(
     bm = block_m(m)
     c = config or gemv_config(n, k, num_sms(x.device), bm)
     m_tiles = triton.cdiv(m, bm)
+    amax_m = min(bm, triton.next_power_of_2(m))
     split = c.split_k
     if m_tiles > 1 or counters is None or counters.numel() < triton.cdiv(n, c.block_n):
         split = 1
@@ -238,7 +258,8 @@ def fp8_gemv(
     _fp8_gemv_kernel[(triton.cdiv(n, c.block_n), split, m_tiles)](
         x, qweight, weight_scale, bias if bias is not None else weight_scale, out, ws,
         counters if counters is not None else weight_scale, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=bias is not None,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, AMAX_M=amax_m, AMAX_K=AMAX_ELEMENTS // amax_m,
+        SPLIT_K=split, HAS_BIAS=bias is not None,
         EVEN_K=k % (c.block_k * split) == 0, DOT=0 if interp else c.dot, EXACT_ROUND=interp,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
