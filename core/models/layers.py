@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +71,9 @@ def norm_then_linear(
     on its own."""
     from sluice.core.models import gemv
 
-    rows = _fold_rows(norm, linear, x, gemv.fold_norm_rows())
+    rows = _fold_rows(norm, linear, x, gemv.fold_norm_rows)
     if rows:
-        gated = act is not None and bool(_fold_rows(act, linear, x, gemv.fold_silu_rows()))
+        gated = act is not None and bool(_fold_rows(act, linear, x, gemv.fold_silu_rows))
         x2 = x.reshape(rows, x.shape[-1]).contiguous()
         r2 = residual.reshape(rows, x.shape[-1]).contiguous() if residual is not None else None
         out, res = gemv.gemv_rmsnorm(
@@ -92,22 +93,23 @@ def linear_then_act(linear: nn.Module, act: SiluAndMul, x: torch.Tensor) -> torc
     kernels, one GEMV that applies the SiLU-and-mul to its gate and up tiles in its epilogue (`gemv.gemv_silu`)."""
     from sluice.core.models import gemv
 
-    rows = _fold_rows(act, linear, x, gemv.fold_silu_rows())
+    rows = _fold_rows(act, linear, x, gemv.fold_silu_rows)
     if rows:
         out = gemv.gemv_silu(x.reshape(rows, x.shape[-1]).contiguous(), linear.weight, linear.bias, linear.counters)
         return out.view(*x.shape[:-1], out.shape[-1])
     return act(linear(x))
 
 
-def _fold_rows(before: nn.Module, linear: nn.Module, x: torch.Tensor, limit: int) -> int:
+def _fold_rows(before: nn.Module, linear: nn.Module, x: torch.Tensor, limit: Callable[[], int]) -> int:
     """The rows of ``x`` (``linear``'s input) when the kernel of ``before`` (the norm before it, the SiLU-and-mul
     after it) can be folded into ``linear``'s GEMV: both run fused kernels, the GEMV serves this many rows, and no
-    more than ``limit``; else 0."""
+    more than ``limit()``; else 0. ``limit`` is called only for a GEMV layer (a GPU's): the CPU's compiled step
+    traces this function, and torch.compile warns at every cached function it meets."""
     from sluice.core.models import gemv
 
     rows = x.numel() // x.shape[-1]
     foldable = getattr(linear, "fused", None) is gemv.linear and before.fused is not None
-    if foldable and 0 < rows <= min(limit, gemv.max_rows()) and x.dtype == linear.weight.dtype:
+    if foldable and 0 < rows <= min(limit(), gemv.max_rows()) and x.dtype == linear.weight.dtype:
         return rows
     return 0
 
