@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import time
 
 import anyio
@@ -137,6 +138,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="a third side: speculation with asynchronous scheduling off (every step waits for the last one's tokens)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default=None, help="both sides' --quantization (default: none)")
+    ap.add_argument(
+        "--engine-args",
+        default="{}",
+        help="other EngineArgs fields for the plain side, as a JSON object (the "
+        "speculative side takes them too, except cpu_compile, which the drafter does not run with)",
+    )
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
     args = ap.parse_args(argv)
 
@@ -159,15 +167,18 @@ def main(argv: list[str] | None = None) -> dict:
         max_num_seqs=max(args.concurrency, 8),
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        quantization=args.quantization,
     )
+    extra = json.loads(args.engine_args)
     # Both engines live at once: small fixed pools.
     common["num_kv_blocks"] = -(-common["max_model_len"] // 16) * max(args.concurrency, 8) + 64
     spec_kw = dict(speculative_model=args.head, num_speculative_tokens=args.num_speculative_tokens)
     if args.speculative_disable_batch_size is not None:
         spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
-    sides = {"plain": EngineArgs(**common), "spec": EngineArgs(**common, **spec_kw)}
+    spec_extra = {k: v for k, v in extra.items() if k != "cpu_compile"}
+    sides = {"plain": EngineArgs(**common, **extra), "spec": EngineArgs(**common, **spec_extra, **spec_kw)}
     if args.also_sync:
-        sides["spec_sync"] = EngineArgs(**common, **spec_kw, async_scheduling=False)
+        sides["spec_sync"] = EngineArgs(**common, **spec_extra, **spec_kw, async_scheduling=False)
     res = run_sides(sides, rounds, warmup, params, args.concurrency)
     plain, spec = res["plain"], res["spec"]
     plain_outputs = plain.pop("outputs")
