@@ -102,6 +102,33 @@ def test_batched_fill_equals_one_row_at_a_time(backend):
     assert not (one[1] == one[2]).all()
 
 
+def test_a_steps_tokens_advance_the_matchers_alike_in_one_call_or_one_by_one(backend):
+    """`accept_each` over a step's rows (16: past `_PARALLEL_ACCEPT_ROWS`, llguidance's parallel call) gives each
+    matcher the state and result one `accept_tokens` per row gives: a token the grammar rejects is False for its
+    row alone."""
+    import numpy as np
+
+    grammar = backend.compile(StructuredOutputsParams(regex=r"[0-9]{1,3}(,[0-9]{1,3})*"))
+    digit, comma, letter = (backend.tokenizer.tokenize_str(c)[0] for c in ("7", ",", "x"))
+    n = 16  # past the parallel call's threshold (8)
+    tokens = [[digit, comma, letter][i % 3] if i else digit for i in range(n)]
+    together, alone = [backend.matcher(grammar) for _ in range(n)], [backend.matcher(grammar) for _ in range(n)]
+    for m in together + alone:
+        assert m.accept_tokens([digit])
+    got = backend.accept_each(list(zip(together, tokens)))
+    want = [m.accept_tokens([t]) for m, t in zip(alone, tokens)]
+    assert got == want and True in got and False in got
+    words = (backend.vocab_size + 31) // 32
+    for a, b, ok in zip(together, alone, got):
+        if ok:  # the same position: the same next-token mask
+            ma, mb = np.zeros((1, words), np.int32), np.zeros((1, words), np.int32)
+            a.fill_bitmask(ma, 0)
+            b.fill_bitmask(mb, 0)
+            assert (ma == mb).all()
+        else:
+            assert a.error is not None and b.error is not None
+
+
 # U+53000 is F1 93 80 80 in UTF-8 and U+0004 a control byte: SmolLM2's vocabulary holds no token with byte 0xF1
 # or 0x04, so no output can spell them (schemathesis's guided_choice of odd unicode strings; llguidance forced
 # the tokenizer's lossy tokenization of the bytes, and the matcher rejected the token its own mask allowed)

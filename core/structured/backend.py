@@ -93,3 +93,8 @@ class GrammarBackend(Protocol):
         """``matcher.fill_bitmask(bitmask, row)`` for each of ``rows`` (this backend's matchers), in parallel
         where the backend can."""
         ...
+
+    def accept_each(self, steps: list[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """``matcher.accept_tokens([token])`` for each ``(matcher, token)`` of a step's rows (this backend's
+        matchers), in parallel where the backend can; each one's result in order."""
+        ...

@@ -21,6 +21,8 @@ from sluice.core.structured.writable import check_writable, unwritable_bytes
 
 _CACHE_SIZE = 256  # checked grammars kept (the same schema tends to come again and again)
 _MASK_THREADS = 8  # at most: llguidance's threads filling a step's masks (the host's other work needs cores too)
+# From this many rows a step's tokens advance their matchers in one parallel call (below it, a call per row)
+_PARALLEL_ACCEPT_ROWS = 8
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -146,13 +148,24 @@ class LLGuidanceBackend:
             m, row = rows[0]
             m.fill_bitmask(bitmask, row)
             return
+        one_row = bitmask.shape[1] * bitmask.itemsize
+        pairs = [(m.raw, row) for m, row in rows]
+        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, one_row, len(bitmask))
+
+    def accept_each(self, steps: list[tuple[LLGuidanceMatcher, int]]) -> list[bool]:
+        """Few rows one by one here; more on llguidance's threads (one call instead of a Python call per row)."""
+        if len(steps) < _PARALLEL_ACCEPT_ROWS:
+            return [m.accept_tokens([t]) for m, t in steps]
+        return self.executor.consume_token_par([(m.raw, t) for m, t in steps])
+
+    @property
+    def executor(self):
+        """llguidance's thread pool for a step's rows, made at the first step with several."""
         if self._executor is None:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor(num_threads=max(1, min(_MASK_THREADS, (os.cpu_count() or 2) - 1)))
-        one_row = bitmask.shape[1] * bitmask.itemsize
-        pairs = [(m.raw, row) for m, row in rows]
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, one_row, len(bitmask))
+        return self._executor
 
     def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         return CompiledGrammar(grammar_text(spec), spec.kind)

@@ -121,9 +121,21 @@ class GrammarRows:
             self._fail(request_id, f"the grammar rejected token(s) {tokens}: {_first_line(m.error)}")
 
     def accept_rows(self, req_ids: list[str], tokens: list[int], rows: np.ndarray) -> None:
-        """A read-back step's tokens, for its constrained ``rows`` only."""
+        """A read-back step's tokens, for its constrained ``rows`` only: the matchers advance together (in
+        parallel where the backend can), and one that rejects its token fails its request."""
+        steps: list[tuple[GrammarMatcher, int]] = []
+        owners: list[str] = []
         for j in rows.tolist():
-            self.accept(req_ids[j], [tokens[j]])
+            rid = req_ids[j]
+            m = self._matcher(rid)
+            if m is not None and not m.is_terminated:  # after the grammar's end: not the grammar's tokens
+                steps.append((m, tokens[j]))
+                owners.append(rid)
+        if not steps:
+            return
+        for ok, (m, t), rid in zip(self.backend.accept_each(steps), steps, owners):
+            if not ok:
+                self._fail(rid, f"the grammar rejected token(s) {[t]}: {_first_line(m.error)}")
 
     def accept_step(self, sampled: dict[str, int], emitted: dict[str, list[int]]) -> None:
         """A speculative step's tokens: the plain rows' samples, the verifying rows' accepted drafts and the token
