@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     SLUICE_SUBMIT_CHUNK: int = 64
     SLUICE_FP8_WEIGHT_SCALE: str | None = None
     SLUICE_FP8_DENSE_LAST_LAYERS: int | None = None
+    SLUICE_GRAMMAR_THREADS: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +179,11 @@ environment_variables: dict[str, Variable] = {
         _int("SLUICE_FP8_DENSE_LAST_LAYERS", None),
         "How many of the last decoder layers --quantization fp8 keeps in the model's dtype (unset: 1, "
         "core/models/fp8_recipe.py; 0 makes every layer fp8).",
+    ),
+    "SLUICE_GRAMMAR_THREADS": Variable(
+        _int("SLUICE_GRAMMAR_THREADS", None),
+        "llguidance's threads for a step's grammar masks and token advances (unset: the usable cores less one, "
+        "at most 8; core/structured/llguidance_backend.py).",
     ),
 }
 

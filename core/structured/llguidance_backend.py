@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 
 import numpy as np
+from sluice.core import envs
 from sluice.core.errors import InvalidStructuredOutput
 from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar
@@ -164,7 +165,8 @@ class LLGuidanceBackend:
         if self._executor is None:
             from llguidance import LLExecutor
 
-            self._executor = LLExecutor(num_threads=max(1, min(_MASK_THREADS, (os.cpu_count() or 2) - 1)))
+            threads = envs.SLUICE_GRAMMAR_THREADS or min(_MASK_THREADS, (os.cpu_count() or 2) - 1)
+            self._executor = LLExecutor(num_threads=max(1, threads))
         return self._executor
 
     def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
