@@ -30,6 +30,8 @@
 #   scripts/gpu_engine_bench.sh lat    # batch 1 and batch 8 only
 #   scripts/gpu_engine_bench.sh structured  # issue 37: 64 concurrent ShareGPT requests unconstrained vs every one
 #                       # under a JSON schema, same call (ratio, mask ms per step), then batch 256's mask share
+#   scripts/gpu_engine_bench.sh structured-threads  # issue 37: batch 256's figures with llguidance on GRAMMAR_THREADS
+#                       # threads (default 14)
 #   scripts/gpu_engine_bench.sh submit  # callers spawned 64 at a time vs all at once: ShareGPT 1000 (and 200)
 #   scripts/gpu_engine_bench.sh stack  # this build vs the previous defaults (GEMV to 32 rows, two RoPE/KV kernels,
 #                                      # mixed graphs to 512 tokens): batch 1, ShareGPT 200 and 1000
@@ -440,6 +442,9 @@ PY
 structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
     run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats ${REPEATS:-3} --out "$OUT/structured64.json"
     run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
+    ;;
+structured-threads)  # issue 37: batch 256 again with llguidance on GRAMMAR_THREADS threads (default 14; unset: 8)
+    run structured256_t${GRAMMAR_THREADS:-14} 300 env SLUICE_GRAMMAR_THREADS=${GRAMMAR_THREADS:-14} $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256_t${GRAMMAR_THREADS:-14}.json"
     ;;
 fp8)  # issue 39: dummy:llama3-8b with --quantization fp8 beside bf16 in one call. The fp8 kernels' check comes
     # first and stops the mode when a GPU path is wrong; then batch 1 (128/256) and batch 8 (32/128) latency,
