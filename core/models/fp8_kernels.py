@@ -39,7 +39,8 @@ from sluice.kv.attention.triton_kernels import _round_e4m3
 GEMV_ROWS = 32
 # The largest row tile of x the GEMV kernel takes; more rows are more tiles.
 MAX_BLOCK_M = 64
-# Elements of x per step of a GEMV program's amax prologue (`_rows_amax`): 32 a thread at 4 warps.
+# Elements of x per step of a GEMV program's amax prologue (`_rows_amax`) at few rows: 32 a thread at 4 warps
+# (at 16 rows and more the step is the loop's own x tile, which was faster at 32 rows on the H100).
 AMAX_ELEMENTS = 4096
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 _F32_MAX = tl.constexpr(F32_MAX)
@@ -249,6 +250,7 @@ def fp8_gemv(
     c = config or gemv_config(n, k, num_sms(x.device), bm)
     m_tiles = triton.cdiv(m, bm)
     amax_m = min(bm, triton.next_power_of_2(m))
+    amax_k = max(AMAX_ELEMENTS // amax_m, c.block_k)  # from 16 rows the prologue's tile is the loop's x tile
     split = c.split_k
     if m_tiles > 1 or counters is None or counters.numel() < triton.cdiv(n, c.block_n):
         split = 1
@@ -258,7 +260,7 @@ def fp8_gemv(
     _fp8_gemv_kernel[(triton.cdiv(n, c.block_n), split, m_tiles)](
         x, qweight, weight_scale, bias if bias is not None else weight_scale, out, ws,
         counters if counters is not None else weight_scale, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, AMAX_M=amax_m, AMAX_K=AMAX_ELEMENTS // amax_m,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, AMAX_M=amax_m, AMAX_K=amax_k,
         SPLIT_K=split, HAS_BIAS=bias is not None,
         EVEN_K=k % (c.block_k * split) == 0, DOT=0 if interp else c.dot, EXACT_ROUND=interp,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
