@@ -74,6 +74,9 @@ class GrammarMatcher(Protocol):
 
 class GrammarBackend(Protocol):
     vocab_size: int  # the bitmask's width: the model's vocabulary (logits' last dimension)
+    # Independent starts to keep per grammar (`starts.py`): 1 where forks share no locked state, else the rows
+    # the backend fills at once
+    independent_starts: int
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """Check ``spec`` against the tokenizer; `InvalidStructuredOutput` if it is invalid or unsupported.

@@ -165,9 +165,19 @@ class LLGuidanceBackend:
         if self._executor is None:
             from llguidance import LLExecutor
 
-            threads = envs.SLUICE_GRAMMAR_THREADS or min(_MASK_THREADS, (os.cpu_count() or 2) - 1)
-            self._executor = LLExecutor(num_threads=max(1, threads))
+            self._executor = LLExecutor(num_threads=self.threads)
         return self._executor
+
+    @property
+    def threads(self) -> int:
+        """The executor's threads: ``SLUICE_GRAMMAR_THREADS``, else the cores less one, at most 8."""
+        return max(1, envs.SLUICE_GRAMMAR_THREADS or min(_MASK_THREADS, (os.cpu_count() or 2) - 1))
+
+    @property
+    def independent_starts(self) -> int:
+        """A fork of an `LLMatcher` shares its lexer with the matcher it came from, under a lock held through a
+        whole mask computation: one independent start per thread, so that a step's rows fill in parallel."""
+        return self.threads
 
     def grammar_of(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         return CompiledGrammar(grammar_text(spec), spec.kind)

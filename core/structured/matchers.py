@@ -21,9 +21,7 @@ the runner reports in its `ModelOutput.failed`); its row is sampled unmasked and
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -33,8 +31,7 @@ from sluice.core.errors import RequestFailedError
 from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, bitmask_words
 from sluice.core.structured.bitmask import apply_token_bitmask_
-
-_TEMPLATES = 64  # grammars kept compiled (a matcher at their start), most recently used: new requests fork them
+from sluice.core.structured.starts import GrammarStarts
 
 
 class GrammarRows:
@@ -46,8 +43,7 @@ class GrammarRows:
         # request -> its matcher, or the compile that will give it (`_matcher` waits for it)
         self.matchers: dict[str, GrammarMatcher | Future] = {}
         self._compiler: ThreadPoolExecutor | None = None
-        self._templates: OrderedDict[str, GrammarMatcher] = OrderedDict()  # grammar source -> its start
-        self._templates_lock = threading.Lock()  # the compile thread adds, the executor's thread forks
+        self._starts: GrammarStarts | None = None  # with the backend: how many starts per grammar is its to say
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
         self.max_rows = max_rows
         self._buffers: tuple[torch.Tensor | None, ...] | None = None  # the mask's, at the first constrained step
@@ -64,9 +60,9 @@ class GrammarRows:
     # -- requests ------------------------------------------------------------------------------------
     def add(self, request_id: str, spec: StructuredOutputsParams, output_tokens: list[int]) -> None:
         """A request arrives in the batch: its matcher, forked from a grammar compiled before (microseconds) or
-        compiled in the background, then caught up with the output tokens it already has."""
+        compiled in the background, then caught up with the output tokens it already has (`starts.py`)."""
         grammar = self.backend.grammar_of(spec)
-        fork = self._fork(grammar.source)
+        fork = self.starts.fork(grammar.source, only_when_full=True)
         if fork is not None and not output_tokens:
             self.matchers[request_id] = fork
             return
@@ -74,26 +70,22 @@ class GrammarRows:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
         self.matchers[request_id] = self._compiler.submit(self._build, grammar, output_tokens)
 
+    @property
+    def starts(self) -> GrammarStarts:
+        if self._starts is None:
+            self._starts = GrammarStarts(self.backend.independent_starts)
+        return self._starts
+
     def _build(self, grammar: CompiledGrammar, output_tokens: list[int]) -> GrammarMatcher:
-        """In the compile thread: a matcher at the grammar's start (kept, to fork for later requests), caught up."""
-        m = self._fork(grammar.source)
+        """In the compile thread: a matcher at the grammar's start, from a start of its own while the grammar has
+        fewer than the backend's independent starts (kept, to fork for later requests), then caught up."""
+        m = self.starts.fork(grammar.source, only_when_full=True)
         if m is None:
             m = self.backend.matcher(grammar)
-            with self._templates_lock:
-                self._templates[grammar.source] = m.fork()
-                while len(self._templates) > _TEMPLATES:
-                    self._templates.popitem(last=False)
+            self.starts.add(grammar.source, m.fork())
         if output_tokens and not m.accept_tokens(output_tokens):
             raise RequestFailedError(f"the grammar rejects the output so far: {_first_line(m.error)}")
         return m
-
-    def _fork(self, source: str) -> GrammarMatcher | None:
-        with self._templates_lock:
-            template = self._templates.get(source)
-            if template is None:
-                return None
-            self._templates.move_to_end(source)
-            return template.fork()
 
     def _matcher(self, request_id: str) -> GrammarMatcher | None:
         """The request's matcher (once its compile is done), or None: not constrained, or failed."""

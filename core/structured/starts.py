@@ -1,0 +1,51 @@
+"""`GrammarStarts`: matchers at the start of the grammars compiled so far, which new requests fork.
+
+Forking a start takes microseconds where compiling takes milliseconds, so a request whose grammar came before
+starts from a fork. A backend's forks may share state with their start under a lock (llguidance's forks share
+the start's lexer, built lazily, and a mask computation holds its lock throughout), so rows forked from one start
+fill their masks one at a time however many threads the backend runs. Hence several independent starts per
+grammar (the backend's ``independent_starts``: as many as rows it fills at once), forked in turn: the first
+requests of a grammar each compile one more start (in the background, as any compile), the later ones fork.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from sluice.core.structured.backend import GrammarMatcher
+
+_GRAMMARS = 64  # grammars kept (most recently used); their starts go with them
+
+
+class GrammarStarts:
+    def __init__(self, per_grammar: int) -> None:
+        self.per_grammar = max(1, per_grammar)
+        self._starts: OrderedDict[str, list[GrammarMatcher]] = OrderedDict()  # grammar source -> its starts
+        self._turn = 0  # which start the next fork takes
+        self._lock = threading.Lock()  # the compile thread adds starts, the executor's thread forks
+
+    def fork(self, source: str, *, only_when_full: bool) -> GrammarMatcher | None:
+        """A fork of one of ``source``'s starts, taken in turn; None when it has none, or (``only_when_full``)
+        fewer than ``per_grammar``: the caller then compiles another."""
+        with self._lock:
+            starts = self._starts.get(source)
+            if not starts or (only_when_full and len(starts) < self.per_grammar):
+                return None
+            self._starts.move_to_end(source)
+            self._turn += 1
+            return starts[self._turn % len(starts)].fork()
+
+    def add(self, source: str, start: GrammarMatcher) -> None:
+        """A newly compiled start of ``source`` (beyond ``per_grammar`` it is not kept)."""
+        with self._lock:
+            starts = self._starts.setdefault(source, [])
+            if len(starts) < self.per_grammar:
+                starts.append(start)
+            self._starts.move_to_end(source)
+            while len(self._starts) > _GRAMMARS:
+                self._starts.popitem(last=False)
+
+    def count(self, source: str) -> int:
+        with self._lock:
+            return len(self._starts.get(source, ()))

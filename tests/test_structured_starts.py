@@ -1,0 +1,66 @@
+"""`GrammarStarts`: several independent starts per grammar, forked in turn, so that a step's rows do not all
+share one start's locked state (llguidance's forks share its lexer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sluice.core.models.loader import default_tokenizer_dir
+from sluice.core.sampling_params import StructuredOutputsParams
+from sluice.core.structured.matchers import GrammarRows
+from sluice.core.structured.registry import load_backend
+from sluice.core.structured.starts import GrammarStarts
+
+
+class Start:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def fork(self) -> tuple[str, str]:
+        return ("fork of", self.name)
+
+
+def test_forks_wait_for_a_full_set_then_take_the_starts_in_turn():
+    starts = GrammarStarts(per_grammar=3)
+    assert starts.fork("g", only_when_full=False) is None
+    for name in ("a", "b"):
+        starts.add("g", Start(name))
+    assert starts.fork("g", only_when_full=True) is None  # two of three: the caller compiles a third
+    assert starts.fork("g", only_when_full=False) is not None
+    starts.add("g", Start("c"))
+    starts.add("g", Start("d"))  # past the set: not kept
+    assert starts.count("g") == 3
+    taken = [starts.fork("g", only_when_full=True)[1] for _ in range(6)]
+    assert sorted(taken) == ["a", "a", "b", "b", "c", "c"]
+    assert all(taken[i] != taken[i + 1] for i in range(5))
+
+
+def test_the_least_recently_used_grammar_goes_first():
+    starts = GrammarStarts(per_grammar=1)
+    for i in range(64):
+        starts.add(f"g{i}", Start(str(i)))
+    starts.fork("g0", only_when_full=True)  # used: now the most recent
+    starts.add("g64", Start("64"))
+    assert starts.count("g0") == 1 and starts.count("g1") == 0 and starts.count("g64") == 1
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return load_backend("llguidance", str(default_tokenizer_dir()), 49152, [2])
+
+
+def test_a_grammars_first_requests_compile_their_own_starts_and_later_ones_fork(backend, monkeypatch):
+    monkeypatch.setenv("SLUICE_GRAMMAR_THREADS", "3")
+    assert backend.independent_starts == 3
+    rows = GrammarRows(lambda: backend, 49152, 8, torch.device("cpu"))
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}})
+    source = backend.grammar_of(spec).source
+    for i in range(8):
+        rows.add(f"r{i}", spec, [])
+        rows.fill([f"r{i}"], np.array([0]))  # waits for its compile, if it had one
+    assert rows.starts.count(source) == 3
+    ids = [f"r{i}" for i in range(8)]
+    mask, _ = rows.fill(ids, np.arange(8))
+    host = mask.numpy()
+    assert (host == host[0]).all() and host[0].any()  # every row at the grammar's start, whichever start it came from
