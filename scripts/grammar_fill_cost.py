@@ -9,6 +9,7 @@ allows, so the rows' states differ, as in a real batch.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,14 +25,16 @@ from sluice.core.structured.registry import load_backend
 VOCAB = 49152
 
 
-def walk(backend, spec, ns, fill_rows) -> tuple[list[float], list[float]]:
+def walk(backend, spec, ns, fill_rows, starts: int) -> tuple[list[float], list[float]]:
     """One random walk of ``ns.rows`` rows over ``ns.steps`` steps, the backend's fill replaced by ``fill_rows``:
     each step's whole `GrammarRows.fill` time and its llguidance part. A fresh walk per variant: llguidance
     keeps a state's mask, so a second fill at the same state would cost nothing."""
+    os.environ["SLUICE_GRAMMAR_THREADS"] = str(starts)  # the independent starts the rows are forked from
     gr = GrammarRows(lambda: backend, VOCAB, ns.rows, torch.device("cpu"))
     rids = [f"r{i}" for i in range(ns.rows)]
     for rid in rids:
         gr.add(rid, spec, [])
+        gr.fill([rid], np.array([0]))  # its compile done before the next one comes (as over a run's steps)
     rows, rng = np.arange(ns.rows), np.random.default_rng(0)
     whole, inner = [], []
 
@@ -75,10 +78,15 @@ def main() -> None:
     backend = load_backend("llguidance", str(default_tokenizer_dir()), VOCAB, [2])
     spec = StructuredOutputsParams(json=LONG_SCHEMA)
     backend.compile(spec)
-    variants = {"serial": serial_fill, **{f"executor{n}": executor_fill(n) for n in ns.threads}}
+    # (name, fill, independent starts the rows fork): each executor size with one start per thread (the engine's
+    # rule, `core/structured/starts.py`) and with every row forked from one start (the rule before it)
+    variants = [("serial", serial_fill, 1)]
+    for n in ns.threads:
+        variants += [(f"executor{n}", executor_fill(n), n), (f"executor{n}/1", executor_fill(n), 1)]
     print(f"{ns.rows} rows, {ns.steps} steps: ms per step, median / p90 (whole fill; llguidance's part)")
-    for name, fill_rows in variants.items():
-        whole, inner = walk(backend, spec, ns, fill_rows)
+    print("(executorN: llguidance's executor on N threads, the rows forked from N starts; executorN/1: from one)")
+    for name, fill_rows, starts in variants:
+        whole, inner = walk(backend, spec, ns, fill_rows, starts)
         q = [(statistics.median(v) * 1e3, sorted(v)[int(0.9 * len(v))] * 1e3) for v in (whole, inner)]
         print(f"  {name:10s} {q[0][0]:7.3f} / {q[0][1]:7.3f}   {q[1][0]:7.3f} / {q[1][1]:7.3f}")
 
