@@ -41,6 +41,10 @@ SHAPES = {  # name: (experts, top_k, hidden, intermediate)
 }
 TOKENS = (1, 8, 64, 512, 4096)
 SWEEP = [
+    # narrow N tiles with long K steps: at one token (batch-1 decode) the grid of the default (64-wide) tiles is
+    # under one wave on Qwen3-30B-A3B's gate/up (8 experts x 12 tiles), so each program's read is latency-bound
+    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
