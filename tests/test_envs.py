@@ -50,6 +50,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_GEMV_FOLD": frozenset(),
         "SLUICE_FP8_WEIGHT_SCALE": None,
         "SLUICE_FP8_DENSE_LAST_LAYERS": None,
+        "SLUICE_GRAMMAR_THREADS": None,
     }
     assert {n: getattr(envs, n) for n in defaults} == defaults
     assert set(defaults) | set(ON_UNLESS_ZERO) == set(envs.environment_variables)
@@ -66,6 +67,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_GEMV_FOLD": (" norm, silu,", frozenset({"norm", "silu"})),
         "SLUICE_FP8_WEIGHT_SCALE": ("max", "max"),
         "SLUICE_FP8_DENSE_LAST_LAYERS": ("0", 0),
+        "SLUICE_GRAMMAR_THREADS": ("4", 4),
     }
     for n, (raw, value) in set_to.items():
         clean_env.setenv(n, raw)
