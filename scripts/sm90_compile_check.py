@@ -207,6 +207,7 @@ def _fp8_gemv(rows: int, n: int, k: int, what: str) -> tuple:
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=False,
         EVEN_K=k % (c.block_k * split) == 0, DOT=c.dot, EXACT_ROUND=False, PDL=True,
     )  # fmt: skip
+    const["AMAX_M"], const["AMAX_K"] = fp8_kernels.amax_tile(rows, bm, c.block_k)
     args = dict(
         x_ptr=PTR, w_ptr=PTR_FP8, sw_ptr=PTR_F32, b_ptr=PTR_F32, out_ptr=PTR, ws_ptr=PTR_F32, cnt_ptr=PTR_I32,
         M=rows, N=n, K=k, stride_xm=k, stride_wn=k, stride_om=n,

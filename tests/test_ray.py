@@ -58,7 +58,7 @@ def server():
     env = {**os.environ, "RAY_num_prestart_python_workers": "0"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300  # two replicas' start on a loaded 2-core machine (180 s fell short once)
     try:
         while True:
             assert proc.poll() is None, proc.stdout.read()

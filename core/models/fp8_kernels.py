@@ -233,6 +233,13 @@ def block_m(m: int) -> int:
     return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
 
 
+def amax_tile(m: int, bm: int, block_k: int) -> tuple[int, int]:
+    """``(AMAX_M, AMAX_K)``: the amax prologue's tile of x for ``m`` rows in row tiles of ``bm``; from 16 rows it
+    is the loop's own x tile (``block_k`` wide)."""
+    amax_m = min(bm, triton.next_power_of_2(m))
+    return amax_m, max(AMAX_ELEMENTS // amax_m, block_k)
+
+
 def fp8_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -249,8 +256,7 @@ def fp8_gemv(
     bm = block_m(m)
     c = config or gemv_config(n, k, num_sms(x.device), bm)
     m_tiles = triton.cdiv(m, bm)
-    amax_m = min(bm, triton.next_power_of_2(m))
-    amax_k = max(AMAX_ELEMENTS // amax_m, c.block_k)  # from 16 rows the prologue's tile is the loop's x tile
+    amax_m, amax_k = amax_tile(m, bm, c.block_k)
     split = c.split_k
     if m_tiles > 1 or counters is None or counters.numel() < triton.cdiv(n, c.block_n):
         split = 1
