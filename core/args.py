@@ -101,16 +101,7 @@ class EngineArgs:
     speculative_model: str | None = _arg(
         None, "an EAGLE draft head folder, or 'default' for the head shipped for the default model; default: off"
     )
-    num_speculative_tokens: int | None = _arg(
-        None,
-        "draft tokens proposed per step (at most, with --speculative-min-confidence); default: 4, 5 for a quantized "
-        "model on the CPU",
-    )
-    speculative_min_confidence: float | None = _arg(
-        None,
-        "a request's drafts stop at the first the head gives its top token less probability than this (0: always "
-        "k); default: 0, 0.3 for a quantized model on the CPU. On a GPU it takes steps off the CUDA-graphed path",
-    )
+    num_speculative_tokens: int = _arg(4, "draft tokens proposed per step")
     speculative_disable_batch_size: int = _arg(
         16, "above this many running + waiting requests a step does not speculate (it would cost throughput)"
     )
@@ -189,10 +180,8 @@ class EngineArgs:
             raise bad("gil_switch_interval_ms", f"must be in [0, 100], got {self.gil_switch_interval_ms}")
         if self.fused_kernels not in ("auto", "on", "off"):
             raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
-        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
+        if not 1 <= self.num_speculative_tokens <= 16:
             raise bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
-        if self.speculative_min_confidence is not None and not 0 <= self.speculative_min_confidence < 1:
-            raise bad("speculative_min_confidence", f"must be in [0, 1), got {self.speculative_min_confidence}")
         if self.speculative_disable_batch_size < 1:
             raise bad("speculative_disable_batch_size", f"must be >= 1, got {self.speculative_disable_batch_size}")
         if self.speculative_model is not None and not self.speculative_model:
@@ -248,20 +237,6 @@ class EngineArgs:
                 return torch.bfloat16
             return torch.float32
         return getattr(torch, _DTYPES[self.dtype])
-
-    def resolve_speculation(self, device: torch.device, quantization: str | None) -> tuple[int, float]:
-        """``(num_speculative_tokens, speculative_min_confidence)``, defaults made concrete for the device and the
-        resolved ``quantization``. A GPU drafts 4 always: its graphed greedy step has that fixed shape, and a
-        verification row costs little there. A quantized model on the CPU (`--quantization auto`'s packed int4
-        kernels and int8 LM head) pays for each verification row (those kernels' time grows with the rows) and
-        each draft a step of the head (whose weights it reads cold): there a chain goes to 5 drafts while the head
-        is confident (its top token at 0.3 or more) and stops at the first it is not, a draft the target would
-        likely reject (the default model and its shipped head at batch 1: docs/benchmarks/cpu_decode/cpu_spec_*).
-        Elsewhere on the CPU (the fp32 reference) 4, always."""
-        packed_cpu = device.type == "cpu" and quantization is not None
-        k = self.num_speculative_tokens if self.num_speculative_tokens is not None else (5 if packed_cpu else 4)
-        confidence = self.speculative_min_confidence
-        return k, confidence if confidence is not None else (0.3 if packed_cpu else 0.0)
 
     def resolve_quantization(self, device: torch.device, gguf_file: str | None) -> str | None:
         """The quantization the model loads with; ``auto`` made concrete. On the CPU, for a GGUF model (whose

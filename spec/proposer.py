@@ -47,11 +47,9 @@ class DraftSampling:
 
 @dataclass(slots=True)
 class DraftOutput:
-    token_ids: torch.Tensor  # [R, n] int64, R = proposing requests, n <= k draft steps taken
-    probs: torch.Tensor | None  # [len(probs_rows), n, vocab]: q of the non-greedy rows
+    token_ids: torch.Tensor  # [R, k] int64, R = proposing requests
+    probs: torch.Tensor | None  # [len(probs_rows), k, vocab]: q of the non-greedy rows
     probs_rows: list[int]
-    # per request, how many of its drafts lead up to the first below `EagleProposer.min_confidence` (None: all)
-    num_confident: torch.Tensor | None = None
 
 
 def paged_metadata(
@@ -119,7 +117,6 @@ class EagleProposer:
         device: torch.device,
         dtype: torch.dtype,
         int4_lm_head: bool = False,
-        min_confidence: float = 0.0,
     ) -> None:
         self.head = head
         self.k = num_speculative_tokens
@@ -130,11 +127,6 @@ class EagleProposer:
         self.lm_weight = head.lm_weight(target_lm_weight(target))  # [draft vocab, hidden]
         # A draft step's LM head reads the whole matrix for one row a request: on the CPU (int4 packed kernels) an
         # int4 copy reads a quarter of bf16's bytes. Its rounding can only change which drafts are proposed.
-        # `propose` stops a request's chain at its first draft whose head gave its top token less probability than
-        # this, and drafting once no request's chain goes on: on the CPU a draft
-        # costs its verification row and a chain step, which a draft likely rejected does not return. 0: always k.
-        # (The uniform greedy path drafts k always: its steps have a fixed shape.)
-        self.min_confidence = min_confidence
         self.lm_head = None
         if int4_lm_head:
             from sluice.core.models.cpu_linear import Int4PackedLinear  # CPU only: torch's packed CPU kernels
@@ -165,8 +157,7 @@ class EagleProposer:
         chain_metadata: Callable[[int], tuple[torch.Tensor, AttentionMetadata]],
         sampling: DraftSampling,
     ) -> DraftOutput | None:
-        """Catch up on this step's verified pairs, then draft up to k tokens for the proposing requests
-        (``num_confident`` of the output: how many of its drafts each request keeps, with `min_confidence`).
+        """Catch up on this step's verified pairs, then draft k tokens for the proposing requests.
 
         ``features``, ``next_tokens``, ``positions`` and ``meta``: the catch-up's pairs (the target's feature
         at each verified position, the token after it) and their attention metadata. ``chain_rows``: for
@@ -180,25 +171,17 @@ class EagleProposer:
         ng = [j for j, greedy in enumerate(sampling.greedy) if not greedy]
         ng_gens = [sampling.generators[j] for j in ng]
         tokens, probs = [], []
-        confident = None  # [R] bool: the rows whose drafts so far all passed `min_confidence`
-        num_confident = None
         for step in range(self.k):
             logits = self._draft_logits(g).float()
             tok, q = self._draw(logits, sampling, ng, ng_gens)
             tokens.append(tok)
             if q is not None:
                 probs.append(q)
-            if self.min_confidence:
-                sure = logits.softmax(-1).amax(-1) >= self.min_confidence
-                confident = sure if confident is None else confident & sure
-                num_confident = confident.long() if num_confident is None else num_confident + confident
-                if not bool(confident.any()):  # a host sync: this option serves the CPU
-                    break
             if step == self.k - 1:
                 break
             pos, step_meta = chain_metadata(step)
             g = self._run(tok, g, pos, step_meta)
-        return DraftOutput(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, ng, num_confident)
+        return DraftOutput(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, ng)
 
     def propose_greedy_uniform(
         self,

@@ -4,8 +4,6 @@ greedy speculation still emitting the plain engine's tokens."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,17 +46,15 @@ def test_rounded_int4_is_the_int4_format_in_groups_of_32_and_shares_its_weight()
 
 
 def test_round_linears_to_int4_replaces_every_linear_of_a_module():
-    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
     module = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 64, bias=False))).bfloat16()
-    ref = copy.deepcopy(module).float()  # its weights rounded as `rounded_from` does, computed in fp32
+    x = torch.randn(2, 64, generator=g).bfloat16()
     with torch.no_grad():
-        for lin in (ref[0], ref[2][0]):
-            lin.weight.copy_(dequantize_int4(*quantize_int4(lin.weight.bfloat16(), 32), torch.float32))
+        ref = module(x)
     assert round_linears_to_int4(module) == 2
     assert not any(isinstance(m, nn.Linear) for m in module.modules())
-    x = torch.randn(2, 64).bfloat16()
     with torch.no_grad():
-        assert _rel_err(module(x), ref(x.float())) < 2.0**-5  # bf16 activations through two layers
+        assert _rel_err(module(x), ref) < 0.1  # int4 through two layers
 
 
 @pytest.fixture(scope="module")
@@ -71,25 +67,11 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-PROMPTS = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(3)]
-
-
-@pytest.fixture(scope="module")
-def plain_outputs():
+def test_greedy_speculation_on_a_packed_target_and_head_equals_plain(copy_head):
+    prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(3)]
     with LLM(MODEL, **COMMON) as plain:
-        return _greedy(plain, PROMPTS)
-
-
-def _draft_tokens_per_step(llm: LLM) -> tuple[float, float]:
-    """Draft tokens per verifying step, and per step of any kind."""
-    st = llm.engine.stats()
-    return st.spec_num_draft_tokens / st.spec_num_drafts, st.spec_num_draft_tokens / st.num_steps
-
-
-def test_greedy_speculation_on_a_packed_target_and_head_equals_plain(copy_head, plain_outputs):
-    with LLM(
-        MODEL, speculative_model=copy_head, num_speculative_tokens=3, speculative_min_confidence=0, **COMMON
-    ) as spec:
+        want = _greedy(plain, prompts)
+    with LLM(MODEL, speculative_model=copy_head, num_speculative_tokens=3, **COMMON) as spec:
         runner = spec.engine.local_core.executor.runner
         model, drafter = runner.model, runner.drafter
         assert isinstance(model.lm_head, Int8PackedLinear)  # the tied head's int8 copy verifies, as in plain steps
@@ -97,30 +79,6 @@ def test_greedy_speculation_on_a_packed_target_and_head_equals_plain(copy_head, 
         assert drafter.cpu_packed
         assert isinstance(drafter.proposer.lm_head, Int4PackedLinear)
         assert not any(isinstance(m, nn.Linear) for m in drafter.head.modules())
-        assert _greedy(spec, PROMPTS) == plain_outputs
-        assert _draft_tokens_per_step(spec)[0] == 3  # min confidence 0: every chain drafts k
-
-
-def test_drafts_stop_at_the_first_below_the_min_confidence(copy_head, plain_outputs):
-    """The copy head over dummy:tiny's 49,152 ids is near uniform: its top tokens get 6.3e-5 to 7.9e-5 on these
-    prompts. A bar between them stops some chains before their first draft (a plain step), and greedy outputs
-    stay the plain engine's."""
-    per_step = {}
-    for bar in (0.0, 7e-5):
-        with LLM(
-            MODEL, speculative_model=copy_head, num_speculative_tokens=3, speculative_min_confidence=bar, **COMMON
-        ) as spec:
-            assert _greedy(spec, PROMPTS) == plain_outputs
-            per_step[bar] = _draft_tokens_per_step(spec)[1]
-    assert 0 < per_step[7e-5] < per_step[0.0]
-
-
-def test_speculation_defaults_per_device():
-    from sluice.core import EngineArgs
-
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert EngineArgs().resolve_speculation(gpu, None) == (4, 0.0)  # the graphed greedy step's fixed shape
-    assert EngineArgs().resolve_speculation(cpu, "int4") == (5, 0.3)
-    assert EngineArgs().resolve_speculation(cpu, None) == (4, 0.0)  # the fp32 reference
-    given = EngineArgs(num_speculative_tokens=2, speculative_min_confidence=0.0)
-    assert given.resolve_speculation(cpu, "int4") == (2, 0.0)
+        got = _greedy(spec, prompts)
+        assert spec.engine.stats().spec_num_drafts > 0
+    assert got == want

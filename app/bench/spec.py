@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--head", default="default", help="draft head directory, or 'default'")
-    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the engine's")
-    ap.add_argument("--speculative-min-confidence", type=float, default=None, help="default: the engine's")
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per round")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of new prompts, the sides alternating first")
@@ -173,18 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
     extra = json.loads(args.engine_args)
     # Both engines live at once: small fixed pools.
     common["num_kv_blocks"] = -(-common["max_model_len"] // 16) * max(args.concurrency, 8) + 64
-    spec_kw = dict(
-        speculative_model=args.head,
-        num_speculative_tokens=args.num_speculative_tokens,
-        speculative_min_confidence=args.speculative_min_confidence,
-    )
+    spec_kw = dict(speculative_model=args.head, num_speculative_tokens=args.num_speculative_tokens)
     if args.speculative_disable_batch_size is not None:
         spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
     spec_extra = {k: v for k, v in extra.items() if k != "cpu_compile"}
     sides = {"plain": EngineArgs(**common, **extra), "spec": EngineArgs(**common, **spec_extra, **spec_kw)}
-    spec_args = sides["spec"]
-    device = spec_args.resolve_device()
-    k, min_confidence = spec_args.resolve_speculation(device, spec_args.resolve_quantization(device, source.gguf_file))
     if args.also_sync:
         sides["spec_sync"] = EngineArgs(**common, **spec_extra, **spec_kw, async_scheduling=False)
     res = run_sides(sides, rounds, warmup, params, args.concurrency)
@@ -192,8 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain_outputs = plain.pop("outputs")
     same = sum(a == b for a, b in zip(plain_outputs, spec.pop("outputs")))
     speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
-    label = f"k={k}" + (f", min confidence {min_confidence:g}" if min_confidence else "")
-    rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec ({label})", **spec}]
+    rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec (k={args.num_speculative_tokens})", **spec}]
     sync = res.get("spec_sync")
     if sync is not None:
         sync["identical_outputs"] = sum(a == b for a, b in zip(plain_outputs, sync.pop("outputs")))
@@ -208,7 +199,6 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows)
     print(f"speedup {speedup:.2f}x; identical outputs {same}/{len(prompts)}")
     figures = {"plain": plain, "spec": spec, "speedup": round(speedup, 3), "identical_outputs": same}
-    figures.update(num_speculative_tokens=k, speculative_min_confidence=min_confidence)
     if sync is not None:
         print(f"async scheduling off: speedup {sync['speedup']:.2f}x; identical outputs {sync['identical_outputs']}")
         figures["spec_sync"] = sync

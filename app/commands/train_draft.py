@@ -371,7 +371,6 @@ def cmd_eval(ns: argparse.Namespace) -> int:
             model=ns.model,
             speculative_model=ns.head,
             num_speculative_tokens=ns.num_speculative_tokens,
-            speculative_min_confidence=0.0,  # k drafts every step: the head's acceptance, not the CPU's stopping rule
             speculative_disable_batch_size=1 << 20,  # measure the head, not the load switch
         )
     )

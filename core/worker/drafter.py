@@ -85,7 +85,7 @@ class Drafter:
         fused_kernels: bool,
         quantization: str | None = None,
     ) -> None:
-        self.k, self.min_confidence = args.resolve_speculation(device, quantization)
+        self.k = args.num_speculative_tokens
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.disable_batch_size = args.speculative_disable_batch_size
@@ -136,7 +136,6 @@ class Drafter:
             self.device,
             self.dtype,
             int4_lm_head=self.cpu_packed,
-            min_confidence=self.min_confidence,
         )
         self.buffers = StepBuffers(limits.max_tokens, limits.max_seqs, limits.max_blocks_per_seq, self.device)
         self.chain_buffers = StepBuffers(limits.max_seqs, limits.max_seqs, limits.max_blocks_per_seq, self.device)
@@ -370,9 +369,7 @@ class Drafter:
             self.draft_probs.pop(rid, None)
         for j, row in enumerate(out.probs_rows):
             self.draft_probs[proposing[row]] = out.probs[j]
-        ib.drafts[slots, : len(drafts[0])] = np.asarray(drafts, np.int64)
-        if out.num_confident is not None:
-            drafts = [d[:n] for d, n in zip(drafts, out.num_confident.tolist())]
+        ib.drafts[slots, : self.k] = np.asarray(drafts, np.int64)
         return dict(zip(proposing, drafts))
 
     def _probs_fn(self, slots: np.ndarray, ib: InputBatch):
