@@ -4,6 +4,8 @@ greedy speculation still emitting the plain engine's tokens."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,15 +48,17 @@ def test_rounded_int4_is_the_int4_format_in_groups_of_32_and_shares_its_weight()
 
 
 def test_round_linears_to_int4_replaces_every_linear_of_a_module():
-    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
     module = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 64, bias=False))).bfloat16()
-    x = torch.randn(2, 64, generator=g).bfloat16()
+    ref = copy.deepcopy(module).float()  # its weights rounded as `rounded_from` does, computed in fp32
     with torch.no_grad():
-        ref = module(x)
+        for lin in (ref[0], ref[2][0]):
+            lin.weight.copy_(dequantize_int4(*quantize_int4(lin.weight.bfloat16(), 32), torch.float32))
     assert round_linears_to_int4(module) == 2
     assert not any(isinstance(m, nn.Linear) for m in module.modules())
+    x = torch.randn(2, 64).bfloat16()
     with torch.no_grad():
-        assert _rel_err(module(x), ref) < 0.1  # int4 through two layers
+        assert _rel_err(module(x), ref(x.float())) < 2.0**-5  # bf16 activations through two layers
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +86,13 @@ def test_greedy_speculation_on_a_packed_target_and_head_equals_plain(copy_head):
         got = _greedy(spec, prompts)
         assert spec.engine.stats().spec_num_drafts > 0
     assert got == want
+
+
+def test_a_quantized_cpu_model_drafts_3_by_default():
+    from sluice.core import EngineArgs
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert EngineArgs().resolve_num_speculative_tokens(gpu, None) == 4
+    assert EngineArgs().resolve_num_speculative_tokens(cpu, None) == 4  # the fp32 reference
+    assert EngineArgs().resolve_num_speculative_tokens(cpu, "int4") == 3  # the packed kernels' blocks of 4 rows
+    assert EngineArgs(num_speculative_tokens=5).resolve_num_speculative_tokens(cpu, "int4") == 5

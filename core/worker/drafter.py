@@ -85,7 +85,7 @@ class Drafter:
         fused_kernels: bool,
         quantization: str | None = None,
     ) -> None:
-        self.k = args.num_speculative_tokens
+        self.k = args.resolve_num_speculative_tokens(device, quantization)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.disable_batch_size = args.speculative_disable_batch_size
