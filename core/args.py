@@ -101,7 +101,9 @@ class EngineArgs:
     speculative_model: str | None = _arg(
         None, "an EAGLE draft head folder, or 'default' for the head shipped for the default model; default: off"
     )
-    num_speculative_tokens: int = _arg(4, "draft tokens proposed per step")
+    num_speculative_tokens: int | None = _arg(
+        None, "draft tokens proposed per step; default: 4, 3 for a quantized model on the CPU"
+    )
     speculative_disable_batch_size: int = _arg(
         16, "above this many running + waiting requests a step does not speculate (it would cost throughput)"
     )
@@ -180,7 +182,7 @@ class EngineArgs:
             raise bad("gil_switch_interval_ms", f"must be in [0, 100], got {self.gil_switch_interval_ms}")
         if self.fused_kernels not in ("auto", "on", "off"):
             raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_disable_batch_size < 1:
             raise bad("speculative_disable_batch_size", f"must be >= 1, got {self.speculative_disable_batch_size}")
@@ -237,6 +239,16 @@ class EngineArgs:
                 return torch.bfloat16
             return torch.float32
         return getattr(torch, _DTYPES[self.dtype])
+
+    def resolve_num_speculative_tokens(self, device: torch.device, quantization: str | None) -> int:
+        """Draft tokens per step, the default made concrete for the device and the resolved ``quantization``: 4,
+        but 3 for a quantized model on the CPU. There the verification forward runs torch's packed int4 kernels,
+        which take a block of 4 rows at a time (1 + 3 tokens cost a fraction more than one, a fifth row nearly as
+        much again), and the int8 LM head likewise; each draft also costs a step of the head. On the default
+        model and its shipped head at batch 1, k=3 measured ahead of k=4 (docs/benchmarks/cpu_decode/)."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        return 3 if device.type == "cpu" and quantization is not None else 4
 
     def resolve_quantization(self, device: torch.device, gguf_file: str | None) -> str | None:
         """The quantization the model loads with; ``auto`` made concrete. On the CPU, for a GGUF model (whose

@@ -177,8 +177,10 @@ def eagle3_layers(num_layers: int) -> list[int]:
 
 
 def target_lm_weight(model) -> torch.Tensor:
-    """The target's LM-head matrix ``[vocab, hidden]`` (the embedding when tied)."""
-    return model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    """The target's LM-head matrix ``[vocab, hidden]``: the embedding when tied, also where a CPU model's tied head
+    is an int8 copy of it (`core/models/cpu_linear.py`: a module without a dense ``weight``)."""
+    tied = model.lm_head is None or model.tie_word_embeddings
+    return model.model.embed_tokens.weight if tied else model.lm_head.weight
 
 
 def new_draft_head(

@@ -116,6 +116,7 @@ class EagleProposer:
         backend: AttentionBackend,
         device: torch.device,
         dtype: torch.dtype,
+        int4_lm_head: bool = False,
     ) -> None:
         self.head = head
         self.k = num_speculative_tokens
@@ -124,6 +125,13 @@ class EagleProposer:
         self.device = device
         self.embed = target.model.embed_tokens
         self.lm_weight = head.lm_weight(target_lm_weight(target))  # [draft vocab, hidden]
+        # A draft step's LM head reads the whole matrix for one row a request: on the CPU (int4 packed kernels) an
+        # int4 copy reads a quarter of bf16's bytes. Its rounding can only change which drafts are proposed.
+        self.lm_head = None
+        if int4_lm_head:
+            from sluice.core.models.cpu_linear import Int4PackedLinear  # CPU only: torch's packed CPU kernels
+
+            self.lm_head = Int4PackedLinear.rounded_from(self.lm_weight)
         self.vocab_size = head.cfg.vocab_size
         cfg = head.cfg
         self.kv_caches = allocate_kv_cache(
@@ -164,7 +172,7 @@ class EagleProposer:
         ng_gens = [sampling.generators[j] for j in ng]
         tokens, probs = [], []
         for step in range(self.k):
-            logits = (g @ self.lm_weight.t()).float()
+            logits = self._draft_logits(g).float()
             tok, q = self._draw(logits, sampling, ng, ng_gens)
             tokens.append(tok)
             if q is not None:
@@ -213,7 +221,7 @@ class EagleProposer:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
         tokens = []
         for step in range(self.k):
-            tokens.append(self._greedy_tokens(g @ self.lm_weight.t()))
+            tokens.append(self._greedy_tokens(self._draft_logits(g)))
             if step == self.k - 1:
                 break
             step_meta = AttentionMetadata(
@@ -228,6 +236,10 @@ class EagleProposer:
             )
             g = self._run(tokens[-1], g, pos[step], step_meta)
         return torch.stack(tokens, 1)
+
+    def _draft_logits(self, g: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft's vocabulary of predicted features ``g`` ``[rows, hidden]``."""
+        return self.lm_head(g) if self.lm_head is not None else g @ self.lm_weight.t()
 
     def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax over the draft's vocabulary, as full-vocabulary ids (in the logits' own dtype: upcasting

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--head", default="default", help="draft head directory, or 'default'")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the engine's")
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per round")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of new prompts, the sides alternating first")
@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
         spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
     spec_extra = {k: v for k, v in extra.items() if k != "cpu_compile"}
     sides = {"plain": EngineArgs(**common, **extra), "spec": EngineArgs(**common, **spec_extra, **spec_kw)}
+    spec_args = sides["spec"]
+    device = spec_args.resolve_device()
+    k = spec_args.resolve_num_speculative_tokens(device, spec_args.resolve_quantization(device, source.gguf_file))
     if args.also_sync:
         sides["spec_sync"] = EngineArgs(**common, **spec_extra, **spec_kw, async_scheduling=False)
     res = run_sides(sides, rounds, warmup, params, args.concurrency)
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     plain_outputs = plain.pop("outputs")
     same = sum(a == b for a, b in zip(plain_outputs, spec.pop("outputs")))
     speedup = spec["tokens_per_s"] / plain["tokens_per_s"]
-    rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec (k={args.num_speculative_tokens})", **spec}]
+    rows = [{"engine": "sluice", **plain}, {"engine": f"sluice + spec (k={k})", **spec}]
     sync = res.get("spec_sync")
     if sync is not None:
         sync["identical_outputs"] = sum(a == b for a, b in zip(plain_outputs, sync.pop("outputs")))
@@ -199,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(rows)
     print(f"speedup {speedup:.2f}x; identical outputs {same}/{len(prompts)}")
     figures = {"plain": plain, "spec": spec, "speedup": round(speedup, 3), "identical_outputs": same}
+    figures["num_speculative_tokens"] = k
     if sync is not None:
         print(f"async scheduling off: speedup {sync['speedup']:.2f}x; identical outputs {sync['identical_outputs']}")
         figures["spec_sync"] = sync

@@ -76,9 +76,16 @@ class Drafter:
     proposes, from what it is handed."""
 
     def __init__(
-        self, args: EngineArgs, source: ModelSource, max_model_len: int, device, dtype, fused_kernels: bool
+        self,
+        args: EngineArgs,
+        source: ModelSource,
+        max_model_len: int,
+        device,
+        dtype,
+        fused_kernels: bool,
+        quantization: str | None = None,
     ) -> None:
-        self.k = args.num_speculative_tokens
+        self.k = args.resolve_num_speculative_tokens(device, quantization)
         self.block_size = args.block_size
         self.max_model_len = max_model_len
         self.disable_batch_size = args.speculative_disable_batch_size
@@ -88,6 +95,8 @@ class Drafter:
         self.head = load_draft_head(path, source.config, source.name, max_model_len + 2 * self.k + 1, device, dtype)
         if fused_kernels:
             enable_fused_kernels(self.head, **envs.fused_kernel_options())
+        # drafts scored through an int4 copy of the LM head (`EagleProposer`), where the head is packed
+        self.cpu_packed = device.type == "cpu" and quantization is not None and self._pack_for_cpu()
         self.feature_layers = tuple(self.head.cfg.feature_layers)  # () = the final hidden state (EAGLE-1)
         self.proposer: EagleProposer | None = None
         self.draft_probs: dict[str, torch.Tensor] = {}  # request -> q of its pending drafts [k, vocab]
@@ -96,6 +105,18 @@ class Drafter:
         self.graphs: DecodeGraphs | None = None
         self.buffers: StepBuffers | None = None  # the catch-up's inputs (the target keeps the runner's)
         self.chain_buffers: StepBuffers | None = None  # the draft chain's
+
+    def _pack_for_cpu(self) -> bool:
+        """On the CPU the head follows a quantized target onto the packed int4 kernels (`core/models/cpu_linear.py`)
+        where they run (bf16 activations, AVX2 / AVX-512); returns whether it did. A draft step reads the head's
+        weights cold (the target's forward passes in between), so their bytes are its time; their rounding can
+        only change which drafts are proposed, never what the target emits."""
+        from sluice.core.models.cpu_linear import packed_kernels_available, round_linears_to_int4
+
+        if self.dtype != torch.bfloat16 or not packed_kernels_available():
+            return False
+        round_linears_to_int4(self.head)
+        return True
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.head.cfg
@@ -106,7 +127,15 @@ class Drafter:
         ``uniform_steps`` (one process, a graph-safe attention backend) the uniform steps' graphs and state."""
         self.target = target
         self.proposer = EagleProposer(
-            self.head, target.model, num_blocks, self.block_size, self.k, target.backend, self.device, self.dtype
+            self.head,
+            target.model,
+            num_blocks,
+            self.block_size,
+            self.k,
+            target.backend,
+            self.device,
+            self.dtype,
+            int4_lm_head=self.cpu_packed,
         )
         self.buffers = StepBuffers(limits.max_tokens, limits.max_seqs, limits.max_blocks_per_seq, self.device)
         self.chain_buffers = StepBuffers(limits.max_seqs, limits.max_seqs, limits.max_blocks_per_seq, self.device)

@@ -88,7 +88,9 @@ class ModelRunner:
         self.max_num_tokens = max(args.max_num_batched_tokens, args.max_num_seqs)
         self.drafter = None  # speculative decoding: the draft head, verification and drafting
         if args.speculative_model is not None:
-            self.drafter = Drafter(args, source, max_model_len, self.device, self.dtype, self.fused_kernels)
+            self.drafter = Drafter(
+                args, source, max_model_len, self.device, self.dtype, self.fused_kernels, self.quantization
+            )
         self.graphs: DecodeGraphs | CompiledDecode | None = None  # CUDA graphs, or the CPU's compiled step
         self.mixed_graphs: MixedGraphs | None = None
         self._init_step_state()
@@ -123,7 +125,7 @@ class ModelRunner:
             if self.device.type == "cpu":
                 from sluice.core.models.cpu_linear import pack_for_cpu
 
-                pack_for_cpu(model, self.dtype, tied_head=args.speculative_model is None)  # the draft head reads it
+                pack_for_cpu(model, self.dtype)  # a draft head reads the tied head's embedding table, not the copy
         return model
 
     def _calibrate_kv_scales(self) -> None:
