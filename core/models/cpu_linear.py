@@ -178,17 +178,11 @@ class Int8PackedLinear(nn.Module):
 def round_linears_to_int4(module: nn.Module) -> int:
     """Replace every ``nn.Linear`` of a bf16 ``module`` by an `Int4PackedLinear` rounded from its weight
     (`Int4PackedLinear.rounded_from`: only where rounding costs no correctness); returns how many."""
-    names = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:
-        lin = module.get_submodule(name)
+    linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+    for name, lin in linears:
         bias = lin.bias.detach() if lin.bias is not None else None
-        parent, _, attr = name.rpartition(".")
-        setattr(
-            module.get_submodule(parent) if parent else module,
-            attr,
-            Int4PackedLinear.rounded_from(lin.weight.detach(), bias),
-        )
-    return len(names)
+        module.set_submodule(name, Int4PackedLinear.rounded_from(lin.weight.detach(), bias))
+    return len(linears)
 
 
 def packed_kernels_available(isa: str | None = None) -> bool:
@@ -208,12 +202,9 @@ def quantize_tied_head(model: nn.Module, dtype: torch.dtype, isa: str | None = N
     return True
 
 
-def pack_for_cpu(
-    model: nn.Module, dtype: torch.dtype, tied_head: bool = True, isa: str | None = None
-) -> dict[str, int]:
+def pack_for_cpu(model: nn.Module, dtype: torch.dtype, isa: str | None = None) -> dict[str, int]:
     """Replace each `QuantizedLinear` of a CPU model by its packed form where `select_cpu_kernel` picks one, and
-    with ``tied_head`` quantize a tied LM head (`quantize_tied_head`); returns the layer counts by kernel (logged:
-    which kernel runs)."""
+    quantize a tied LM head (`quantize_tied_head`); returns the layer counts by kernel (logged: which kernel runs)."""
     isa = cpu_capability() if isa is None else isa
     counts: dict[str, int] = {}
     targets = [name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)]
@@ -228,9 +219,8 @@ def pack_for_cpu(
             new = Int4PackedLinear.from_int4(lin.qweight, lin.scales, lin.mins, bias, lin.group_size)
         else:
             new = Int8PackedLinear(lin.qweight, lin.scales, bias)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)
-    if tied_head and quantize_tied_head(model, dtype, isa):
+        model.set_submodule(name, new)
+    if quantize_tied_head(model, dtype, isa):
         counts["int8pack (tied LM head)"] = 1
     if counts:
         logger.info("CPU linear kernels (%s, %s activations): %s", isa, str(dtype).removeprefix("torch."), counts)

@@ -239,8 +239,7 @@ def quantize_model(
         if new is None:
             new = _quantize_linear(lin, method, tuner)
             counts["quantized"] += 1
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        model.set_submodule(name, new)
         del lin
     return counts
 
