@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--engine-args",
         default="{}",
-        help="other EngineArgs fields for the plain side, as a JSON object (the "
-        "speculative side takes them too, except cpu_compile, which the drafter does not run with)",
+        help="other EngineArgs fields for both sides, as a JSON object (cpu_compile serves the plain side alone: "
+        "the runner leaves it off with a drafter)",
     )
     ap.add_argument("--out", default=None, help="also write the result as JSON here")
     args = ap.parse_args(argv)
@@ -175,13 +175,12 @@ def main(argv: list[str] | None = None) -> dict:
     spec_kw = dict(speculative_model=args.head, num_speculative_tokens=args.num_speculative_tokens)
     if args.speculative_disable_batch_size is not None:
         spec_kw["speculative_disable_batch_size"] = args.speculative_disable_batch_size
-    spec_extra = {k: v for k, v in extra.items() if k != "cpu_compile"}
-    sides = {"plain": EngineArgs(**common, **extra), "spec": EngineArgs(**common, **spec_extra, **spec_kw)}
+    sides = {"plain": EngineArgs(**common, **extra), "spec": EngineArgs(**common, **extra, **spec_kw)}
     spec_args = sides["spec"]
     device = spec_args.resolve_device()
     k = spec_args.resolve_num_speculative_tokens(device, spec_args.resolve_quantization(device, source.gguf_file))
     if args.also_sync:
-        sides["spec_sync"] = EngineArgs(**common, **spec_extra, **spec_kw, async_scheduling=False)
+        sides["spec_sync"] = EngineArgs(**common, **extra, **spec_kw, async_scheduling=False)
     res = run_sides(sides, rounds, warmup, params, args.concurrency)
     plain, spec = res["plain"], res["spec"]
     plain_outputs = plain.pop("outputs")
