@@ -23,15 +23,14 @@ class Start:
 
 def test_forks_wait_for_a_full_set_then_take_the_starts_in_turn():
     starts = GrammarStarts(per_grammar=3)
-    assert starts.fork("g", only_when_full=False) is None
+    assert starts.fork("g") is None
     for name in ("a", "b"):
         starts.add("g", Start(name))
-    assert starts.fork("g", only_when_full=True) is None  # two of three: the caller compiles a third
-    assert starts.fork("g", only_when_full=False) is not None
+    assert starts.fork("g") is None  # two of three: the caller compiles a third
     starts.add("g", Start("c"))
     starts.add("g", Start("d"))  # past the set: not kept
     assert starts.count("g") == 3
-    taken = [starts.fork("g", only_when_full=True)[1] for _ in range(6)]
+    taken = [starts.fork("g")[1] for _ in range(6)]
     assert sorted(taken) == ["a", "a", "b", "b", "c", "c"]
     assert all(taken[i] != taken[i + 1] for i in range(5))
 
@@ -40,7 +39,7 @@ def test_the_least_recently_used_grammar_goes_first():
     starts = GrammarStarts(per_grammar=1)
     for i in range(64):
         starts.add(f"g{i}", Start(str(i)))
-    starts.fork("g0", only_when_full=True)  # used: now the most recent
+    starts.fork("g0")  # used: now the most recent
     starts.add("g64", Start("64"))
     assert starts.count("g0") == 1 and starts.count("g1") == 0 and starts.count("g64") == 1
 

@@ -62,7 +62,7 @@ class GrammarRows:
         """A request arrives in the batch: its matcher, forked from a grammar compiled before (microseconds) or
         compiled in the background, then caught up with the output tokens it already has (`starts.py`)."""
         grammar = self.backend.grammar_of(spec)
-        fork = self.starts.fork(grammar.source, only_when_full=True)
+        fork = self.starts.fork(grammar.source)
         if fork is not None and not output_tokens:
             self.matchers[request_id] = fork
             return
@@ -79,7 +79,7 @@ class GrammarRows:
     def _build(self, grammar: CompiledGrammar, output_tokens: list[int]) -> GrammarMatcher:
         """In the compile thread: a matcher at the grammar's start, from a start of its own while the grammar has
         fewer than the backend's independent starts (kept, to fork for later requests), then caught up."""
-        m = self.starts.fork(grammar.source, only_when_full=True)
+        m = self.starts.fork(grammar.source)
         if m is None:
             m = self.backend.matcher(grammar)
             self.starts.add(grammar.source, m.fork())
@@ -104,13 +104,10 @@ class GrammarRows:
         self.matchers.pop(request_id, None)
 
     def accept(self, request_id: str, tokens: list[int]) -> None:
-        """The request's next tokens. Tokens after the grammar's end (its EOS, when ``ignore_eos`` goes on) are
-        not the grammar's."""
-        m = self._matcher(request_id)
-        if m is None or m.is_terminated:
-            return
-        if not m.accept_tokens(tokens):
-            self._fail(request_id, f"the grammar rejected token(s) {tokens}: {_first_line(m.error)}")
+        """The request's next tokens."""
+        m = self._advancing(request_id)
+        if m is not None and not m.accept_tokens(tokens):
+            self._rejected(request_id, m, tokens)
 
     def accept_rows(self, req_ids: list[str], tokens: list[int], rows: np.ndarray) -> None:
         """A read-back step's tokens, for its constrained ``rows`` only: the matchers advance together (in
@@ -118,16 +115,23 @@ class GrammarRows:
         steps: list[tuple[GrammarMatcher, int]] = []
         owners: list[str] = []
         for j in rows.tolist():
-            rid = req_ids[j]
-            m = self._matcher(rid)
-            if m is not None and not m.is_terminated:  # after the grammar's end: not the grammar's tokens
+            m = self._advancing(req_ids[j])
+            if m is not None:
                 steps.append((m, tokens[j]))
-                owners.append(rid)
-        if not steps:
-            return
-        for ok, (m, t), rid in zip(self.backend.accept_each(steps), steps, owners):
-            if not ok:
-                self._fail(rid, f"the grammar rejected token(s) {[t]}: {_first_line(m.error)}")
+                owners.append(req_ids[j])
+        if steps:
+            for ok, (m, t), rid in zip(self.backend.accept_each(steps), steps, owners):
+                if not ok:
+                    self._rejected(rid, m, [t])
+
+    def _advancing(self, request_id: str) -> GrammarMatcher | None:
+        """The request's matcher while it takes tokens: None once it failed, or after the grammar's end (its EOS,
+        when ``ignore_eos`` goes on: those tokens are not the grammar's)."""
+        m = self._matcher(request_id)
+        return None if m is None or m.is_terminated else m
+
+    def _rejected(self, request_id: str, m: GrammarMatcher, tokens: list[int]) -> None:
+        self._fail(request_id, f"the grammar rejected token(s) {tokens}: {_first_line(m.error)}")
 
     def accept_step(self, sampled: dict[str, int], emitted: dict[str, list[int]]) -> None:
         """A speculative step's tokens: the plain rows' samples, the verifying rows' accepted drafts and the token

@@ -25,12 +25,12 @@ class GrammarStarts:
         self._turn = 0  # which start the next fork takes
         self._lock = threading.Lock()  # the compile thread adds starts, the executor's thread forks
 
-    def fork(self, source: str, *, only_when_full: bool) -> GrammarMatcher | None:
-        """A fork of one of ``source``'s starts, taken in turn; None when it has none, or (``only_when_full``)
-        fewer than ``per_grammar``: the caller then compiles another."""
+    def fork(self, source: str) -> GrammarMatcher | None:
+        """A fork of one of ``source``'s starts, taken in turn; None while it has fewer than ``per_grammar``: the
+        caller then compiles another."""
         with self._lock:
             starts = self._starts.get(source)
-            if not starts or (only_when_full and len(starts) < self.per_grammar):
+            if starts is None or len(starts) < self.per_grammar:
                 return None
             self._starts.move_to_end(source)
             self._turn += 1
