@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     SLUICE_FUSED_ROPE_KV: bool = True
     SLUICE_GEMV: bool = True
     SLUICE_GEMV_ROWS: int | None = None
+    SLUICE_FP8_GEMV_ROWS: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
     SLUICE_SUBMIT_CHUNK: int = 64
     SLUICE_FP8_WEIGHT_SCALE: str | None = None
@@ -165,6 +166,11 @@ environment_variables: dict[str, Variable] = {
         _int("SLUICE_GEMV_ROWS", None),
         "Rows up to which a linear layer takes the GEMV, at most its `MAX_ROWS` (unset: `MAX_ROWS`).",
     ),
+    "SLUICE_FP8_GEMV_ROWS": Variable(
+        _int("SLUICE_FP8_GEMV_ROWS", None),
+        "Rows up to which an fp8 linear layer takes its GEMV kernel, past them torch._scaled_mm (unset: "
+        "`fp8_kernels.GEMV_ROWS`).",
+    ),
     "SLUICE_GEMV_FOLD": Variable(
         _names("SLUICE_GEMV_FOLD"),
         "Comma-separated kernels folded into a GEMV: norm (into the one after it), silu (into the gate/up one "
@@ -218,12 +224,13 @@ def configure_kernels() -> None:
     """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, the GEMV's rows and
     folds, and the fp8 recipe (asked at load). The model runner calls it before it builds anything that
     launches them."""
-    from sluice.core.models import fp8_recipe, gemv
+    from sluice.core.models import fp8_kernels, fp8_recipe, gemv
     from sluice.kv.attention import pdl
 
     pdl.configure(enabled=__getattr__("SLUICE_PDL"))
     fp8_recipe.configure(__getattr__("SLUICE_FP8_WEIGHT_SCALE"), __getattr__("SLUICE_FP8_DENSE_LAST_LAYERS"))
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))
+    fp8_kernels.set_gemv_rows(__getattr__("SLUICE_FP8_GEMV_ROWS"))
 
 
 # -- other programs' variables the engine reads (OpenMP's, for `core/cpu_threads.py`) --------------------------

@@ -7,11 +7,12 @@ shapes, kernel timings against bf16, and greedy agreement of ``--quantization fp
     python scripts/gpu_fp8_check.py agree --device cpu --variant fp8-kv --num-prompts 12 --tokens 16 --out a.json
 
 ``kernels``: Llama-3-8B's projections (qkv 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336) at 1 to 512
-rows: `fp8_kernels.fp8_linear` (the engine's dispatch), the GEMV with fp16 and with fp8 operands, and
+rows: `fp8_kernels.fp8_linear` (the engine's dispatch), the GEMV with fp16 and with fp8 operands (sums promoted to
+fp32 every 128 products, and not), and
 ``_scaled_mm`` after the row-quant kernel, each against `fp8_linear.fp8_linear_reference` (relative error of the
 bf16 output; the row-quant kernel's codes bit for bit); the split-K GEMV replayed in a CUDA graph; extreme inputs
 (zero, huge and infinite activations) give no NaN. Then CUDA-graph timings (``do_bench_cudagraph``) of bf16 cuBLAS,
-the bf16 GEMV (`core/models/gemv.py`, to 64 rows) and the fp8 paths at rows 1, 8, 32, 256 (``--sweep``: GEMV configs
+the bf16 GEMV (`core/models/gemv.py`, to 64 rows) and the fp8 paths at rows 1, 8, 16, 32, 256 (``--sweep``: GEMV configs
 at 1 row too), and the per-token sum of the four projections over 32 layers at batch 1. Exit status 1 when a
 check fails, so a calling script stops early.
 
@@ -34,7 +35,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 # timed beside them: the LM head, which stays bf16 in the engine (`core/models/fp8_linear.py`): what fp8 would save
 HEAD = {"lm_head": (128256, 4096)}
 CHECK_ROWS = (1, 3, 8, 16, 32, 33, 64, 256, 512)
-TIME_ROWS = (1, 8, 32, 256)
+TIME_ROWS = (1, 8, 16, 32, 256)
 LAYERS = 32
 VARIANTS = {"fp8": {"quantization": "fp8"}, "fp8-kv": {"kv_cache_dtype": "fp8"}}
 # bf16 output against the fp32-accumulated emulation: a few bf16 roundings and a different summation order
@@ -70,21 +71,20 @@ def check_paths(rows=CHECK_ROWS) -> list[dict]:
             x, _, q, s, counters = _inputs(m, n, k, m)
             ref = fp8_linear_reference(x, q, s, None)
             row = {"shape": name, "rows": m, "dispatch": _rel(fk.fp8_linear(x, q, s, None, counters), ref)}
-            if m <= 64:  # the GEMV with both dot flavours (the engine runs `Fp8GemvConfig.dot`'s default)
-                c = fk.gemv_config(n, k, fk.num_sms(x.device), fk.block_m(m))
-                for dot in (1, 2):
+            c = fk.gemv_config(n, k, fk.num_sms(x.device), fk.block_m(m))
+            if m <= 64:  # the GEMV with each dot flavour (the engine runs `gemv_config`'s)
+                for flavour, cfg in _flavours(c).items():
                     try:
-                        cfg = fk.Fp8GemvConfig(c.block_n, c.block_k, c.split_k, dot=dot)
-                        row[f"gemv_dot{dot}"] = _rel(fk.fp8_gemv(x, q, s, None, counters, cfg), ref)
+                        row[f"gemv_{flavour}"] = _rel(fk.fp8_gemv(x, q, s, None, counters, cfg), ref)
                     except Exception as e:  # noqa: BLE001 - recorded; only the default flavour must work
-                        row[f"gemv_dot{dot}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if m >= 16:
+                        row[f"gemv_{flavour}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if m >= 8:
                 row["scaled_mm"] = _rel(fk.fp8_scaled_mm(x, q, s, None), ref)
             xq, sx = fk.quantize_rows(x)
             rq, rs = quantize_rows(x)
             row["quant_code_mismatches"] = int((xq.view(torch.uint8) != rq.view(torch.uint8)).sum())
             row["quant_scale_rel"] = _rel(sx, rs)
-            default = f"gemv_dot{fk.Fp8GemvConfig(1, 1, 1).dot}"
+            default = f"gemv_dot{c.dot}"
             errs = [row["dispatch"], row.get("scaled_mm", 0.0), row.get(default, 0.0)]
             row["pass"] = (
                 all(e <= MAX_REL_ERR for e in errs)
@@ -94,6 +94,14 @@ def check_paths(rows=CHECK_ROWS) -> list[dict]:
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
+
+
+def _flavours(c) -> dict:
+    """The GEMV config ``c`` with fp16 operands (dot1), fp8 ones with sums promoted to fp32 every 128 products
+    (dot2, the engine's) and without (dot2raw)."""
+    from dataclasses import replace
+
+    return {"dot1": replace(c, dot=1), "dot2": replace(c, dot=2), "dot2raw": replace(c, dot=2, promote_k=0)}
 
 
 def check_graph_and_guards() -> dict:
@@ -174,10 +182,9 @@ def _time_row(name: str, n: int, k: int, m: int) -> dict:
     row["fp8_dispatch_us"] = _bench(lambda: fk.fp8_linear(x, q, s, None, counters))
     if m <= 64:
         c = fk.gemv_config(n, k, fk.num_sms(x.device), fk.block_m(m))
-        c2 = fk.Fp8GemvConfig(c.block_n, c.block_k, c.split_k, dot=2)
-        row["fp8_gemv_dot1_us"] = _bench(lambda: fk.fp8_gemv(x, q, s, None, counters, c))
-        row["fp8_gemv_dot2_us"] = _bench(lambda: fk.fp8_gemv(x, q, s, None, counters, c2))
-    if m >= 16:
+        for flavour, cfg in _flavours(c).items():
+            row[f"fp8_gemv_{flavour}_us"] = _bench(lambda cfg=cfg: fk.fp8_gemv(x, q, s, None, counters, cfg))
+    if m >= 8:
         row["fp8_scaled_mm_us"] = _bench(lambda: fk.fp8_scaled_mm(x, q, s, None))
         row["fp8_quant_rows_us"] = _bench(lambda: fk.quantize_rows(x))
     row["fp8_weight_tb_s"] = n * k / row["fp8_dispatch_us"] / 1e6

@@ -181,6 +181,21 @@ def test_cuda_dispatch_picks_by_rows_without_the_gpu():
     assert fk.gemv_rows() == fk.GEMV_ROWS
     c1, c64 = fk.gemv_config(4096, 14336, 132, 16), fk.gemv_config(4096, 14336, 132, 64)
     assert c1.split_k > 1 and c64.block_k <= c1.block_k
+    assert (c1.dot, c64.dot) == (2, 1) and c1.promote_k > 0  # fp8 operands only at small row tiles
+
+
+def test_the_fp8_gemv_rows_come_from_the_environment(monkeypatch):
+    from sluice.core import envs
+
+    fk = _kernels()
+    monkeypatch.setenv("SLUICE_FP8_GEMV_ROWS", "8")
+    try:
+        envs.configure_kernels()
+        assert fk.gemv_rows() == 8
+    finally:
+        monkeypatch.delenv("SLUICE_FP8_GEMV_ROWS")
+        envs.configure_kernels()
+    assert fk.gemv_rows() == fk.GEMV_ROWS
 
 
 # ------------------------------------------------------------------------------------------------ model

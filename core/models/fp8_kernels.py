@@ -11,8 +11,11 @@
   SMs; the last program of a tile adds the partials (an arrival counter per tile, reset by that program: one
   launch, one node of a CUDA graph), as in `core/models/gemv.py`. The product runs on the tensor cores with both
   operands converted to fp16 (``DOT=1``: every e4m3 value is exact in fp16, the products exact in fp32) or as an
-  fp8 dot (``DOT=2``); ``DOT=0`` is the fp32 path of the CPU interpreter. Launched with programmatic dependent
-  launch (`kv/attention/pdl.py`) like the bf16 GEMV.
+  fp8 dot (``DOT=2``, row tiles of 16: no conversion of the weight tile, which was the loop's cost at one row);
+  ``DOT=0`` is the fp32 path of the CPU interpreter. Hopper's fp8 MMA adds its products into the accumulator with
+  fewer mantissa bits than fp32 (~0.2% of a K = 4,096 output's norm on an H100), so ``PROMOTE_K`` has Triton add them
+  into an fp32 accumulator every 128 products (DeepSeek-V3's recipe; Triton's ``max_num_imprecise_acc``).
+  Launched with programmatic dependent launch (`kv/attention/pdl.py`) like the bf16 GEMV.
 * more rows: `_quant_rows_kernel` (one program per row: amax, then the e4m3 codes and the row's scale), then
   ``torch._scaled_mm`` with row-wise scales (fp8 tensor cores, bf16 out). Shapes ``_scaled_mm`` refuses (K or N
   not a multiple of 16, a non-bf16 ``x``) take the GEMV kernel over tiles of 64 rows instead.
@@ -35,10 +38,14 @@ from sluice.core.models.fp8_format import F32_MAX, MIN_AMAX
 from sluice.kv.attention.pdl import pdl_launch
 from sluice.kv.attention.triton_kernels import _round_e4m3
 
-# Rows up to which `fp8_linear` takes the GEMV kernel (`set_gemv_rows` moves it, for timing).
+# Rows up to which `fp8_linear` takes the GEMV kernel (`set_gemv_rows` moves it).
 GEMV_ROWS = 32
 # The largest row tile of x the GEMV kernel takes; more rows are more tiles.
 MAX_BLOCK_M = 64
+# Row tiles up to which the GEMV multiplies fp8 operands (``DOT=2``); larger tiles convert to fp16 (``DOT=1``).
+DOT_FP8_MAX_BLOCK_M = 16
+# Products of an fp8 MMA between promotions of its sums to fp32 (module doc).
+PROMOTE_K = 128
 # Elements of x per step of a GEMV program's amax prologue (`_rows_amax`) at few rows: 32 a thread at 4 warps
 # (at 16 rows and more the step is the loop's own x tile, which was faster at 32 rows on the H100).
 AMAX_ELEMENTS = 4096
@@ -47,9 +54,10 @@ _F32_MAX = tl.constexpr(F32_MAX)
 _gemv_rows = GEMV_ROWS
 
 
-def set_gemv_rows(rows: int) -> None:
+def set_gemv_rows(rows: int | None) -> None:
+    """Rows up to which `fp8_linear` takes the GEMV (None: `GEMV_ROWS`; ``SLUICE_FP8_GEMV_ROWS``)."""
     global _gemv_rows
-    _gemv_rows = rows
+    _gemv_rows = GEMV_ROWS if rows is None else rows
 
 
 def gemv_rows() -> int:
@@ -116,6 +124,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT: tl.constexpr,
+    PROMOTE_K: tl.constexpr,
     EXACT_ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -151,6 +160,8 @@ def _fp8_gemv_kernel(
             acc = tl.dot(w.to(tl.float32), xq.to(tl.float32), acc, input_precision="ieee")
         elif DOT == 1:
             acc = tl.dot(w.to(tl.float16), xq.to(tl.float16), acc)
+        elif PROMOTE_K > 0:  # the tensor cores' sums into fp32 every PROMOTE_K products (module doc)
+            acc = tl.dot(w, xq, acc, max_num_imprecise_acc=PROMOTE_K)
         else:
             acc = tl.dot(w, xq, acc)
     sw = tl.load(sw_ptr + rows, mask=rmask, other=0.0)
@@ -211,6 +222,7 @@ class Fp8GemvConfig:
     num_warps: int = 4
     num_stages: int = 4
     dot: int = 1  # 1: fp16 operands, 2: fp8 operands (module doc)
+    promote_k: int = PROMOTE_K  # with fp8 operands: products per fp32 promotion (0: the MMA's own accumulation)
 
 
 @functools.cache
@@ -221,12 +233,13 @@ def num_sms(device: torch.device) -> int:
 @functools.cache
 def gemv_config(n: int, k: int, sms: int, bm: int) -> Fp8GemvConfig:
     """Tiles of 64 output rows by 256 bytes of K; K split (in ranges of at least 2048) while the grid stays
-    within ~2 programs per SM. A 64-row tile of x takes 128-byte steps (shared memory)."""
+    within ~2 programs per SM. A 64-row tile of x takes 128-byte steps (shared memory). Row tiles up to
+    `DOT_FP8_MAX_BLOCK_M` multiply fp8 operands."""
     tiles = triton.cdiv(n, 64)
     split = 1
     while split < 8 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= 2048:
         split *= 2
-    return Fp8GemvConfig(64, 128 if bm >= 64 else 256, split)
+    return Fp8GemvConfig(64, 128 if bm >= 64 else 256, split, dot=2 if bm <= DOT_FP8_MAX_BLOCK_M else 1)
 
 
 def block_m(m: int) -> int:
@@ -268,7 +281,8 @@ def fp8_gemv(
         counters if counters is not None else weight_scale, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, AMAX_M=amax_m, AMAX_K=amax_k,
         SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=k % (c.block_k * split) == 0, DOT=0 if interp else c.dot, EXACT_ROUND=interp,
+        EVEN_K=k % (c.block_k * split) == 0, DOT=0 if interp else c.dot, PROMOTE_K=min(c.promote_k, c.block_k),
+        EXACT_ROUND=interp,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
     return out
