@@ -333,7 +333,7 @@ def main() -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     p.add_argument("--contexts", type=int, nargs="+", default=[512])
     p.add_argument("--num-kv-blocks", type=int, default=None, help="default: sized by the memory profile")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None)
+    p.add_argument("--quantization", choices=("int8", "int4", "fp8"), default=None)
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--prefills", nargs="+", default=["8x2048"], help="prefill steps BxN to time (the last is profiled)")
     p.add_argument("--mixed", nargs="*", default=[], help="mixed steps DxP: D decode rows beside a P-token prompt")
