@@ -30,9 +30,12 @@ def test_forks_wait_for_a_full_set_then_take_the_starts_in_turn():
     starts.add("g", Start("c"))
     starts.add("g", Start("d"))  # past the set: not kept
     assert starts.count("g") == 3
-    taken = [starts.fork("g")[1] for _ in range(6)]
+    forks = [starts.fork("g") for _ in range(6)]
+    taken = [fork[1] for fork, _ in forks]
     assert sorted(taken) == ["a", "a", "b", "b", "c", "c"]
     assert all(taken[i] != taken[i + 1] for i in range(5))
+    families = {name: family for (_, name), family in forks}  # a start's forks are its family
+    assert len(set(families.values())) == 3 and all(families[f[1]] == family for f, family in forks)
 
 
 def test_the_least_recently_used_grammar_goes_first():
@@ -60,6 +63,33 @@ def test_a_grammars_first_requests_compile_their_own_starts_and_later_ones_fork(
         rows.fill([f"r{i}"], np.array([0]))  # waits for its compile, if it had one
     assert rows.starts.count(source) == 3
     ids = [f"r{i}" for i in range(8)]
+    assert len(set(rows.families.values())) == 3  # the three starts' families (a compiling request's own too)
     mask, _ = rows.fill(ids, np.arange(8))
     host = mask.numpy()
     assert (host == host[0]).all() and host[0].any()  # every row at the grammar's start, whichever start it came from
+
+
+def test_a_steps_rows_reach_the_backend_ordered_by_family_and_each_mask_lands_in_its_row(backend, monkeypatch):
+    monkeypatch.setenv("SLUICE_GRAMMAR_THREADS", "2")
+    rows = GrammarRows(lambda: backend, 49152, 8, torch.device("cpu"))
+    digit = StructuredOutputsParams(regex="[0-9]+")
+    letter = StructuredOutputsParams(regex="[a-z]+")
+    ids = [f"r{i}" for i in range(8)]
+    for i, rid in enumerate(ids):  # two grammars, two starts each: four families, interleaved over the rows
+        rows.add(rid, digit if i % 2 else letter, [])
+        rows.fill([rid], np.array([0]))
+    seen: list[int] = []
+    fill = backend.fill_bitmasks
+
+    def spy(pairs, host):
+        seen.extend(i for _, i in pairs)
+        fill(pairs, host)
+
+    monkeypatch.setattr(backend, "fill_bitmasks", spy)
+    mask, _ = rows.fill(ids, np.arange(8))
+    families = [rows.families[ids[i]] for i in seen]
+    assert sorted(seen) == list(range(8)) and families == sorted(families) and len(set(families)) == 4
+    host = mask.numpy()
+    for i in range(8):  # each row's mask is its own grammar's, wherever the order put it
+        assert (host[i] == host[i % 2]).all()
+    assert not (host[0] == host[1]).all()

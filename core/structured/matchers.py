@@ -42,6 +42,7 @@ class GrammarRows:
         self.words = bitmask_words(vocab_size)
         # request -> its matcher, or the compile that will give it (`_matcher` waits for it)
         self.matchers: dict[str, GrammarMatcher | Future] = {}
+        self.families: dict[str, int] = {}  # request -> the family of its matcher (`starts.py`), set with it
         self._compiler: ThreadPoolExecutor | None = None
         self._starts: GrammarStarts | None = None  # with the backend: how many starts per grammar is its to say
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
@@ -64,7 +65,7 @@ class GrammarRows:
         grammar = self.backend.grammar_of(spec)
         fork = self.starts.fork(grammar.source)
         if fork is not None and not output_tokens:
-            self.matchers[request_id] = fork
+            self.matchers[request_id], self.families[request_id] = fork
             return
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
@@ -76,32 +77,34 @@ class GrammarRows:
             self._starts = GrammarStarts(self.backend.independent_starts)
         return self._starts
 
-    def _build(self, grammar: CompiledGrammar, output_tokens: list[int]) -> GrammarMatcher:
+    def _build(self, grammar: CompiledGrammar, output_tokens: list[int]) -> tuple[GrammarMatcher, int]:
         """In the compile thread: a matcher at the grammar's start, from a start of its own while the grammar has
-        fewer than the backend's independent starts (kept, to fork for later requests), then caught up."""
-        m = self.starts.fork(grammar.source)
-        if m is None:
+        fewer than the backend's independent starts (kept, to fork for later requests), then caught up; with its
+        family."""
+        fork = self.starts.fork(grammar.source)
+        if fork is None:
             m = self.backend.matcher(grammar)
-            self.starts.add(grammar.source, m.fork())
-        if output_tokens and not m.accept_tokens(output_tokens):
-            raise RequestFailedError(f"the grammar rejects the output so far: {_first_line(m.error)}")
-        return m
+            fork = m, self.starts.add(grammar.source, m.fork())
+        if output_tokens and not fork[0].accept_tokens(output_tokens):
+            raise RequestFailedError(f"the grammar rejects the output so far: {_first_line(fork[0].error)}")
+        return fork
 
     def _matcher(self, request_id: str) -> GrammarMatcher | None:
         """The request's matcher (once its compile is done), or None: not constrained, or failed."""
         m = self.matchers.get(request_id)
         if isinstance(m, Future):
             try:
-                m = m.result()
+                m, family = m.result()
             except Exception as e:  # checked by the front end already: only a broken backend gets here
                 self._fail(request_id, str(e))
                 return None
             if request_id in self.matchers:  # not dropped meanwhile
-                self.matchers[request_id] = m
+                self.matchers[request_id], self.families[request_id] = m, family
         return m
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
+        self.families.pop(request_id, None)
 
     def accept(self, request_id: str, tokens: list[int]) -> None:
         """The request's next tokens."""
@@ -151,7 +154,7 @@ class GrammarRows:
 
     def _fail(self, request_id: str, why: str) -> None:
         self.failures[request_id] = RequestFailedError(f"structured output: {why}")
-        self.matchers.pop(request_id, None)
+        self.drop(request_id)
 
     # -- one step's mask -----------------------------------------------------------------------------
     def mask_logits(
@@ -178,7 +181,7 @@ class GrammarRows:
             raise RuntimeError(f"{c} constrained rows, more than the {self.max_rows} the mask holds")
         host_t, rows_t, dev, rows_dev = self._buffers or self._allocate()
         host = host_t.numpy()
-        plain: list[tuple[GrammarMatcher, int]] = []  # filled together (in parallel, where the backend can)
+        plain: list[tuple[int, GrammarMatcher, int]] = []  # filled together (in parallel, where the backend can)
         for i, rid in enumerate(req_ids):
             m = self._matcher(rid)
             before = drafts[i] if drafts is not None else None
@@ -189,9 +192,10 @@ class GrammarRows:
                 m.fill_bitmask(host, i)
                 m.rollback(len(before))
             else:
-                plain.append((m, i))
+                plain.append((self.families.get(rid, 0), m, i))
         if plain:
-            self.backend.fill_bitmasks(plain, host)
+            plain.sort(key=_family)  # each family's rows together (`starts.py`)
+            self.backend.fill_bitmasks([(m, i) for _, m, i in plain], host)
         for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
             m = self._matcher(req_ids[i])
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
@@ -221,6 +225,10 @@ class GrammarRows:
             None if on_cpu else torch.empty(n, dtype=torch.int64, device=self.device),
         )
         return self._buffers
+
+
+def _family(row: tuple[int, GrammarMatcher, int]) -> int:
+    return row[0]
 
 
 def _first_line(error: str | None) -> str:

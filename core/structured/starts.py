@@ -6,6 +6,9 @@ the start's lexer, built lazily, and a mask computation holds its lock throughou
 fill their masks one at a time however many threads the backend runs. Hence several independent starts per
 grammar (the backend's ``independent_starts``: as many as rows it fills at once), forked in turn: the first
 requests of a grammar each compile one more start (in the background, as any compile), the later ones fork.
+Each start is a *family* (a number): a step's rows go to the backend ordered by family, so that a thread of its
+pool, which takes a contiguous run of the rows, mostly takes one family's lock (forked in turn, neighbouring rows
+would each take another start's).
 """
 
 from __future__ import annotations
@@ -21,30 +24,35 @@ _GRAMMARS = 64  # grammars kept (most recently used); their starts go with them
 class GrammarStarts:
     def __init__(self, per_grammar: int) -> None:
         self.per_grammar = max(1, per_grammar)
-        self._starts: OrderedDict[str, list[GrammarMatcher]] = OrderedDict()  # grammar source -> its starts
+        # grammar source -> its starts, each with its family
+        self._starts: OrderedDict[str, list[tuple[int, GrammarMatcher]]] = OrderedDict()
+        self._families = 0  # families given out so far (a start's, or a lone matcher's)
         self._turn = 0  # which start the next fork takes
         self._lock = threading.Lock()  # the compile thread adds starts, the executor's thread forks
 
-    def fork(self, source: str) -> GrammarMatcher | None:
-        """A fork of one of ``source``'s starts, taken in turn; None while it has fewer than ``per_grammar``: the
-        caller then compiles another."""
+    def fork(self, source: str) -> tuple[GrammarMatcher, int] | None:
+        """A fork of one of ``source``'s starts, taken in turn, and its family; None while the grammar has fewer
+        than ``per_grammar`` starts: the caller then compiles another."""
         with self._lock:
             starts = self._starts.get(source)
             if starts is None or len(starts) < self.per_grammar:
                 return None
             self._starts.move_to_end(source)
             self._turn += 1
-            return starts[self._turn % len(starts)].fork()
+            family, start = starts[self._turn % len(starts)]
+            return start.fork(), family
 
-    def add(self, source: str, start: GrammarMatcher) -> None:
-        """A newly compiled start of ``source`` (beyond ``per_grammar`` it is not kept)."""
+    def add(self, source: str, start: GrammarMatcher) -> int:
+        """A newly compiled start of ``source`` (beyond ``per_grammar`` it is not kept); returns its family."""
         with self._lock:
+            self._families += 1
             starts = self._starts.setdefault(source, [])
             if len(starts) < self.per_grammar:
-                starts.append(start)
+                starts.append((self._families, start))
             self._starts.move_to_end(source)
             while len(self._starts) > _GRAMMARS:
                 self._starts.popitem(last=False)
+            return self._families
 
     def count(self, source: str) -> int:
         with self._lock:
