@@ -83,8 +83,11 @@ def main() -> None:
     variants = [("serial", serial_fill, 1)]
     for n in ns.threads:
         variants += [(f"executor{n}", executor_fill(n), n), (f"executor{n}/1", executor_fill(n), 1)]
+    n = max(ns.threads)  # and every row from a start of its own: no lock shared at all, no lexer cache either
+    variants.append((f"executor{n}/{ns.rows}", executor_fill(n), ns.rows))
     print(f"{ns.rows} rows, {ns.steps} steps: ms per step, median / p90 (whole fill; llguidance's part)")
-    print("(executorN: llguidance's executor on N threads, the rows forked from N starts; executorN/1: from one)")
+    print("(executorN: llguidance's executor on N threads, the rows forked from N starts; executorN/1: from one;")
+    print(" executorN/R: each of the R rows from its own)")
     for name, fill_rows, starts in variants:
         whole, inner = walk(backend, spec, ns, fill_rows, starts)
         q = [(statistics.median(v) * 1e3, sorted(v)[int(0.9 * len(v))] * 1e3) for v in (whole, inner)]
