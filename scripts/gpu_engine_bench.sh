@@ -520,12 +520,12 @@ fp8-b1)  # issue 39 in ~3 min: the fp8 kernels' check (batch 1's bandwidth per p
     lat_b1 lat_b1_bf16
     lat_b1 lat_b1_fp8 "" "--quantization fp8"
     ;;
-probe)  # issues 39 and 38 in one call (~8 min): the fp8 kernels' check and timings; batch 1 bf16 then fp8; where
+probe)  # issues 39 and 38 in one call (~8 min): the fp8 kernels' check, timings and config sweep at one row; batch 1 bf16 then fp8; where
     # a batch-1 step's device time goes (eager kernels by class, `gpu_engine_check.py profile`) for fp8 dummy:llama3-8b
     # and for dummy:qwen3-30b-a3b; the fused-MoE kernels' tile sweep at real shapes
     pyx
     P="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python"
-    run fp8_kernels 240 $P scripts/gpu_fp8_check.py kernels --out "$OUT/fp8_kernels.json"
+    run fp8_kernels 300 $P scripts/gpu_fp8_check.py kernels --sweep --out "$OUT/fp8_kernels.json"
     lat_b1 lat_b1_bf16
     lat_b1 lat_b1_fp8 "" "--quantization fp8"
     run profile_fp8 180 $P scripts/gpu_engine_check.py profile --quantization fp8 --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_fp8.json"

@@ -212,12 +212,14 @@ def _sweep_row(name: str, n: int, k: int, m: int) -> dict:
     x, _, q, s, counters = _inputs(m, n, k, 2)
     default = fk.gemv_config(n, k, fk.num_sms(x.device), fk.block_m(m))
     times = {}
-    # a small grid (each distinct config compiles once): tile rows, K step, split-K as the default or none, and the
-    # default with fp8 operands and with 8 warps
+    # a small grid (each distinct config compiles once): tile rows (32, 64), K step, split-K none, the default's and
+    # two and four times it (more programs in flight per SM: at one row a program's read is latency-bound), with the
+    # default's operands; then the default with the other operands, 8 warps and 3 stages
+    splits = {1, default.split_k, 2 * default.split_k, 4 * default.split_k}
     grid = [
-        fk.Fp8GemvConfig(bn, bk, split) for bn in (32, 64, 128) for bk in (256, 512) for split in {1, default.split_k}
+        fk.Fp8GemvConfig(bn, bk, split, dot=default.dot) for bn in (32, 64) for bk in (256, 512) for split in splits
     ]
-    grid += [replace(default, dot=2), replace(default, num_warps=8), replace(default, num_stages=3)]
+    grid += [replace(default, dot=3 - default.dot), replace(default, num_warps=8), replace(default, num_stages=3)]
     for c in grid:
         try:
             times[c] = _bench(lambda c=c: fk.fp8_gemv(x, q, s, None, counters, c))
