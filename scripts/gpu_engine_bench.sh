@@ -45,8 +45,9 @@
 #                   # PEER_PROMPTS (default 100) of the same requests (output tok/s rates compared), batch 1 and its
 #                   # weight-read floor (active experts only); ~17 min, so over calls of at most 10 min each:
 #                   # moe-1 (kernels, greedy; ~5 min), moe-2 (Qwen3-30B-A3B; ~6 min), moe-3 (Mixtral-8x7B; ~7 min)
-#   scripts/gpu_engine_bench.sh probe  # issues 39 and 38: fp8 kernels, batch 1 bf16/fp8, batch-1 profiles of fp8 and
-#                                      # of dummy:qwen3-30b-a3b, the fused-MoE tile sweep (~8 min)
+#   scripts/gpu_engine_bench.sh probe-fp8  # issue 39: fp8 kernels and their one-row sweep, batch 1 bf16/fp8, a batch-1
+#                                          # profile of fp8 (~7 min)
+#   scripts/gpu_engine_bench.sh probe-moe  # issue 38: a batch-1 profile of dummy:qwen3-30b-a3b, the MoE tile sweep
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -520,15 +521,18 @@ fp8-b1)  # issue 39 in ~3 min: the fp8 kernels' check (batch 1's bandwidth per p
     lat_b1 lat_b1_bf16
     lat_b1 lat_b1_fp8 "" "--quantization fp8"
     ;;
-probe)  # issues 39 and 38 in one call (~8 min): the fp8 kernels' check, timings and config sweep at one row; batch 1 bf16 then fp8; where
-    # a batch-1 step's device time goes (eager kernels by class, `gpu_engine_check.py profile`) for fp8 dummy:llama3-8b
-    # and for dummy:qwen3-30b-a3b; the fused-MoE kernels' tile sweep at real shapes
+probe-fp8)  # issue 39 in one call (~7 min): the fp8 kernels' check, timings and config sweep at one row; batch 1
+    # bf16 then fp8; where an fp8 batch-1 step's device time goes (eager kernels by class, `gpu_engine_check.py profile`)
     pyx
     P="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python"
     run fp8_kernels 300 $P scripts/gpu_fp8_check.py kernels --sweep --out "$OUT/fp8_kernels.json"
     lat_b1 lat_b1_bf16
     lat_b1 lat_b1_fp8 "" "--quantization fp8"
     run profile_fp8 180 $P scripts/gpu_engine_check.py profile --quantization fp8 --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_fp8.json"
+    ;;
+probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3-30b-a3b goes (eager kernels by class),
+    # then the fused-MoE kernels' tile sweep at real shapes
+    P="env PYTHONPATH=$(scripts/namespace_path.sh) python"
     run profile_moe 240 $P scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_moe.json"
     run moe_kernels 180 $P scripts/gpu_moe_check.py kernels --sweep --out "$OUT/moe_kernels.json"
     ;;
