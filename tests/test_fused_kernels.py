@@ -65,6 +65,24 @@ def test_add_rmsnorm_matches_layer(dtype, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_q_and_k_head_norms_in_one_launch_equal_two_norms_bit_for_bit(dtype, tokens):
+    # Qwen3's per-head norms in place over the qkv rows (`rmsnorm_qk_`) against `add_rmsnorm` over each strided
+    # view (the path before it): the same arithmetic, so the same bits; v untouched
+    hq, hk, d = 4, 2, 64
+    g = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, (hq + 2 * hk) * d, generator=g) * 3).to(dtype).to(DEVICE)
+    wq, wk = (torch.randn(d, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    want_q = fused.add_rmsnorm(q.reshape(tokens, hq, d), None, wq, 1e-6)[0]
+    want_k = fused.add_rmsnorm(k.reshape(tokens, hk, d), None, wk, 1e-6)[0]
+    v_before = v.clone()
+    fused.rmsnorm_qk_(qkv, wq, wk, 1e-6, hq, hk)
+    assert torch.equal(q.reshape(tokens, hq, d), want_q) and torch.equal(k.reshape(tokens, hk, d), want_k)
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_matches_layer(dtype):
     g = torch.Generator().manual_seed(1)
     x = (4 * torch.randn(5, 2 * 80, generator=g)).to(DEVICE, dtype)  # 80: not a power of two

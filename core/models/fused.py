@@ -88,6 +88,46 @@ def add_rmsnorm(
 
 
 @triton.jit
+def _head_rmsnorm_kernel(
+    x_ptr, wq_ptr, wk_ptr, stride_t, num_q_heads, head_dim, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    """Head ``program_id(1)`` of token ``program_id(0)``, normed in place: the q heads by ``wq``, then the k heads
+    by ``wk`` (`rmsnorm_qk_`); the arithmetic of `_add_rmsnorm_kernel` without a residual."""
+    wait_then_release(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < head_dim
+    ptrs = x_ptr + t * stride_t + h * head_dim + offs
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    hf = x.to(tl.float32)
+    var = tl.sum(hf * hf, axis=0) / head_dim
+    hn = (hf * tl.rsqrt(var + eps)).to(x.dtype)
+    wq = tl.load(wq_ptr + offs, mask=mask, other=0.0)
+    wk = tl.load(wk_ptr + offs, mask=mask, other=0.0)
+    w = tl.where(h < num_q_heads, wq, wk)
+    tl.store(ptrs, (w.to(tl.float32) * hn.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def rmsnorm_qk_(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_q_heads: int, num_kv_heads: int
+) -> None:
+    """Per-head RMSNorms of q and k (Qwen3's) in place over the qkv projection's output ``[T, (Hq + 2 Hk) * D]``,
+    whose q and k heads lie side by side in each row: one launch, where two `add_rmsnorm` calls over the strided
+    q and k views also copied each to contiguous rows first (four kernels a layer). The same result as those,
+    to the bit (a weight of the qkv dtype: the caller's check)."""
+    head_dim = q_weight.shape[0]
+    t = qkv.shape[0]
+    assert qkv.stride(-1) == 1 and q_weight.dtype == k_weight.dtype == qkv.dtype
+    if t:
+        block = triton.next_power_of_2(head_dim)
+        _head_rmsnorm_kernel[(t, num_q_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, qkv.stride(0), num_q_heads, head_dim, eps,
+            BLOCK=block, num_warps=_warps(block), **pdl_launch(qkv.device),
+        )  # fmt: skip
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -7,8 +7,8 @@ the loader maps nothing new.
 
 The norms run in `Qwen3Attention.split_heads`, before the layer chooses how RoPE and the KV write run, so every
 path rotates and stores normed keys: the torch RoPE, the fused RoPE/KV-write kernel, and a decode step whose RoPE
-the attention kernel does (`DecodeRope` carries the normed keys). With the fused kernels on, each norm is the
-fused RMSNorm kernel over ``[tokens * heads, head_dim]`` rows; no fused path is bypassed.
+the attention kernel does (`DecodeRope` carries the normed keys). With the fused kernels on, both norms are one
+kernel in place over the q and k heads of the qkv output (`fused.rmsnorm_qk_`); no fused path is bypassed.
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.q_norm.fused is not None and qkv.stride(-1) == 1 and self.q_norm.weight.dtype == qkv.dtype:
+            # the fused kernels: both norms in one launch, in place over q and k's heads (`fused.rmsnorm_qk_`)
+            from sluice.core.models import fused
+
+            eps = self.q_norm.eps
+            fused.rmsnorm_qk_(qkv, self.q_norm.weight, self.k_norm.weight, eps, self.num_heads, self.num_kv_heads)
+            return super().split_heads(qkv)
         q, k, v = super().split_heads(qkv)
         return self.q_norm(q), self.k_norm(k), v
 
