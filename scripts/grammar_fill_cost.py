@@ -1,7 +1,7 @@
 """The host's cost of one step's grammar mask (`GrammarRows.fill`) at R constrained rows, on the CPU: the whole
 `fill`, and llguidance's part alone (`LLExecutor` at 1, 2 and 8 threads or ``--threads``, and row by row in this
 thread). Rows follow `sluice bench structured`'s schema; between steps each row takes a random token its mask
-allows, so the rows' states differ, as in a real batch.
+allows, so the rows' states differ, as in a real batch (``--warm``: no tokens, the same masks again each step).
 
     PYTHONPATH=$(scripts/namespace_path.sh) python scripts/grammar_fill_cost.py --rows 64 --steps 100
 """
@@ -48,6 +48,8 @@ def walk(backend, spec, ns, fill_rows, starts: int) -> tuple[list[float], list[f
         t0 = time.perf_counter()
         bitmask, _ = gr.fill(rids, rows)
         whole.append(time.perf_counter() - t0)
+        if ns.warm:  # the rows stay where they are: each step recomputes the same masks from warm lexer states
+            continue
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
         gr.accept_rows(rids, [int(rng.choice(np.flatnonzero(b))) for b in bits], rows)
         assert not gr.failures, gr.failures
@@ -74,6 +76,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2, 8], help="LLExecutor sizes to time")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="no tokens between steps: the cost of the lock and threads alone, without "
+        "the lexer states a walk meets for the first time (each start builds its own)",
+    )
     ns = p.parse_args()
     backend = load_backend("llguidance", str(default_tokenizer_dir()), VOCAB, [2])
     spec = StructuredOutputsParams(json=LONG_SCHEMA)
