@@ -38,8 +38,10 @@ from sluice.core.models.fp8_format import F32_MAX, MIN_AMAX
 from sluice.kv.attention.pdl import pdl_launch
 from sluice.kv.attention.triton_kernels import _round_e4m3
 
-# Rows up to which `fp8_linear` takes the GEMV kernel (`set_gemv_rows` moves it).
-GEMV_ROWS = 32
+# Rows up to which `fp8_linear` takes the GEMV kernel (`set_gemv_rows` moves it). At 32 rows `_scaled_mm` after the
+# row quantizer was faster on every Llama-3-8B projection on an H100, the GEMV at 8 rows on three of four
+# (docs/benchmarks.md, 2026-12-07).
+GEMV_ROWS = 16
 # The largest row tile of x the GEMV kernel takes; more rows are more tiles.
 MAX_BLOCK_M = 64
 # Row tiles up to which the GEMV multiplies fp8 operands (``DOT=2``); larger tiles convert to fp16 (``DOT=1``).
