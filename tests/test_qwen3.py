@@ -131,6 +131,8 @@ def test_logits_match_transformers(checkpoint, prompts):
 def test_greedy_matches_transformers_one_at_a_time(llm, checkpoint, prompts, references):
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     _check(checkpoint[1], prompts, outs, references, "qwen3 solo")
+    attn = llm.engine.local_core.executor.runner.model.model.layers[0].self_attn
+    assert attn.fused_qk_norm is None  # no Triton kernels on the CPU: the two norm modules
 
 
 def test_greedy_matches_transformers_in_one_batch(llm, checkpoint, prompts, references):
@@ -155,7 +157,7 @@ def test_fused_kernels_norm_q_and_k_on_every_rope_path(checkpoint, prompts, refe
     with LLM(**kw, num_kv_blocks=64, max_model_len=256) as llm:
         runner = llm.engine.local_core.executor.runner
         attn = runner.model.model.layers[0].self_attn
-        assert attn.k_norm.fused is not None and runner.model.rotary.fused_write is not None
+        assert attn.fused_qk_norm is not None and runner.model.rotary.fused_write is not None
         assert runner.backend.rope_in_decode
         few = [prompts[1], prompts[3]]
         solo = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in few]
@@ -163,6 +165,19 @@ def test_fused_kernels_norm_q_and_k_on_every_rope_path(checkpoint, prompts, refe
     refs = [references[1], references[3]]
     _check(ref, few, solo, refs, "qwen3 triton solo")
     _check(ref, few, batched, refs, "qwen3 triton batched")
+
+
+def test_the_cpu_kernels_keep_two_norm_modules_and_the_fused_kernels_take_one_launch():
+    from sluice.core.models.layers import enable_cpu_kernels, enable_fused_kernels
+    from sluice.core.models.qwen3 import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(_qwen3_config(256), max_position=128)
+    attn = model.model.layers[0].self_attn
+    enable_cpu_kernels(model)
+    assert attn.fused_qk_norm is None and attn.q_norm.fused is not None  # torch calls, never a Triton launch
+    pytest.importorskip("triton")
+    enable_fused_kernels(model)
+    assert attn.fused_qk_norm is not None
 
 
 def test_tied_head_loads_and_matches(tmp_path, default_tokenizer):

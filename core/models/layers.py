@@ -114,6 +114,14 @@ def _fold_rows(before: nn.Module, linear: nn.Module, x: torch.Tensor, limit: Cal
     return 0
 
 
+class HeadNorms:
+    """An attention layer that norms each head of q and k (Qwen3's ``q_norm`` and ``k_norm``) before RoPE:
+    `enable_fused_kernels` gives it ``fused_qk_norm`` (`fused.rmsnorm_qk_`, both norms in one launch over the qkv
+    rows); None keeps its two norm modules, whatever kernels they run."""
+
+    fused_qk_norm: Callable | None = None
+
+
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -200,6 +208,9 @@ def enable_fused_kernels(model: nn.Module, gemv: bool = True, fused_rope_kv: boo
     }
     n = 0
     for m in model.modules():
+        if isinstance(m, HeadNorms):
+            m.fused_qk_norm = fused.rmsnorm_qk_
+            n += 1
         kernel = kernels.get(type(m))
         if kernel is None:
             continue

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 from sluice.core.models.errors import ModelLoadError
-from sluice.core.models.layers import RMSNorm
+from sluice.core.models.layers import HeadNorms, RMSNorm
 from sluice.core.models.llama import LlamaAttention, LlamaForCausalLM
 from sluice.core.models.parallel import TensorParallel
 
 
-class Qwen3Attention(LlamaAttention):
+class Qwen3Attention(LlamaAttention, HeadNorms):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, tp: TensorParallel | None = None) -> None:
         super().__init__(config, layer_idx, qkv_bias, tp)
         # one weight per head dimension, shared by every head: the same on each tensor-parallel rank
@@ -28,12 +28,10 @@ class Qwen3Attention(LlamaAttention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.q_norm.fused is not None and qkv.stride(-1) == 1 and self.q_norm.weight.dtype == qkv.dtype:
-            # the fused kernels: both norms in one launch, in place over q and k's heads (`fused.rmsnorm_qk_`)
-            from sluice.core.models import fused
-
-            eps = self.q_norm.eps
-            fused.rmsnorm_qk_(qkv, self.q_norm.weight, self.k_norm.weight, eps, self.num_heads, self.num_kv_heads)
+        norm = self.fused_qk_norm
+        if norm is not None and qkv.stride(-1) == 1 and self.q_norm.weight.dtype == qkv.dtype:
+            # both norms in one launch, in place over q and k's heads
+            norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads, self.num_kv_heads)
             return super().split_heads(qkv)
         q, k, v = super().split_heads(qkv)
         return self.q_norm(q), self.k_norm(k), v
