@@ -30,6 +30,7 @@
 #   scripts/gpu_engine_bench.sh lat    # batch 1 and batch 8 only
 #   scripts/gpu_engine_bench.sh structured  # issue 37: 64 concurrent ShareGPT requests unconstrained vs every one
 #                       # under a JSON schema, same call (ratio, mask ms per step), then batch 256's mask share
+#   scripts/gpu_engine_bench.sh grammar-fill  # issue 37: the host's mask fill at 256 rows, 1/8/14 threads, walk and warm
 #   scripts/gpu_engine_bench.sh structured-threads  # issue 37: batch 256's figures with llguidance on GRAMMAR_THREADS
 #                       # threads (default 14)
 #   scripts/gpu_engine_bench.sh submit  # callers spawned 64 at a time vs all at once: ShareGPT 1000 (and 200)
@@ -445,6 +446,15 @@ PY
 structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
     run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats ${REPEATS:-3} --out "$OUT/structured64.json"
     run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
+    ;;
+grammar-fill)  # issue 37, host only (~2 min): a step's grammar masks at 256 rows on llguidance's executor at 1, 8 and
+    # 14 threads, rows forked from as many starts, from one, from their own (scripts/grammar_fill_cost.py), in a walk
+    # and --warm
+    pyx
+    for w in "" --warm; do
+        run grammar_fill${w#--} 150 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/grammar_fill_cost.py --rows 256 --steps 40 --threads 1 8 14 $w
+        [ -n "${DRY:-}" ] || tail -8 "$OUT/grammar_fill${w#--}.log"
+    done
     ;;
 structured-threads)  # issue 37: batch 256 again with llguidance on GRAMMAR_THREADS threads (default 14; unset: 8)
     run structured256_t${GRAMMAR_THREADS:-14} 300 env SLUICE_GRAMMAR_THREADS=${GRAMMAR_THREADS:-14} $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256_t${GRAMMAR_THREADS:-14}.json"
