@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -40,9 +41,9 @@ class GrammarRows:
         self._backend: GrammarBackend | None = None  # built at the first constrained request (reads the tokenizer)
         self.device = device
         self.words = bitmask_words(vocab_size)
-        # request -> its matcher, or the compile that will give it (`_matcher` waits for it)
-        self.matchers: dict[str, GrammarMatcher | Future] = {}
-        self.families: dict[str, int] = {}  # request -> the family of its matcher (`starts.py`), set with it
+        # request -> its matcher and the matcher's family (`starts.py`), or the compile that will give them
+        # (`_made` waits for it)
+        self.matchers: dict[str, tuple[GrammarMatcher, int] | Future] = {}
         self._compiler: ThreadPoolExecutor | None = None
         self._starts: GrammarStarts | None = None  # with the backend: how many starts per grammar is its to say
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
@@ -65,7 +66,7 @@ class GrammarRows:
         grammar = self.backend.grammar_of(spec)
         fork = self.starts.fork(grammar.source)
         if fork is not None and not output_tokens:
-            self.matchers[request_id], self.families[request_id] = fork
+            self.matchers[request_id] = fork
             return
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(1, thread_name_prefix="sluice-grammar")
@@ -89,22 +90,30 @@ class GrammarRows:
             raise RequestFailedError(f"the grammar rejects the output so far: {_first_line(fork[0].error)}")
         return fork
 
-    def _matcher(self, request_id: str) -> GrammarMatcher | None:
-        """The request's matcher (once its compile is done), or None: not constrained, or failed."""
-        m = self.matchers.get(request_id)
-        if isinstance(m, Future):
+    def _made(self, request_id: str) -> tuple[GrammarMatcher, int] | None:
+        """The request's matcher and its family (once its compile is done), or None: not constrained, or failed."""
+        made = self.matchers.get(request_id)
+        if isinstance(made, Future):
             try:
-                m, family = m.result()
+                made = made.result()
             except Exception as e:  # checked by the front end already: only a broken backend gets here
                 self._fail(request_id, str(e))
                 return None
             if request_id in self.matchers:  # not dropped meanwhile
-                self.matchers[request_id], self.families[request_id] = m, family
-        return m
+                self.matchers[request_id] = made
+        return made
+
+    def _matcher(self, request_id: str) -> GrammarMatcher | None:
+        made = self._made(request_id)
+        return made[0] if made is not None else None
+
+    @property
+    def families(self) -> dict[str, int]:
+        """request -> the family of its matcher, for the matchers made (for inspection: `fill` reads them itself)."""
+        return {rid: made[1] for rid, made in self.matchers.items() if not isinstance(made, Future)}
 
     def drop(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
-        self.families.pop(request_id, None)
 
     def accept(self, request_id: str, tokens: list[int]) -> None:
         """The request's next tokens."""
@@ -183,7 +192,8 @@ class GrammarRows:
         host = host_t.numpy()
         plain: list[tuple[int, GrammarMatcher, int]] = []  # filled together (in parallel, where the backend can)
         for i, rid in enumerate(req_ids):
-            m = self._matcher(rid)
+            made = self._made(rid)
+            m = made[0] if made is not None else None
             before = drafts[i] if drafts is not None else None
             if m is None or (before and m.validate_tokens(before) < len(before)):
                 host[i] = -1  # failed earlier (its token is dropped), or a row past a rejected draft
@@ -192,9 +202,9 @@ class GrammarRows:
                 m.fill_bitmask(host, i)
                 m.rollback(len(before))
             else:
-                plain.append((self.families.get(rid, 0), m, i))
+                plain.append((made[1], m, i))
         if plain:
-            plain.sort(key=_family)  # each family's rows together (`starts.py`)
+            plain.sort(key=itemgetter(0))  # each family's rows together (`starts.py`)
             self.backend.fill_bitmasks([(m, i) for _, m, i in plain], host)
         for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
             m = self._matcher(req_ids[i])
@@ -225,10 +235,6 @@ class GrammarRows:
             None if on_cpu else torch.empty(n, dtype=torch.int64, device=self.device),
         )
         return self._buffers
-
-
-def _family(row: tuple[int, GrammarMatcher, int]) -> int:
-    return row[0]
 
 
 def _first_line(error: str | None) -> str:
