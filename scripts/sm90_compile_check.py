@@ -205,7 +205,7 @@ def _fp8_gemv(rows: int, n: int, k: int, what: str) -> tuple:
     split = c.split_k if rows <= bm else 1
     const = dict(
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, SPLIT_K=split, HAS_BIAS=False,
-        EVEN_K=k % (c.block_k * split) == 0, DOT=c.dot, PROMOTE_K=min(c.promote_k, c.block_k), EXACT_ROUND=False,
+        EVEN_K=k % (c.block_k * split) == 0, DOT=c.dot, PROMOTE_K=c.promote, EXACT_ROUND=False,
         PDL=True,
     )  # fmt: skip
     const["AMAX_M"], const["AMAX_K"] = fp8_kernels.amax_tile(rows, bm, c.block_k)

@@ -226,6 +226,11 @@ class Fp8GemvConfig:
     dot: int = 1  # 1: fp16 operands, 2: fp8 operands (module doc)
     promote_k: int = PROMOTE_K  # with fp8 operands: products per fp32 promotion (0: the MMA's own accumulation)
 
+    @property
+    def promote(self) -> int:
+        """The kernel's ``PROMOTE_K``: Triton takes at most the dot's K (``block_k``)."""
+        return min(self.promote_k, self.block_k)
+
 
 @functools.cache
 def num_sms(device: torch.device) -> int:
@@ -283,7 +288,7 @@ def fp8_gemv(
         counters if counters is not None else weight_scale, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, BLOCK_M=bm, AMAX_M=amax_m, AMAX_K=amax_k,
         SPLIT_K=split, HAS_BIAS=bias is not None,
-        EVEN_K=k % (c.block_k * split) == 0, DOT=0 if interp else c.dot, PROMOTE_K=min(c.promote_k, c.block_k),
+        EVEN_K=k % (c.block_k * split) == 0, DOT=0 if interp else c.dot, PROMOTE_K=c.promote,
         EXACT_ROUND=interp,
         num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(x.device),
     )  # fmt: skip
