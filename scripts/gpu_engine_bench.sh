@@ -120,9 +120,12 @@ json.dump(r, open(sys.argv[2], 'w'))" "$REQ" "$req"
     run moe_${name}_floor 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model $model --latency "$OUT/moe_${name}_lat_b1.json" --out "$OUT/moe_${name}_floor.json"
     [ -n "${DRY:-}" ] || cat "$OUT/moe_${name}_floor.log"
 }
-moe_kernels() {  # the fused-MoE kernels at real shapes (against the torch loop, in a CUDA graph, timed); greedy parity
+moe_kernel_check() {  # the fused-MoE kernels at real shapes (against the torch loop, in a CUDA graph, timed)
     run moe_kernels 180 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels ${MOE_SWEEP:+--sweep} --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || cat "$OUT/moe_kernels.log"
+}
+moe_kernels() {  # the kernel check, then greedy parity
+    moe_kernel_check
     run moe_greedy 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
     [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
 }
@@ -524,27 +527,22 @@ if agree.is_file():
           f"{a['tokens']} tokens ({a['near-tie']} part at a near-tie, {a['diverged']} wider)")
 PY
     ;;
-fp8-b1)  # issue 39 in ~3 min: the fp8 kernels' check (batch 1's bandwidth per projection), then batch 1 bf16 and fp8
-    pyx
-    F="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py"
-    run fp8_kernels 240 $F kernels --out "$OUT/fp8_kernels.json"
-    lat_b1 lat_b1_bf16
-    lat_b1 lat_b1_fp8 "" "--quantization fp8"
-    ;;
-probe-fp8)  # issue 39 in one call (~7 min): the fp8 kernels' check, timings and config sweep at one row; batch 1
-    # bf16 then fp8; where an fp8 batch-1 step's device time goes (eager kernels by class, `gpu_engine_check.py profile`)
+fp8-b1|probe-fp8)  # issue 39: the fp8 kernels' check (batch 1's bandwidth per projection), then batch 1 bf16 and
+    # fp8 (~3 min); probe-fp8 (~7 min) also sweeps the GEMV's configs at one row and profiles an fp8 batch-1 step
+    # (eager kernels by class, `gpu_engine_check.py profile`)
     pyx
     P="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python"
-    run fp8_kernels 300 $P scripts/gpu_fp8_check.py kernels --sweep --out "$OUT/fp8_kernels.json"
+    sweep=""
+    [ "$1" = probe-fp8 ] && sweep=--sweep
+    run fp8_kernels 300 $P scripts/gpu_fp8_check.py kernels $sweep --out "$OUT/fp8_kernels.json"
     lat_b1 lat_b1_bf16
     lat_b1 lat_b1_fp8 "" "--quantization fp8"
-    run profile_fp8 180 $P scripts/gpu_engine_check.py profile --quantization fp8 --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_fp8.json"
+    [ "$1" = probe-fp8 ] && run profile_fp8 180 $P scripts/gpu_engine_check.py profile --quantization fp8 --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_fp8.json"
     ;;
 probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3-30b-a3b goes (eager kernels by class),
     # then the fused-MoE kernels' tile sweep at real shapes
-    P="env PYTHONPATH=$(scripts/namespace_path.sh) python"
-    run profile_moe 240 $P scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_moe.json"
-    run moe_kernels 180 $P scripts/gpu_moe_check.py kernels --sweep --out "$OUT/moe_kernels.json"
+    run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_moe.json"
+    MOE_SWEEP=1 moe_kernel_check
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

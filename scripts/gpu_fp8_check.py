@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -99,8 +100,6 @@ def check_paths(rows=CHECK_ROWS) -> list[dict]:
 def _flavours(c) -> dict:
     """The GEMV config ``c`` with fp16 operands (dot1), fp8 ones with sums promoted to fp32 every 128 products
     (dot2, the engine's) and without (dot2raw)."""
-    from dataclasses import replace
-
     return {"dot1": replace(c, dot=1), "dot2": replace(c, dot=2), "dot2raw": replace(c, dot=2, promote_k=0)}
 
 
@@ -205,8 +204,6 @@ def sweep_gemv(rows=(1,)) -> list[dict]:
 
 
 def _sweep_row(name: str, n: int, k: int, m: int) -> dict:
-    from dataclasses import replace
-
     from sluice.core.models import fp8_kernels as fk
 
     x, _, q, s, counters = _inputs(m, n, k, 2)
@@ -219,7 +216,8 @@ def _sweep_row(name: str, n: int, k: int, m: int) -> dict:
     grid = [
         fk.Fp8GemvConfig(bn, bk, split, dot=default.dot) for bn in (32, 64) for bk in (256, 512) for split in splits
     ]
-    grid += [replace(default, dot=3 - default.dot), replace(default, num_warps=8), replace(default, num_stages=3)]
+    other = 1 if default.dot == 2 else 2  # the other operands
+    grid += [replace(default, dot=other), replace(default, num_warps=8), replace(default, num_stages=3)]
     for c in grid:
         try:
             times[c] = _bench(lambda c=c: fk.fp8_gemv(x, q, s, None, counters, c))
