@@ -167,7 +167,7 @@ def _profile_steps(step, steps: int) -> dict:
         "gpu_kernel_ms_per_step": gpu,
         "gaps_and_host_ms_per_step": wall * 1000 - gpu,
         "by_class_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
-        "top_kernels": [{"ms": round(ms, 4), "calls": c, "name": k} for ms, c, k in kernels[:12]],
+        "top_kernels": [{"ms": round(ms, 4), "calls": c, "name": k} for ms, c, k in kernels[:24]],
     }
 
 
@@ -294,16 +294,19 @@ def profile(ns: argparse.Namespace) -> dict:
         out["mixed"].append(row)
         print(json.dumps(row))
     pre = pres[ns.prefills[-1]]
-    # where the time goes (eager, so kernels are visible one by one)
-    runner.graphs = None
+    # where the time goes: a batch-1 decode step as served (its CUDA graph's kernels, as the profiler lists them),
+    # then eagerly (no decode nor mixed-step graph: a mixed graph would pad the step's tokens), kernels one by one
+    mixed_graphs = runner.mixed_graphs
     out["profile"] = {}
-    for name, pair, steps in (
-        ("decode b1 ctx512 eager", decode_step(1, 512), 5),
-        (f"decode b{max(ns.batch_sizes)} ctx512 eager", decode_step(max(ns.batch_sizes), 512), 3),
-        (f"prefill {ns.prefills[-1]}", pre, 2),
+    for name, pair, steps, graphed in (
+        ("decode b1 ctx512 graph", decode_step(1, 512), 20, True),
+        ("decode b1 ctx512 eager", decode_step(1, 512), 5, False),
+        (f"decode b{max(ns.batch_sizes)} ctx512 eager", decode_step(max(ns.batch_sizes), 512), 3, False),
+        (f"prefill {ns.prefills[-1]}", pre, 2, False),
     ):
         if pair is not pre:
             run(pair[0])
+        runner.graphs, runner.mixed_graphs = (graphs, mixed_graphs) if graphed else (None, None)
         p = _profile_steps(lambda so=pair[1]: run(so), steps)
         if pair is not pre:
             drop(pair)
@@ -311,9 +314,9 @@ def profile(ns: argparse.Namespace) -> dict:
         print(f"-- {name}: wall {p['wall_ms_per_step']:.2f} ms/step, GPU kernels {p['gpu_kernel_ms_per_step']:.2f} ms")
         for k, v in p["by_class_ms"].items():
             print(f"   {k:32s} {v:8.3f} ms")
-        for row in p["top_kernels"][:6]:
+        for row in p["top_kernels"][:16]:
             print(f"   {row['ms']:8.3f} ms x{row['calls']:<4d} {row['name']}")
-    runner.graphs = graphs
+    runner.graphs, runner.mixed_graphs = graphs, mixed_graphs
     return out
 
 
