@@ -188,8 +188,8 @@ environment_variables: dict[str, Variable] = {
     ),
     "SLUICE_GRAMMAR_THREADS": Variable(
         _int("SLUICE_GRAMMAR_THREADS", None),
-        "llguidance's threads for a step's grammar masks and token advances (unset: the usable cores less one, "
-        "at most 8; core/structured/llguidance_backend.py).",
+        "llguidance's threads for a step's grammar masks and token advances (unset: the usable cores less two, "
+        "at most 16; core/structured/llguidance_backend.py).",
     ),
 }
 

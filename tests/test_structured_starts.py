@@ -93,3 +93,10 @@ def test_a_steps_rows_reach_the_backend_ordered_by_family_and_each_mask_lands_in
     for i in range(8):  # each row's mask is its own grammar's, wherever the order put it
         assert (host[i] == host[i % 2]).all()
     assert not (host[0] == host[1]).all()
+
+
+def test_mask_threads_follow_the_usable_cores():
+    from sluice.core.structured.llguidance_backend import mask_threads
+
+    # two cores kept for the step's thread and the event loops, at least one thread, at most sixteen
+    assert [mask_threads(c) for c in (1, 2, 3, 4, 16, 64)] == [1, 1, 1, 2, 14, 16]

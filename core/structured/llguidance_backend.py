@@ -9,19 +9,22 @@ choice (a Lark alternation of the literal strings), or a Lark grammar as given.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 
 import numpy as np
-from sluice.core import envs
+from sluice.core import cpu_threads, envs
 from sluice.core.errors import InvalidStructuredOutput
 from sluice.core.sampling_params import StructuredOutputsParams
 from sluice.core.structured.backend import CompiledGrammar
 from sluice.core.structured.writable import check_writable, unwritable_bytes
 
 _CACHE_SIZE = 256  # checked grammars kept (the same schema tends to come again and again)
-_MASK_THREADS = 8  # at most: llguidance's threads filling a step's masks (the host's other work needs cores too)
+# llguidance's threads for a step's masks: the usable cores less these (the step's own thread and the event loops
+# need cores too), up to `_MASK_THREADS_MAX`: on a 16-core GPU host a 256-row fill kept getting faster up to 14
+# threads, each row's start its own (`scripts/grammar_fill_cost.py`; docs/benchmarks/structured/).
+_MASK_THREADS_KEEP = 2
+_MASK_THREADS_MAX = 16
 # From this many rows a step's tokens advance their matchers in one parallel call (below it, a call per row)
 _PARALLEL_ACCEPT_ROWS = 8
 
@@ -49,6 +52,11 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise
     except Exception as e:  # a bad schema's text, a value llguidance refuses: the request's fault, never a 500
         raise InvalidStructuredOutput(f"structured_outputs.{kind}: {e}") from None
+
+
+def mask_threads(cores: int) -> int:
+    """llguidance's threads on a host of ``cores`` usable cores."""
+    return max(1, min(_MASK_THREADS_MAX, cores - _MASK_THREADS_KEEP))
 
 
 class LLGuidanceMatcher:
@@ -170,8 +178,8 @@ class LLGuidanceBackend:
 
     @property
     def threads(self) -> int:
-        """The executor's threads: ``SLUICE_GRAMMAR_THREADS``, else the cores less one, at most 8."""
-        return max(1, envs.SLUICE_GRAMMAR_THREADS or min(_MASK_THREADS, (os.cpu_count() or 2) - 1))
+        """The executor's threads: ``SLUICE_GRAMMAR_THREADS``, else `mask_threads` of this process's cores."""
+        return envs.SLUICE_GRAMMAR_THREADS or mask_threads(cpu_threads.usable_cores())
 
     @property
     def independent_starts(self) -> int:
