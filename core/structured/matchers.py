@@ -206,7 +206,8 @@ class GrammarRows:
         if plain:
             plain.sort(key=itemgetter(0))  # each family's rows together (`starts.py`)
             self.backend.fill_bitmasks([(m, i) for _, m, i in plain], host)
-        for i in np.flatnonzero(~host[:c].any(axis=1)).tolist():
+        # rows that allow no token (an unsigned max: a reduction numpy vectorizes, unlike ``any`` along rows)
+        for i in np.flatnonzero(host[:c].view(np.uint32).max(axis=1) == 0).tolist():
             m = self._matcher(req_ids[i])
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
             host[i] = -1
@@ -220,6 +221,18 @@ class GrammarRows:
         self.fill_seconds += time.perf_counter() - t0
         self.rows_filled += c
         return bitmask, row_idx
+
+    def warm_up(self, logits: torch.Tensor) -> None:
+        """Mask ``logits``' first row with a mask that allows every token, from the mask's own buffers: on a GPU
+        the kernel is compiled at start-up, not in the first constrained step (a Triton compile holds that step
+        for a fraction of a second)."""
+        host_t, rows_t, dev, rows_dev = self._buffers or self._allocate()
+        host_t[0].fill_(-1)
+        rows_t[0] = 0
+        if dev is None:
+            apply_token_bitmask_(logits, host_t[:1], rows_t[:1])
+        else:
+            apply_token_bitmask_(logits, dev[:1].copy_(host_t[:1]), rows_dev[:1].copy_(rows_t[:1]))
 
     def _allocate(self) -> tuple[torch.Tensor | None, ...]:
         """The mask's buffers: host (pinned on a GPU: the copies do not wait) and device, for the rows and their

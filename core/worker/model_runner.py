@@ -350,6 +350,7 @@ class ModelRunner:
             min_p=torch.full((n_rows,), 0.05, device=dev),
             generators=[None] * n_rows,
         )
+        self.grammar.warm_up(logits)  # the bitmask kernel, for the first constrained step
         sample(logits, sampling).token_ids.tolist()
         logits.argmax(-1).tolist()  # what an all-greedy step does instead
         return n_tok, n_rows
