@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sluice.core.structured.bitmask import apply_token_bitmask_, apply_token_bitmask_torch_
+from sluice.core.structured.bitmask import (
+    apply_token_bitmask_,
+    apply_token_bitmask_torch_,
+    unpack_bits_numpy,
+    unpack_bits_torch,
+)
 
 triton = pytest.importorskip("triton")
 from sluice.core.structured import bitmask_kernel  # noqa: E402
@@ -44,6 +49,14 @@ def test_torch_path_matches_the_reference(vocab, dtype):
     assert torch.equal(got, _reference(logits, bitmask, rows))
     assert torch.equal(got[[1, 3, 5]], logits[[1, 3, 5]])  # rows without a mask are untouched
     assert torch.isfinite(got[0]).sum() == 1 and torch.isfinite(got[0, 5])
+
+
+@pytest.mark.parametrize("vocab", [1000, 1057])
+def test_the_hosts_unpacking_equals_the_devices(vocab):
+    _, bitmask, _ = _case(vocab, torch.float32, vocab)  # words with bit 31 set, a vocabulary past the last word
+    got = unpack_bits_numpy(bitmask, vocab)
+    assert got.dtype == torch.bool and got.shape == (3, vocab)
+    assert torch.equal(got, unpack_bits_torch(bitmask, vocab))
 
 
 @pytest.mark.skipif(

@@ -2,12 +2,13 @@
 ``bitmask[i, t // 32]`` is clear. Only the constrained rows are named (``rows``): the others are not touched.
 
 One Triton kernel on the GPU (a program per row and block of the vocabulary: one read of the row's words, one
-masked store), vectorised torch on the CPU (the bits unpacked by a shift against ``arange(32)``). Both are
+masked store), vectorised torch on the CPU (the bits unpacked by numpy, one byte each). Both are
 launched on the current stream after the mask's host-to-device copy, so neither waits for the host.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _BLOCK = 1024  # vocabulary entries per program: 32 words
@@ -26,10 +27,25 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
 
 def apply_token_bitmask_torch_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """The vectorised torch path (the CPU's, and the kernel's reference)."""
-    vocab = logits.shape[-1]
+    allowed = _allowed(bitmask, logits.shape[-1])
+    logits.index_copy_(0, rows, torch.where(allowed, logits.index_select(0, rows), float("-inf")))
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[C, vocab]`` bool: the mask's bits one per entry. On the CPU numpy's ``unpackbits`` writes them in one pass
+    (a byte each; the words' bytes in memory order, little-endian as every machine torch runs on); elsewhere a
+    shift against ``arange(32)``, an int32 per entry first."""
+    return unpack_bits_numpy(bitmask, vocab) if bitmask.device.type == "cpu" else unpack_bits_torch(bitmask, vocab)
+
+
+def unpack_bits_numpy(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+def unpack_bits_torch(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
 
 
 def _apply_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
