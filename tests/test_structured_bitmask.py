@@ -86,3 +86,14 @@ def test_no_rows_is_a_no_op():
     got = logits.clone()
     apply_token_bitmask_(got, torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.long))
     assert torch.equal(got, logits)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="pinned host memory read by a GPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_reads_a_mask_in_pinned_host_memory(dtype):
+    logits, bitmask, rows = _case(2048 + 33, dtype, 7)
+    want = logits.clone()
+    apply_token_bitmask_torch_(want, bitmask, rows)
+    got = logits.to(DEVICE)
+    apply_token_bitmask_(got, bitmask.pin_memory(), rows.pin_memory())  # the engine's buffers: no copy
+    assert torch.equal(got.cpu(), want)

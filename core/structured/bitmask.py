@@ -2,8 +2,10 @@
 ``bitmask[i, t // 32]`` is clear. Only the constrained rows are named (``rows``): the others are not touched.
 
 One Triton kernel on the GPU (a program per row and block of the vocabulary: one read of the row's words, one
-masked store), vectorised torch on the CPU (the bits unpacked by numpy, one byte each). Both are
-launched on the current stream after the mask's host-to-device copy, so neither waits for the host.
+masked store), vectorised torch on the CPU (the bits unpacked by numpy, one byte each). On the GPU the mask and
+its row indices may sit in pinned host memory, which the device addresses directly (unified addressing): the kernel
+reads them over the bus as it runs, so the host launches one kernel, not two copies and a kernel, and waits for
+nothing (a launch behind a queued forward costs the host far more than one on an idle stream).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ _BLOCK = 1024  # vocabulary entries per program: 32 words
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """``logits`` [R, V] (any float dtype), ``bitmask`` [C, ceil(V / 32)] int32 and ``rows`` [C] int64 (which
-    row of ``logits`` each mask row constrains), all on one device."""
+    row of ``logits`` each mask row constrains), on the logits' device or, for CUDA logits, in pinned host memory."""
     if rows.numel() == 0:
         return
     if logits.is_cuda:

@@ -11,8 +11,8 @@ the request goes on, and only its first mask waits for it, after that step's for
 
 The mask of a step's constrained rows is filled on the host into one pinned buffer, only after the step before
 it is read back (its tokens advance the matchers). The runner has enqueued the step's forward by then, so the
-fill overlaps the forward on the device; the mask then goes to the device without a sync (non-blocking) and is
-applied in place before sampling (`bitmask.apply_token_bitmask_`). Rows without a grammar cost nothing: a step
+fill overlaps the forward on the device; the mask kernel then reads the pinned buffer itself (no copy) and
+masks the logits in place before sampling (`bitmask.apply_token_bitmask_`). Rows without a grammar cost nothing: a step
 without a constrained row touches none of this.
 
 A row whose grammar can go nowhere (an error, or no token allowed) fails its request alone (`failures`, which
@@ -48,7 +48,7 @@ class GrammarRows:
         self._starts: GrammarStarts | None = None  # with the backend: how many starts per grammar is its to say
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
         self.max_rows = max_rows
-        self._buffers: tuple[torch.Tensor | None, ...] | None = None  # the mask's, at the first constrained step
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the mask's (`_allocate`), at first use
         # the host's time filling and uploading masks since the runner last reported it, and the rows filled
         self.fill_seconds = 0.0
         self.rows_filled = 0
@@ -180,7 +180,7 @@ class GrammarRows:
         self, req_ids: list[str], rows: np.ndarray, drafts: list[list[int]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fill the mask of a step's constrained ``rows`` (row ``rows[i]`` of the step's logits belongs to request
-        ``req_ids[i]``) and start copying it to the device: ``(bitmask [C, words], rows [C])`` there, ready for
+        ``req_ids[i]``): ``(bitmask [C, words], rows [C])`` in the mask's host buffers (`_allocate`), ready for
         `apply_token_bitmask_`. A verification row samples after ``drafts[i]`` (the drafts before it): its mask
         is the grammar's after them; one behind a draft the grammar rejects is never reached (its draft is
         rejected first, masked out of the row before it) and is left unmasked."""
@@ -188,7 +188,7 @@ class GrammarRows:
         c = len(rows)
         if c > self.max_rows:
             raise RuntimeError(f"{c} constrained rows, more than the {self.max_rows} the mask holds")
-        host_t, rows_t, dev, rows_dev = self._buffers or self._allocate()
+        host_t, rows_t = self._buffers or self._allocate()
         host = host_t.numpy()
         plain: list[tuple[int, GrammarMatcher, int]] = []  # filled together (in parallel, where the backend can)
         for i, rid in enumerate(req_ids):
@@ -212,40 +212,28 @@ class GrammarRows:
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
             host[i] = -1
         rows_t.numpy()[:c] = rows
-        if dev is None:  # the CPU: applied from the host buffers themselves, before the next fill writes them
-            bitmask, row_idx = host_t[:c], rows_t[:c]
-        else:
-            nb = self.device.type == "cuda"
-            bitmask = dev[:c].copy_(host_t[:c], non_blocking=nb)
-            row_idx = rows_dev[:c].copy_(rows_t[:c], non_blocking=nb)
         self.fill_seconds += time.perf_counter() - t0
         self.rows_filled += c
-        return bitmask, row_idx
+        return host_t[:c], rows_t[:c]
 
     def warm_up(self, logits: torch.Tensor) -> None:
         """Mask ``logits``' first row with a mask that allows every token, from the mask's own buffers: on a GPU
         the kernel is compiled at start-up, not in the first constrained step (a Triton compile holds that step
         for a fraction of a second)."""
-        host_t, rows_t, dev, rows_dev = self._buffers or self._allocate()
+        host_t, rows_t = self._buffers or self._allocate()
         host_t[0].fill_(-1)
         rows_t[0] = 0
-        if dev is None:
-            apply_token_bitmask_(logits, host_t[:1], rows_t[:1])
-        else:
-            apply_token_bitmask_(logits, dev[:1].copy_(host_t[:1]), rows_dev[:1].copy_(rows_t[:1]))
+        apply_token_bitmask_(logits, host_t[:1], rows_t[:1])
 
-    def _allocate(self) -> tuple[torch.Tensor | None, ...]:
-        """The mask's buffers: host (pinned on a GPU: the copies do not wait) and device, for the rows and their
-        indices. One set serves every step: a step's mask is filled only after the step before it is read back,
-        so every copy from them has completed by then. The CPU has no device buffers (None): there the mask is
-        applied from the host buffers themselves (a copy of the whole mask every step would be work for nothing)."""
+    def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask's buffers, the rows' words and their indices, in host memory: pinned on a GPU, where the
+        kernel reads them directly (`bitmask.py`: no copies to launch, each of which cost the host as much as
+        the kernel's launch behind a queued forward). One pair serves every step: a step's mask is filled only
+        after the step before it is read back, so every read of them has completed by then."""
         pin, n = self.device.type == "cuda", self.max_rows
-        on_cpu = self.device.type == "cpu"
         self._buffers = (
             torch.full((n, self.words), -1, dtype=torch.int32, pin_memory=pin),
             torch.zeros(n, dtype=torch.int64, pin_memory=pin),
-            None if on_cpu else torch.empty((n, self.words), dtype=torch.int32, device=self.device),
-            None if on_cpu else torch.empty(n, dtype=torch.int64, device=self.device),
         )
         return self._buffers
 
