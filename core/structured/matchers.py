@@ -49,7 +49,7 @@ class GrammarRows:
         self.failures: dict[str, Exception] = {}  # requests whose grammar failed, for the step's output
         self.max_rows = max_rows
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # the mask's (`_allocate`), at first use
-        # the host's time filling and uploading masks since the runner last reported it, and the rows filled
+        # the host's time filling and applying masks since the runner last reported it, and the rows filled
         self.fill_seconds = 0.0
         self.rows_filled = 0
 
