@@ -107,6 +107,12 @@ class EngineArgs:
     speculative_disable_batch_size: int = _arg(
         16, "above this many running + waiting requests a step does not speculate (it would cost throughput)"
     )
+    speculative_draft_vocab_size: int | None = _arg(
+        None,
+        "the draft proposes only the vocabulary's first N ids, rounded up to a multiple of 64 (a BPE vocabulary's most "
+        "frequent pieces: its merge order), for a head drafting over the whole vocabulary; 0 = the head's own; "
+        "default: 8192 for a quantized model on the CPU, else the head's own",
+    )
     tensor_parallel_size: int = _arg(
         1, "shard the model over this many worker processes (NCCL between GPUs, gloo on the CPU); 1 = in-process"
     )
@@ -184,6 +190,8 @@ class EngineArgs:
             raise bad("fused_kernels", f"must be auto, on or off, got {self.fused_kernels!r}")
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 16:
             raise bad("num_speculative_tokens", f"must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculative_draft_vocab_size is not None and not 0 <= self.speculative_draft_vocab_size <= 1 << 24:
+            raise bad("speculative_draft_vocab_size", f"must be in [0, 2^24], got {self.speculative_draft_vocab_size}")
         if self.speculative_disable_batch_size < 1:
             raise bad("speculative_disable_batch_size", f"must be >= 1, got {self.speculative_disable_batch_size}")
         if self.speculative_model is not None and not self.speculative_model:
@@ -249,6 +257,17 @@ class EngineArgs:
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
         return 3 if device.type == "cpu" and quantization is not None else 4
+
+    def resolve_speculative_draft_vocab_size(self, device: torch.device, quantization: str | None) -> int:
+        """The draft vocabulary's size, the default made concrete (0: the head's own). On the CPU with a quantized
+        model a draft step's LM head is the largest part of it (one int4 row a request of 49,152 for the default
+        head, each draft token): the first 8,192 ids cut it six-fold; the verifier only needs the draft's ``q``,
+        zero beyond them, so outputs do not change, only how many drafts are accepted (on the default model and
+        its shipped head at batch 1 barely: docs/benchmarks/cpu_decode/). A GPU reads the whole head in
+        microseconds and keeps every id its head can draft."""
+        if self.speculative_draft_vocab_size is not None:
+            return self.speculative_draft_vocab_size
+        return 8192 if device.type == "cpu" and quantization is not None else 0
 
     def resolve_quantization(self, device: torch.device, gguf_file: str | None) -> str | None:
         """The quantization the model loads with; ``auto`` made concrete. On the CPU, for a GGUF model (whose

@@ -164,6 +164,15 @@ class EagleDraftHead(nn.Module):
         o = ctx.backend.forward(q, cache, ctx.attn_metadata, self.attn.scale)
         return self.finish(x, o)
 
+    def restrict_draft_vocab(self, size: int) -> None:
+        """Draft over the vocabulary's first ``size`` ids only (BPE vocabularies number their pieces in merge
+        order, the most frequent first), rounded up to a multiple of 64 (whole tiles of the packed CPU kernels),
+        where the head drafts over the whole vocabulary and that is smaller; 0, or a head with a vocabulary of its
+        own, leaves it as it is."""
+        size = -(-size // 64) * 64
+        if size and self.draft_vocab is None and size < self.cfg.vocab_size:
+            self.draft_vocab = torch.arange(size, dtype=torch.long, device=self.fc.weight.device)
+
     def lm_weight(self, target_lm_weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's LM head this draft scores: ``[draft_vocab, hidden]``."""
         return target_lm_weight if self.draft_vocab is None else target_lm_weight[self.draft_vocab]

@@ -96,3 +96,45 @@ def test_a_quantized_cpu_model_drafts_3_by_default():
     assert EngineArgs().resolve_num_speculative_tokens(cpu, None) == 4  # the fp32 reference
     assert EngineArgs().resolve_num_speculative_tokens(cpu, "int4") == 3  # the packed kernels' blocks of 4 rows
     assert EngineArgs(num_speculative_tokens=5).resolve_num_speculative_tokens(cpu, "int4") == 5
+
+
+def test_a_quantized_cpu_model_drafts_over_the_first_8192_ids_by_default():
+    from sluice.core import EngineArgs
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert EngineArgs().resolve_speculative_draft_vocab_size(gpu, None) == 0  # the head's own
+    assert EngineArgs().resolve_speculative_draft_vocab_size(cpu, None) == 0  # the fp32 reference
+    assert EngineArgs().resolve_speculative_draft_vocab_size(cpu, "int4") == 8192
+    assert EngineArgs(speculative_draft_vocab_size=0).resolve_speculative_draft_vocab_size(cpu, "int4") == 0
+
+
+@pytest.mark.parametrize("size", [-1, (1 << 24) + 1])
+def test_a_draft_vocabulary_out_of_range_is_refused(size):
+    from sluice.core import EngineArgs
+    from sluice.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="speculative_draft_vocab_size"):
+        EngineArgs(speculative_draft_vocab_size=size)
+
+
+def test_a_restricted_draft_vocabulary_drafts_only_its_ids_and_emits_the_plain_tokens(copy_head):
+    size = 300  # the prompts' ids and some of the random model's own; rounded up to whole tiles of 64: 320
+    prompts = [[5 + (7 * i + 3 * j) % 400 for j in range(9 + 5 * i)] for i in range(3)]
+    with LLM(MODEL, **COMMON) as plain:
+        want = _greedy(plain, prompts)
+    with LLM(MODEL, speculative_model=copy_head, speculative_draft_vocab_size=size, **COMMON) as spec:
+        drafter = spec.engine.local_core.executor.runner.drafter
+        assert torch.equal(drafter.head.draft_vocab, torch.arange(320))
+        assert drafter.proposer.lm_head.out_features == 320  # the int4 head scores only those rows
+        drafted: list[int] = []
+        propose = drafter.propose
+
+        def spy(*a, **k):
+            out = propose(*a, **k)
+            drafted.extend(t for d in (out or {}).values() for t in d)
+            return out
+
+        drafter.propose = spy
+        got = _greedy(spec, prompts)
+    assert drafted and max(drafted) < 320
+    assert got == want

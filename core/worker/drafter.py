@@ -93,6 +93,7 @@ class Drafter:
         path = resolve_draft_head(args.speculative_model, source.name)
         # Speculative pairs run up to k - 1 positions past the verified ones.
         self.head = load_draft_head(path, source.config, source.name, max_model_len + 2 * self.k + 1, device, dtype)
+        self.head.restrict_draft_vocab(args.resolve_speculative_draft_vocab_size(device, quantization))
         if fused_kernels:
             enable_fused_kernels(self.head, **envs.fused_kernel_options())
         # drafts scored through an int4 copy of the LM head (`EagleProposer`), where the head is packed
