@@ -93,8 +93,12 @@ lat_b1() {  # batch 1, 128 in / 256 out
 lat_b8() {  # batch 8, 32 in / 128 out
     run "$1" 90 ${2:-} ${BENCH:-$bench} latency $M --batch-size 8 --input-len 32 --output-len 128 --max-num-seqs 8 --num-iters 5 --num-iters-warmup 1 ${3:-} --out "$OUT/$1.json"
 }
-pyx() {  # wheels the device lacks (.whl, carried) into $HOME/pyx
-    [ -n "${DRY:-}" ] || [ ! -d .whl ] || pip install -q --no-index --no-deps --target "$HOME/pyx" .whl/*.whl
+pyx() {  # wheels the device lacks (.whl, carried) into $HOME/pyx, on every python's path (a .pth file: the bench
+    # command lines set PYTHONPATH themselves)
+    [ -n "${DRY:-}" ] || [ ! -d .whl ] || {
+        pip install -q --no-index --no-deps --target "$HOME/pyx" .whl/*.whl 2>/dev/null
+        echo "$HOME/pyx" >"$(python -c 'import site; print(site.getsitepackages()[0])')/zz_pyx.pth"
+    }
 }
 kernel_tests() {  # the Triton kernels' tests on the GPU
     run kernel_tests 300 env PYTHONPATH=$(scripts/namespace_path.sh) python -m pytest -q -p no:cacheprovider "$@"
@@ -447,6 +451,7 @@ print(f"equality: this build pass={now['pass']} equal={now['equal']} near_ties={
 PY
     ;;
 structured)  # issue 37: grammar-constrained throughput against unconstrained, in one engine, alternating
+    pyx  # llguidance, msgspec
     run structured64 300 $bench structured $M --requests-file "$REQ" --num-prompts 64 --max-num-seqs 64 --max-num-batched-tokens 8192 --repeats ${REPEATS:-3} --out "$OUT/structured64.json"
     run structured256 300 $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256.json"
     ;;
@@ -459,7 +464,8 @@ grammar-fill)  # issue 37, host only (~2 min): a step's grammar masks at 256 row
         [ -n "${DRY:-}" ] || tail -8 "$OUT/grammar_fill${w#--}.log"
     done
     ;;
-structured-threads)  # issue 37: batch 256 again with llguidance on GRAMMAR_THREADS threads (default 14; unset: 8)
+structured-threads)  # issue 37: batch 256 again with llguidance on GRAMMAR_THREADS threads (default 14, as unset on 16 cores)
+    pyx
     run structured256_t${GRAMMAR_THREADS:-14} 300 env SLUICE_GRAMMAR_THREADS=${GRAMMAR_THREADS:-14} $bench structured $M --requests-file "$REQ" --num-prompts 256 --max-num-seqs 256 --max-num-batched-tokens 8192 --repeats 1 --out "$OUT/structured256_t${GRAMMAR_THREADS:-14}.json"
     ;;
 fp8)  # issue 39: dummy:llama3-8b with --quantization fp8 beside bf16 in one call. The fp8 kernels' check comes
