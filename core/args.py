@@ -35,6 +35,13 @@ def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+def _quantized_on_cpu(device: torch.device, quantization: str | None) -> bool:
+    """A quantized model on the CPU: its target and draft head run torch's packed kernels, the case the
+    speculative defaults are tuned for (`EngineArgs.resolve_num_speculative_tokens` and
+    `resolve_speculative_draft_vocab_size`)."""
+    return device.type == "cpu" and quantization is not None
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """The engine's settings; each is also a flag of `sluice serve`, `sluice generate`, ... (``max_num_seqs`` is
@@ -256,7 +263,7 @@ class EngineArgs:
         model and its shipped head at batch 1, k=3 measured ahead of k=4 (docs/benchmarks/cpu_decode/)."""
         if self.num_speculative_tokens is not None:
             return self.num_speculative_tokens
-        return 3 if device.type == "cpu" and quantization is not None else 4
+        return 3 if _quantized_on_cpu(device, quantization) else 4
 
     def resolve_speculative_draft_vocab_size(self, device: torch.device, quantization: str | None) -> int:
         """The draft vocabulary's size, the default made concrete (0: the head's own). On the CPU with a quantized
@@ -267,7 +274,7 @@ class EngineArgs:
         microseconds and keeps every id its head can draft."""
         if self.speculative_draft_vocab_size is not None:
             return self.speculative_draft_vocab_size
-        return 8192 if device.type == "cpu" and quantization is not None else 0
+        return 8192 if _quantized_on_cpu(device, quantization) else 0
 
     def resolve_quantization(self, device: torch.device, gguf_file: str | None) -> str | None:
         """The quantization the model loads with; ``auto`` made concrete. On the CPU, for a GGUF model (whose
