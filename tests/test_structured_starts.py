@@ -106,11 +106,11 @@ def test_the_warm_up_masks_nothing_and_the_first_fill_after_it_is_its_own(backen
     rows = GrammarRows(lambda: backend, 49152, 4, torch.device("cpu"))
     logits = torch.randn(2, 49152)
     before = logits.clone()
-    rows.warm_up(logits)  # the mask kernel's first run, from the mask's own buffers
+    rows.warm_up(logits)  # the mask kernel's first run
     assert torch.equal(logits, before)
     rows.add("r", StructuredOutputsParams(regex="[0-9]+"), [])
     rows.mask_logits(logits, ["r"], np.array([1]))
-    assert torch.equal(logits[0], before[0])  # the warm-up's row 0 of the buffers is the request's now, for row 1
+    assert torch.equal(logits[0], before[0])  # the fill's first mask row is the request's, for row 1 only
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     tok = backend.tokenizer
     assert allowed and all(tok.decode_bytes([t]).isdigit() for t in allowed)

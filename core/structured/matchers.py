@@ -217,13 +217,14 @@ class GrammarRows:
         return host_t[:c], rows_t[:c]
 
     def warm_up(self, logits: torch.Tensor) -> None:
-        """Mask ``logits``' first row with a mask that allows every token, from the mask's own buffers: on a GPU
-        the kernel is compiled at start-up, not in the first constrained step (a Triton compile holds that step
-        for a fraction of a second)."""
-        host_t, rows_t = self._buffers or self._allocate()
-        host_t[0].fill_(-1)
-        rows_t[0] = 0
-        apply_token_bitmask_(logits, host_t[:1], rows_t[:1])
+        """Mask ``logits``' first row with a one-row mask that allows every token, held where the step's masks are
+        (pinned host memory on a GPU): the kernel is compiled at start-up, not in the first constrained step (a
+        Triton compile holds that step for a fraction of a second), and an engine that never sees a grammar
+        allocates no mask buffers (`_allocate` waits for the first fill)."""
+        pin = self.device.type == "cuda"
+        # freed on return, maybe before the kernel reads it: only these warm-up logits could then see other bytes
+        mask = torch.full((1, self.words), -1, dtype=torch.int32, pin_memory=pin)
+        apply_token_bitmask_(logits, mask, torch.zeros(1, dtype=torch.int64, pin_memory=pin))
 
     def _allocate(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The mask's buffers, the rows' words and their indices, in host memory: pinned on a GPU, where the
