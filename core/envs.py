@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     SLUICE_DECODE_ROPE: bool = True
     SLUICE_FUSED_ROPE_KV: bool = True
     SLUICE_GEMV: bool = True
+    SLUICE_MOE_DECODE: bool = True
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_FP8_GEMV_ROWS: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
@@ -162,6 +163,11 @@ environment_variables: dict[str, Variable] = {
         _on_unless_zero("SLUICE_GEMV"),
         "The few-row GEMV for 16-bit linear layers (default, core/models/gemv.py); 0 keeps cuBLAS for all.",
     ),
+    "SLUICE_MOE_DECODE": Variable(
+        _on_unless_zero("SLUICE_MOE_DECODE"),
+        "A mixture-of-experts layer's calls of a few tokens as three GEMV kernels, router included (default, "
+        "core/models/moe_decode.py); 0: the grouped GEMMs for every call.",
+    ),
     "SLUICE_GEMV_ROWS": Variable(
         _int("SLUICE_GEMV_ROWS", None),
         "Rows up to which a linear layer takes the GEMV, at most its `MAX_ROWS` (unset: `MAX_ROWS`).",
@@ -217,7 +223,11 @@ def attention_backend_options() -> dict[str, Any]:
 
 def fused_kernel_options() -> dict[str, Any]:
     """`enable_fused_kernels`' switches."""
-    return {"gemv": __getattr__("SLUICE_GEMV"), "fused_rope_kv": __getattr__("SLUICE_FUSED_ROPE_KV")}
+    return {
+        "gemv": __getattr__("SLUICE_GEMV"),
+        "fused_rope_kv": __getattr__("SLUICE_FUSED_ROPE_KV"),
+        "moe_decode": __getattr__("SLUICE_MOE_DECODE"),
+    }
 
 
 def configure_kernels() -> None:

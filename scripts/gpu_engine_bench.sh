@@ -49,6 +49,8 @@
 #   scripts/gpu_engine_bench.sh probe-fp8  # issue 39: fp8 kernels and their one-row sweep, batch 1 bf16/fp8, a batch-1
 #                                          # profile of fp8 (~7 min)
 #   scripts/gpu_engine_bench.sh probe-moe  # issue 38: a batch-1 profile of dummy:qwen3-30b-a3b, the MoE tile sweep
+#   scripts/gpu_engine_bench.sh moe-decode  # issue 38: the few-token MoE path checked and swept, Qwen3-30B-A3B batch 1
+#                   # with it and without (alternating twice), each against the floor, then the b1 profile (~5 min)
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -549,6 +551,23 @@ probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3
     # then the fused-MoE kernels' tile sweep at real shapes
     run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_moe.json"
     MOE_SWEEP=1 moe_kernel_check
+    ;;
+moe-decode)  # issue 38 (~5 min): the few-token MoE path (core/models/moe_decode.py) checked and its tiles swept at
+    # real shapes, then dummy:qwen3-30b-a3b batch 1 with it (default) and without (SLUICE_MOE_DECODE=0: the router GEMM
+    # and grouped GEMMs), alternating twice, each against the weight-read floor; then the as-served b1 profile
+    run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels --decode-sweep --tokens 1 8 --out "$OUT/moe_kernels.json"
+    [ -n "${DRY:-}" ] || grep -E "decode|PASS|FAIL|Error" "$OUT/moe_kernels.log"
+    Q3="--model dummy:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1"
+    for r in 1 2; do
+        for side in on off; do
+            prefix=""
+            [ $side = off ] && prefix="env SLUICE_MOE_DECODE=0"
+            run moe_b1_${side}_$r 120 $prefix $bench latency $Q3 --out "$OUT/moe_b1_${side}_$r.json"
+            run moe_floor_${side}_$r 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model dummy:qwen3-30b-a3b --latency "$OUT/moe_b1_${side}_$r.json" --out "$OUT/moe_floor_${side}_$r.json"
+            [ -n "${DRY:-}" ] || grep -E "step_ms|ratio_vs_floor_copy" "$OUT/moe_floor_${side}_$r.json"
+        done
+    done
+    [ -n "${NO_PROFILE:-}" ] || run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 --prefills 1x128 --out "$OUT/profile_moe.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

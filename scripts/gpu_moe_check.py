@@ -12,7 +12,9 @@ each (CUDA events; several weight copies cycled so that the L2 cache holds none 
 the bytes of the experts the tokens chose and the bandwidth the Triton path reached on them. The fused routing
 kernel against its torch steps (equal, timed). Then a decode step's MoE from router logits captured in a CUDA
 graph under torch's sync debug mode "error" (any host read-back raises), replayed against eager and timed.
-``--sweep`` also times a few tile configurations per case (to tune `fused_moe.gemm_config`).
+``--sweep`` also times a few tile configurations per case (to tune `fused_moe.gemm_config`). The few-token path
+(`core/models/moe_decode.py`, router included) at 1 token and at its most, against the torch loop and timed beside
+the router GEMM + grouped GEMMs it replaces (``--sweep``: its tiles at 1 token), and in a CUDA graph.
 
 ``floor``: the bytes a batch-1 decode step reads, from the model's parameters on the meta device: every weight but
 the embedding table (a lookup reads one row) with only ``top_k`` experts of each MoE layer; over the GPU's measured
@@ -164,6 +166,91 @@ def routing_case(name: str, t: int, device) -> dict:
     return row
 
 
+DECODE_SWEEP = [  # the few-token path's tiles (`moe_decode.DecodeMoEConfig`): gate/up N tile and K step, down split
+    dict(gate_up_block_n=16, gate_up_block_k=256),
+    dict(gate_up_block_n=32, gate_up_block_k=128),
+    dict(gate_up_block_n=64, gate_up_block_k=128),
+    dict(split=1),
+    dict(split=4),
+    dict(num_stages=3),
+    dict(num_warps=8),
+]
+
+
+def moe_decode_max(name: str) -> int:
+    from sluice.core.models import moe_decode
+
+    e, k, _, _ = SHAPES[name]
+    return moe_decode.max_tokens(k, e)
+
+
+def decode_case(name: str, t: int, layers, dtype, device, sweep: bool, iters: int) -> dict:
+    """The few-token path (`moe_decode.decode_moe`: router, gate/up, down-sum) against `route` and the torch loop,
+    and timed beside the path it replaces (the router's cuBLAS GEMM, then `moe_forward`'s routing kernel and
+    grouped GEMMs), each on cold weights."""
+    import torch.nn.functional as F
+    from sluice.core.models import moe_decode
+    from sluice.core.models.fused_moe import moe_forward, route, torch_experts
+
+    e, k, h, i = SHAPES[name]
+    g = torch.Generator(device=device).manual_seed(t)
+    routers = [torch.randn(e, h, generator=g, device=device, dtype=dtype) / h**0.5 for _ in layers]
+    xs = [torch.randn(t, h, generator=g, device=device, dtype=dtype) for _ in layers]
+    counters = torch.zeros(moe_decode.counters_needed(k, e, h), dtype=torch.int32, device=device)
+    (w13, w2), x, router = layers[0], xs[0], routers[0]
+    weights, ids = route(F.linear(x, router), k, renormalize=True)
+    want = torch_experts(x, w13, w2, weights, ids).float()
+    got = moe_decode.decode_moe(x, router, w13, w2, k, True, counters).float()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item()
+    row = dict(shape=name, tokens=t, path="decode", rel_err=err, ok=err < 2e-2 and not counters.any().item())
+    if device.type != "cuda":
+        return row
+    args = [(x, r, w13, w2) for x, r, (w13, w2) in zip(xs, routers, layers)]
+    row["decode_ms"] = _time_ms(lambda x, r, a, b: moe_decode.decode_moe(x, r, a, b, k, True, counters), args, iters)
+    row["grouped_ms"] = _time_ms(lambda x, r, a, b: moe_forward(x, F.linear(x, r), a, b, k, True, True), args, iters)
+    used = statistics.mean(route(F.linear(x, r), k, True)[1].unique().numel() for x, r, _, _ in args)
+    row["decode_gbps"] = used * 3 * h * i * w13.element_size() / row["decode_ms"] / 1e6
+    if sweep:
+        row["sweep"] = []
+        for tiles in DECODE_SWEEP:
+            cfg = moe_decode.DecodeMoEConfig(**tiles)
+            ms = _time_ms(lambda *a, c=cfg: moe_decode.decode_moe(*a, k, True, counters, c), args, iters)
+            row["sweep"].append(dict(tiles, ms=ms))
+    return row
+
+
+def decode_graph_check(name: str, layers, dtype, device) -> dict:
+    """The few-token path in a CUDA graph (sync debug "error" while capturing): replayed on another token, routed
+    to other experts, it equals eager, and its counters are back at zero."""
+    from sluice.core.models import moe_decode
+
+    e, k, h, _ = SHAPES[name]
+    w13, w2 = layers[0]
+    g = torch.Generator(device=device).manual_seed(98)
+    x = torch.randn(1, h, generator=g, device=device, dtype=dtype)
+    router = torch.randn(e, h, generator=g, device=device, dtype=dtype) / h**0.5
+    counters = torch.zeros(moe_decode.counters_needed(k, e, h), dtype=torch.int32, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            moe_decode.decode_moe(x, router, w13, w2, k, True, counters)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = moe_decode.decode_moe(x, router, w13, w2, k, True, counters)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x.copy_(torch.randn(1, h, generator=g, device=device, dtype=dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = moe_decode.decode_moe(x, router, w13, w2, k, True, counters)
+    equal = bool(torch.equal(out, want)) and not counters.any().item()
+    return dict(shape=name, tokens=1, path="decode", graph_equal=equal, replay_ms=_time_ms(graph.replay, [()], 50))
+
+
 def run_kernels(ns) -> int:
     device = torch.device("cpu" if ns.tiny else "cuda")
     dtype = torch.float32 if ns.tiny else torch.bfloat16
@@ -174,8 +261,8 @@ def run_kernels(ns) -> int:
         e, _, h, i = SHAPES[name]
         copies = 1 if ns.tiny else max(2, int(4e9 // (3 * e * h * i * 2)))  # ~4 GB of weights: L2 holds none
         layers = [_layer(e, h, i, dtype, device, seed=c) for c in range(copies)]
-        for t in (1, 5) if ns.tiny else TOKENS:
-            row = kernel_case(name, t, layers, dtype, device, ns.sweep, ns.iters)
+        for t in (1, 5) if ns.tiny else ns.tokens:
+            row = kernel_case(name, t, layers, dtype, device, ns.sweep and not ns.decode_sweep, ns.iters)
             failed |= not row["ok"]
             print(json.dumps(row), flush=True)
             results.append(row)
@@ -184,7 +271,16 @@ def run_kernels(ns) -> int:
             failed |= not row["routing_equal"]
             print(json.dumps(row), flush=True)
             results.append(row)
+        for t in sorted({1, moe_decode_max(name)}):
+            row = decode_case(name, t, layers, dtype, device, (ns.sweep or ns.decode_sweep) and t == 1, ns.iters)
+            failed |= not row["ok"]
+            print(json.dumps(row), flush=True)
+            results.append(row)
         if device.type == "cuda":
+            row = decode_graph_check(name, layers, dtype, device)
+            failed |= not row["graph_equal"]
+            print(json.dumps(row), flush=True)
+            results.append(row)
             for t in (1, 8, 200):  # 200: the torch sort (over 256 pairs) inside the graph
                 row = graph_check(name, layers, dtype, device, t)
                 failed |= not (row["graph_equal"] and row["rel_err_vs_torch"] < 2e-2)
@@ -358,6 +454,8 @@ def main() -> int:
     k = sub.add_parser("kernels")
     k.add_argument("--tiny", action="store_true", help="CPU smoke through the Triton interpreter")
     k.add_argument("--sweep", action="store_true", help="also time the tile configurations of SWEEP")
+    k.add_argument("--decode-sweep", action="store_true", help="sweep the few-token path's tiles only")
+    k.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="the grouped GEMM's token counts")
     k.add_argument("--iters", type=int, default=30)
     k.add_argument("--out", default=None)
     f = sub.add_parser("floor")

@@ -17,6 +17,7 @@ ON_UNLESS_ZERO = [
     "SLUICE_DECODE_ROPE",
     "SLUICE_FUSED_ROPE_KV",
     "SLUICE_GEMV",
+    "SLUICE_MOE_DECODE",
 ]
 
 
@@ -99,10 +100,11 @@ def test_the_attention_backend_and_the_fused_kernels_take_their_switches(clean_e
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
-    assert envs.fused_kernel_options() == {"gemv": True, "fused_rope_kv": True}
+    assert envs.fused_kernel_options() == {"gemv": True, "fused_rope_kv": True, "moe_decode": True}
     clean_env.setenv("SLUICE_FUSED_ROPE_KV", "0")
     clean_env.setenv("SLUICE_GEMV", "0")
-    assert envs.fused_kernel_options() == {"gemv": False, "fused_rope_kv": False}
+    clean_env.setenv("SLUICE_MOE_DECODE", "0")
+    assert envs.fused_kernel_options() == {"gemv": False, "fused_rope_kv": False, "moe_decode": False}
     r = RotaryEmbedding(cfg, 16, 64)
     assert enable_fused_kernels(r, **envs.fused_kernel_options()) == 1 and r.fused_write is None
 

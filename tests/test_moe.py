@@ -201,6 +201,45 @@ def test_triton_experts_in_the_model_give_the_torch_logits(family, checkpoints, 
     assert (_prefill_logits(model, ids) - want).abs().max().item() < LOGITS_ATOL
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_decode_path_in_the_model_gives_the_torch_logits(family, checkpoints, prompts, monkeypatch):
+    """A decode step of one token through the few-token path (router, gate/up and down-sum kernels; the
+    interpreter on the CPU) after a prefill: the last position's logits of the torch loop's prefill."""
+    pytest.importorskip("triton")
+    from sluice.core.models.layers import ForwardContext
+    from sluice.kv.attention import AttentionMetadata, allocate_kv_cache, get_attention_backend
+
+    model = _load(checkpoints[family][0])
+    ids = prompts[2]
+    want = _prefill_logits(model, ids)[-1]
+    from sluice.core.models import moe_decode
+    from sluice.core.models.moe import SparseMoeBlock
+
+    calls = []
+    run = moe_decode.decode_moe
+    monkeypatch.setattr(moe_decode, "decode_moe", lambda x, *a: calls.append(x.shape[0]) or run(x, *a))
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock):
+            m.enable_decode_kernels()
+            m.experts.use_triton = True
+    n = len(ids)
+    blocks = -(-n // BLOCK_SIZE)
+    kv = allocate_kv_cache(
+        len(model.model.layers), blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32, "cpu"
+    )
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    backend = get_attention_backend("torch")
+    for start, end in ((0, n - 1), (n - 1, n)):  # the prompt less its last token, then that token alone
+        q = end - start
+        meta = AttentionMetadata(torch.arange(start, end), torch.tensor([0, q], dtype=torch.int32),
+                                 torch.tensor([end], dtype=torch.int32), table, q, end, [0, q], [end])  # fmt: skip
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), ForwardContext(meta, kv, backend))
+            got = model.compute_logits(hidden)[-1]
+    assert calls and set(calls) == {1}  # the decode token's sparse layers, and only it, took the path
+    assert (got - want).abs().max().item() < LOGITS_ATOL
+
+
 def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path, checkpoints, prompts):
     """transformers' in-memory names (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``), as
     a checkpoint written from its state dict holds them."""

@@ -191,14 +191,18 @@ class RotaryEmbedding(nn.Module):
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def enable_fused_kernels(model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True) -> int:
+def enable_fused_kernels(
+    model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True, moe_decode: bool = True
+) -> int:
     """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
     shapes allow (rotary needs ``head_dim / 2`` a power of two), and its 16-bit linear layers to the few-row
     GEMV; returns how many modules switched. ``gemv=False`` keeps cuBLAS for every linear layer,
-    ``fused_rope_kv=False`` RoPE and the KV write in two kernels (switches for side-by-side timing: the engine
-    sets them from ``SLUICE_GEMV`` and ``SLUICE_FUSED_ROPE_KV``, `core/envs.py`)."""
+    ``fused_rope_kv=False`` RoPE and the KV write in two kernels, ``moe_decode=False`` the grouped GEMMs for every
+    call of a mixture-of-experts layer (switches for side-by-side timing: the engine sets them from ``SLUICE_GEMV``,
+    ``SLUICE_FUSED_ROPE_KV`` and ``SLUICE_MOE_DECODE``, `core/envs.py`)."""
     from sluice.core.models import fused
     from sluice.core.models import gemv as gemv_kernels
+    from sluice.core.models.moe import SparseMoeBlock
 
     kernels = {
         RMSNorm: fused.add_rmsnorm,
@@ -210,6 +214,9 @@ def enable_fused_kernels(model: nn.Module, gemv: bool = True, fused_rope_kv: boo
     for m in model.modules():
         if isinstance(m, HeadNorms):
             m.fused_qk_norm = fused.rmsnorm_qk_
+            n += 1
+        if isinstance(m, SparseMoeBlock) and moe_decode:
+            m.enable_decode_kernels()
             n += 1
         kernel = kernels.get(type(m))
         if kernel is None:

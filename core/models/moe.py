@@ -13,7 +13,8 @@ Routing (`fused_moe.route`) as transformers defines it for both families: softma
 
 Tensor parallel: every rank holds every expert, cut along the intermediate dim (gate/up rows, down columns), so
 each rank's experts give a partial sum that one all-reduce completes, as the dense MLP's do. The router is
-replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.moe_forward`).
+replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.moe_forward`); with the fused kernels
+on, a call of a few tokens takes the decode path (`core/models/moe_decode.py`), router included.
 """
 
 from __future__ import annotations
@@ -49,12 +50,28 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         # the Triton kernels (True), the torch loop (False) or by device (None: Triton on a GPU)
         self.use_triton: bool | None = None
+        # the few-token path's arrival counters (`enable_decode_kernels`; None: that path is off)
+        self.decode_counters: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    def enable_decode_kernels(self, top_k: int) -> None:
+        """Calls of a few tokens (`moe_decode.fits`) take `moe_decode.decode_moe` on the Triton path."""
+        from sluice.core.models import moe_decode
+
+        e, _, h = self.gate_up_proj.shape
+        n = moe_decode.counters_needed(top_k, e, h)
+        self.decode_counters = torch.zeros(n, dtype=torch.int32, device=self.gate_up_proj.device)
+
+    def forward(self, x: torch.Tensor, router: Router, top_k: int, renormalize: bool) -> torch.Tensor:
+        from sluice.core.models import moe_decode
         from sluice.core.models.fused_moe import moe_forward
 
         triton = x.is_cuda if self.use_triton is None else self.use_triton
-        return moe_forward(x, router_logits, self.gate_up_proj, self.down_proj, top_k, renormalize, triton)
+        w13, w2 = self.gate_up_proj, self.down_proj
+        num_experts, _, intermediate = w2.shape
+        decode = self.decode_counters is not None and moe_decode.fits(x.shape[0], top_k, num_experts, intermediate)
+        if triton and decode:
+            return moe_decode.decode_moe(x, router.weight, w13, w2, top_k, renormalize, self.decode_counters)
+        return moe_forward(x, router(x), w13, w2, top_k, renormalize, triton)
 
 
 class SparseMoeBlock(nn.Module):
@@ -81,8 +98,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden_size, num_experts)
         self.experts = Experts(num_experts, hidden_size, local)
 
+    def enable_decode_kernels(self) -> None:
+        self.experts.enable_decode_kernels(self.top_k)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, self.gate, self.top_k, self.renormalize)
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None):
