@@ -394,7 +394,10 @@ def sweep_dense(ns) -> dict:
     out = {"shapes": {}}
     g = torch.Generator(device=ns.device).manual_seed(0)
     num_sms = 8 if ns.tiny else torch.cuda.get_device_properties(0).multi_processor_count
-    for name, (n, k) in (TINY_SHAPES if ns.tiny else LINEAR_SHAPES).items():
+    shapes = TINY_SHAPES if ns.tiny else LINEAR_SHAPES
+    if ns.nk:  # other models' projections, NAME:N:K
+        shapes = {name: (int(n), int(k)) for name, n, k in (s.split(":") for s in ns.nk)}
+    for name, (n, k) in shapes.items():
         if ns.shapes and name not in ns.shapes:
             continue
         out["shapes"][name] = _dense_shape(ns, g, n, k, lambda m, n=n, k=k: gemv_config(n, k, num_sms, m))
@@ -498,6 +501,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU (Triton interpreter smoke)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64], help="dense: rows of x")
     ap.add_argument("--rule-only", action="store_true", help="dense: time only the engine's rule (and F.linear)")
+    ap.add_argument("--nk", nargs="*", help="dense: these shapes instead of Llama-3-8B's, NAME:N:K (qkv:5120:2048)")
     ns = ap.parse_args()
     import torch
 
