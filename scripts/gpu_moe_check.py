@@ -172,6 +172,8 @@ DECODE_SWEEP = [  # the few-token path's tiles (`moe_decode.DecodeMoEConfig`): g
     dict(gate_up_block_n=64, gate_up_block_k=128),
     dict(split=1),
     dict(split=4),
+    dict(down_block_k=128),
+    dict(down_block_n=32),
     dict(num_stages=3),
     dict(num_warps=8),
 ]

@@ -39,6 +39,7 @@ def _run(x, router, w13, w2, k, renormalize, split=None):
         (1, 128, 8, 64, 32, None, True),  # Qwen3-30B-A3B's form: 128 experts in 8 router programs
         (2, 16, 2, 40, 32, 2, False),  # two tokens, H not a multiple of the K step, experts split in two
         (1, 8, 3, 64, 32, 4, True),  # 3 experts over a split of 4: three programs of one, no empty split
+        (1, 8, 2, 32, 256, 1, True),  # K steps of 256 (the largest), one per expert, both in one program
     ],
 )
 def test_the_decode_path_equals_the_torch_loop(t, e, k, h, i, split, renormalize):

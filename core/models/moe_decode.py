@@ -54,8 +54,8 @@ def counters_needed(top_k: int, num_experts: int, hidden: int) -> int:
 
 
 def down_block_k(intermediate: int) -> int:
-    """The largest power of two from 16 to 128 that divides ``intermediate`` (0: none)."""
-    for bk in (128, 64, 32, 16):
+    """The largest power of two from 16 to 256 that divides ``intermediate`` (0: none)."""
+    for bk in (256, 128, 64, 32, 16):
         if intermediate % bk == 0:
             return bk
     return 0
@@ -242,6 +242,7 @@ class DecodeMoEConfig:
     gate_up_block_n: int = 32
     gate_up_block_k: int = 256
     down_block_n: int = 16
+    down_block_k: int | None = None  # a power of two dividing I (None: `down_block_k`)
     split: int | None = None  # the down kernel's split of a token's experts (None: `down_split`)
     num_warps: int = 4
     num_stages: int = 4
@@ -302,6 +303,6 @@ def decode_moe(
     _down_sum_kernel[(tiles, t, split)](
         act, w2, ids, weights, out, ws, counters[1:], t, h, i, act.stride(0), w2.stride(0), w2.stride(1),
         out.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k), PER_SPLIT=per_split, SPLIT=split,
-        BLOCK_N=c.down_block_n, BLOCK_K=down_block_k(i), DOT_F32=dot_f32, **launch,
+        BLOCK_N=c.down_block_n, BLOCK_K=c.down_block_k or down_block_k(i), DOT_F32=dot_f32, **launch,
     )  # fmt: skip
     return out
