@@ -49,8 +49,9 @@
 #   scripts/gpu_engine_bench.sh probe-fp8  # issue 39: fp8 kernels and their one-row sweep, batch 1 bf16/fp8, a batch-1
 #                                          # profile of fp8 (~7 min)
 #   scripts/gpu_engine_bench.sh probe-moe  # issue 38: a batch-1 profile of dummy:qwen3-30b-a3b, the MoE tile sweep
-#   scripts/gpu_engine_bench.sh moe-decode  # issue 38: the few-token MoE path checked and swept, Qwen3-30B-A3B batch 1
-#                   # with it and without (alternating twice), each against the floor, then the b1 profile (~5 min)
+#   scripts/gpu_engine_bench.sh moe-decode  # issue 38: the few-token MoE path checked and swept, greedy parity, Qwen3-30B-A3B
+#                   # batch 1 with it and without (alternating twice) against the floor, the bf16 GEMV swept at its
+#                   # attention shapes; PROFILE=1 adds the b1 profile (~7 min)
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -552,11 +553,15 @@ probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3
     run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_moe.json"
     MOE_SWEEP=1 moe_kernel_check
     ;;
-moe-decode)  # issue 38 (~5 min): the few-token MoE path (core/models/moe_decode.py) checked and its tiles swept at
-    # real shapes, then dummy:qwen3-30b-a3b batch 1 with it (default) and without (SLUICE_MOE_DECODE=0: the router GEMM
-    # and grouped GEMMs), alternating twice, each against the weight-read floor; then the as-served b1 profile
+moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode.py) checked and its tiles swept at
+    # real shapes, greedy parity with transformers, then dummy:qwen3-30b-a3b batch 1 with it (default) and without
+    # (SLUICE_MOE_DECODE=0: the router GEMM and grouped GEMMs), alternating twice, each against the weight-read floor;
+    # the bf16 GEMV's configs at its attention shapes; PROFILE=1: the as-served b1 profile last
     run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels --decode-sweep --tokens 1 8 --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || grep -E "decode|PASS|FAIL|Error" "$OUT/moe_kernels.log"
+    # greedy against transformers (fp32): a solo request's decode steps take the few-token path, batched ones not
+    run moe_greedy 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
+    [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
     Q3="--model dummy:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1"
     for r in 1 2; do
         for side in on off; do
@@ -569,7 +574,7 @@ moe-decode)  # issue 38 (~5 min): the few-token MoE path (core/models/moe_decode
     done
     # the bf16 GEMV's configs at Qwen3-30B-A3B's attention projections (q/k/v 5120 x 2048, o 2048 x 4096), batch 1
     run dense_qwen3moe 150 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_sweep.py dense --nk qkv:5120:2048 o:2048:4096 --rows 1 --time-limit 45 --out "$OUT/dense_qwen3moe.json"
-    [ -n "${NO_PROFILE:-}" ] || run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 --prefills 1x128 --out "$OUT/profile_moe.json"
+    [ -z "${PROFILE:-}" ] || run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 --prefills 1x128 --out "$OUT/profile_moe.json"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"
