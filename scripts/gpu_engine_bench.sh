@@ -563,7 +563,7 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
     run moe_greedy 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
     [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
     Q3="--model dummy:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1"
-    for r in 1 2; do
+    for r in $(seq ${MOE_REPEATS:-2}); do
         for side in on off; do
             prefix=""
             [ $side = off ] && prefix="env SLUICE_MOE_DECODE=0"
