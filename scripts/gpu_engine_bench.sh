@@ -557,7 +557,7 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
     # real shapes, greedy parity with transformers, then dummy:qwen3-30b-a3b batch 1 with it (default) and without
     # (SLUICE_MOE_DECODE=0: the router GEMM and grouped GEMMs), alternating twice, each against the weight-read floor;
     # the bf16 GEMV's configs at its attention shapes; PROFILE=1: the as-served b1 profile last
-    run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels ${QUICK:---decode-sweep} --tokens 1 8 --out "$OUT/moe_kernels.json"
+    run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels $([ -n "${QUICK:-}" ] || echo --decode-sweep) --tokens 1 8 --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || grep -E "decode|PASS|FAIL|Error" "$OUT/moe_kernels.log"
     # greedy against transformers (fp32): a solo request's decode steps take the few-token path, batched ones not
     moe_decode_greedy() {
