@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     SLUICE_DECODE_ROPE: bool = True
     SLUICE_FUSED_ROPE_KV: bool = True
     SLUICE_GEMV: bool = True
-    SLUICE_MOE_DECODE: bool = True
+    SLUICE_MOE_DECODE: bool = False
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_FP8_GEMV_ROWS: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
@@ -164,9 +164,10 @@ environment_variables: dict[str, Variable] = {
         "The few-row GEMV for 16-bit linear layers (default, core/models/gemv.py); 0 keeps cuBLAS for all.",
     ),
     "SLUICE_MOE_DECODE": Variable(
-        _on_unless_zero("SLUICE_MOE_DECODE"),
-        "A mixture-of-experts layer's calls of a few tokens as three GEMV kernels, router included (default, "
-        "core/models/moe_decode.py); 0: the grouped GEMMs for every call.",
+        _on_if_one("SLUICE_MOE_DECODE"),
+        "1: a mixture-of-experts layer's calls of a few tokens as three GEMV kernels, router included "
+        "(core/models/moe_decode.py); unset: the grouped GEMMs for every call (the default until the path is "
+        "measured on a GPU).",
     ),
     "SLUICE_GEMV_ROWS": Variable(
         _int("SLUICE_GEMV_ROWS", None),

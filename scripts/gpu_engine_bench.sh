@@ -554,14 +554,14 @@ probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3
     MOE_SWEEP=1 moe_kernel_check
     ;;
 moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode.py) checked and its tiles swept at
-    # real shapes, greedy parity with transformers, then dummy:qwen3-30b-a3b batch 1 with it (default) and without
-    # (SLUICE_MOE_DECODE=0: the router GEMM and grouped GEMMs), alternating twice, each against the weight-read floor;
+    # real shapes, greedy parity with transformers, then dummy:qwen3-30b-a3b batch 1 with it (SLUICE_MOE_DECODE=1) and
+    # without (the default: the router GEMM and grouped GEMMs), alternating twice, each against the weight-read floor;
     # the bf16 GEMV's configs at its attention shapes; PROFILE=1: the as-served b1 profile last
     run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels $([ -n "${QUICK:-}" ] || echo --decode-sweep) --tokens 1 8 --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || grep -E "decode|PASS|FAIL|Error" "$OUT/moe_kernels.log"
     # greedy against transformers (fp32): a solo request's decode steps take the few-token path, batched ones not
     moe_decode_greedy() {
-        run moe_greedy 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
+        run moe_greedy 240 env SLUICE_MOE_DECODE=1 PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
         [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
     }
     [ -n "${QUICK:-}" ] || moe_decode_greedy  # QUICK=1: no tile sweeps, the greedy check last
@@ -569,7 +569,7 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
     for r in $(seq ${MOE_REPEATS:-2}); do
         for side in on off; do
             prefix=""
-            [ $side = off ] && prefix="env SLUICE_MOE_DECODE=0"
+            [ $side = on ] && prefix="env SLUICE_MOE_DECODE=1"
             run moe_b1_${side}_$r 120 $prefix $bench latency $Q3 --out "$OUT/moe_b1_${side}_$r.json"
             run moe_floor_${side}_$r 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model dummy:qwen3-30b-a3b --latency "$OUT/moe_b1_${side}_$r.json" --out "$OUT/moe_floor_${side}_$r.json"
             [ -n "${DRY:-}" ] || grep -E "step_ms|ratio_vs_floor_copy" "$OUT/moe_floor_${side}_$r.json"

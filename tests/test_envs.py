@@ -17,7 +17,6 @@ ON_UNLESS_ZERO = [
     "SLUICE_DECODE_ROPE",
     "SLUICE_FUSED_ROPE_KV",
     "SLUICE_GEMV",
-    "SLUICE_MOE_DECODE",
 ]
 
 
@@ -46,6 +45,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_SUBMIT_CHUNK": 64,
         "SLUICE_EAGER_WARMUP": None,
         "SLUICE_SYNC_DEBUG": False,
+        "SLUICE_MOE_DECODE": False,
         "SLUICE_DECODE_BLOCK_N": 128,
         "SLUICE_GEMV_ROWS": None,
         "SLUICE_FP8_GEMV_ROWS": None,
@@ -64,6 +64,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_STEP_TRACE": ("/tmp/t.json", "/tmp/t.json"),
         "SLUICE_SUBMIT_CHUNK": ("8", 8),
         "SLUICE_SYNC_DEBUG": ("1", True),
+        "SLUICE_MOE_DECODE": ("1", True),
         "SLUICE_DECODE_BLOCK_N": ("64", 64),
         "SLUICE_GEMV_ROWS": ("16", 16),
         "SLUICE_FP8_GEMV_ROWS": ("8", 8),
@@ -100,11 +101,11 @@ def test_the_attention_backend_and_the_fused_kernels_take_their_switches(clean_e
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
-    assert envs.fused_kernel_options() == {"gemv": True, "fused_rope_kv": True, "moe_decode": True}
+    assert envs.fused_kernel_options() == {"gemv": True, "fused_rope_kv": True, "moe_decode": False}
     clean_env.setenv("SLUICE_FUSED_ROPE_KV", "0")
     clean_env.setenv("SLUICE_GEMV", "0")
-    clean_env.setenv("SLUICE_MOE_DECODE", "0")
-    assert envs.fused_kernel_options() == {"gemv": False, "fused_rope_kv": False, "moe_decode": False}
+    clean_env.setenv("SLUICE_MOE_DECODE", "1")
+    assert envs.fused_kernel_options() == {"gemv": False, "fused_rope_kv": False, "moe_decode": True}
     r = RotaryEmbedding(cfg, 16, 64)
     assert enable_fused_kernels(r, **envs.fused_kernel_options()) == 1 and r.fused_write is None
 

@@ -192,14 +192,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def enable_fused_kernels(
-    model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True, moe_decode: bool = True
+    model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True, moe_decode: bool = False
 ) -> int:
     """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
     shapes allow (rotary needs ``head_dim / 2`` a power of two), and its 16-bit linear layers to the few-row
     GEMV; returns how many modules switched. ``gemv=False`` keeps cuBLAS for every linear layer,
-    ``fused_rope_kv=False`` RoPE and the KV write in two kernels, ``moe_decode=False`` the grouped GEMMs for every
-    call of a mixture-of-experts layer (switches for side-by-side timing: the engine sets them from ``SLUICE_GEMV``,
-    ``SLUICE_FUSED_ROPE_KV`` and ``SLUICE_MOE_DECODE``, `core/envs.py`)."""
+    ``fused_rope_kv=False`` RoPE and the KV write in two kernels, ``moe_decode=True`` a mixture-of-experts layer's
+    calls of a few tokens through `core/models/moe_decode.py` (switches for side-by-side timing: the engine sets them
+    from ``SLUICE_GEMV``, ``SLUICE_FUSED_ROPE_KV`` and ``SLUICE_MOE_DECODE``, `core/envs.py`)."""
     from sluice.core.models import fused
     from sluice.core.models import gemv as gemv_kernels
     from sluice.core.models.moe import SparseMoeBlock

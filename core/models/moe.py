@@ -13,8 +13,9 @@ Routing (`fused_moe.route`) as transformers defines it for both families: softma
 
 Tensor parallel: every rank holds every expert, cut along the intermediate dim (gate/up rows, down columns), so
 each rank's experts give a partial sum that one all-reduce completes, as the dense MLP's do. The router is
-replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.moe_forward`); with the fused kernels
-on, a call of a few tokens takes the decode path (`core/models/moe_decode.py`), router included.
+replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.moe_forward`); with the decode path
+enabled (`enable_decode_kernels`, ``SLUICE_MOE_DECODE=1``), a call of a few tokens takes `core/models/moe_decode.py`,
+router included.
 """
 
 from __future__ import annotations
