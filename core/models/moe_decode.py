@@ -2,7 +2,7 @@
 
 At one token the grouped GEMM of `core/models/fused_moe.py` is a weight read like any decode projection, but its
 layer is five kernels: the router's cuBLAS GEMM, the routing-and-sorting program, two grouped GEMMs and the sum of
-each token's ``top_k`` rows; on Qwen3-30B-A3B the three around the GEMMs took as long as the down projection. Here:
+each token's ``top_k`` rows, the three small ones each a launch and a wait in the step's chain. Here:
 
 * `_router_top_k_kernel`: the router's logits, a GEMV over blocks of experts, then `softmax_top_k` in the program
   that finishes last (an arrival counter, reset by that program, as the split-K of `core/models/gemv.py`). The
@@ -277,9 +277,7 @@ def decode_moe(
     dev = x.device
     interp = dev.type == "cpu"
     dot_f32 = x.dtype == torch.float32 or interp
-    launch = {} if interp else dict(num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(dev))
-    if interp:
-        launch["PDL"] = False
+    launch = pdl_launch(dev) if interp else dict(num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(dev))
     logits = torch.empty(t, e, dtype=torch.float32, device=dev)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
