@@ -50,8 +50,9 @@
 #                                          # profile of fp8 (~7 min)
 #   scripts/gpu_engine_bench.sh probe-moe  # issue 38: a batch-1 profile of dummy:qwen3-30b-a3b, the MoE tile sweep
 #   scripts/gpu_engine_bench.sh moe-decode  # issue 38: the few-token MoE path checked and swept, greedy parity, Qwen3-30B-A3B
-#                   # batch 1 with it and without (alternating twice) against the floor, the bf16 GEMV swept at its
-#                   # attention shapes; PROFILE=1 adds the b1 profile (~7 min)
+#                   # batch 1 with it and without (MOE_REPEATS alternations, default 2) against the floor, the bf16
+#                   # GEMV swept at its attention shapes (~7 min); QUICK=1: checks and batch 1 only; PROFILE=1: the
+#                   # b1 profile last
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -575,8 +576,8 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
             [ -n "${DRY:-}" ] || grep -E "step_ms|ratio_vs_floor_copy" "$OUT/moe_floor_${side}_$r.json"
         done
     done
-    # the bf16 GEMV's configs at Qwen3-30B-A3B's attention projections (q/k/v 5120 x 2048, o 2048 x 4096), batch 1
     [ -z "${QUICK:-}" ] || moe_decode_greedy
+    # the bf16 GEMV's configs at Qwen3-30B-A3B's attention projections (q/k/v 5120 x 2048, o 2048 x 4096), batch 1
     [ -n "${SKIP_DENSE:-}${QUICK:-}" ] || run dense_qwen3moe 150 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_sweep.py dense --nk qkv:5120:2048 o:2048:4096 --rows 1 --time-limit 45 --out "$OUT/dense_qwen3moe.json"
     [ -z "${PROFILE:-}" ] || run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 --prefills 1x128 --out "$OUT/profile_moe.json"
     ;;
