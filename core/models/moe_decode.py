@@ -160,10 +160,11 @@ def _gate_up_kernel(
         k = k0 + offs_k
         kmask = k < H
         wmask = rmask[:, None] & kmask[None, :]
-        xt = tl.load(x_ptr + token * stride_xm + k[:, None] + col[None, :] * 0, mask=kmask[:, None] & first[None, :])
+        xmask = kmask[:, None] & first[None, :]
+        xt = tl.load(x_ptr + token * stride_xm + k[:, None] + col[None, :] * 0, mask=xmask, other=0.0)
         acc = _dot(tl.load(gate_ptrs + k[None, :], mask=wmask, other=0.0), xt, acc, DOT_F32)
         acc_up = _dot(tl.load(up_ptrs + k[None, :], mask=wmask, other=0.0), xt, acc_up, DOT_F32)
-    act = tl.sum(acc / (1.0 + tl.exp(-acc)) * acc_up, axis=1)  # the padding columns are zeros
+    act = tl.sum(tl.where(first[None, :], acc / (1.0 + tl.exp(-acc)) * acc_up, 0.0), axis=1)  # the token's column
     tl.store(act_ptr + pair * stride_am + rows, act.to(act_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -215,11 +216,13 @@ def _down_sum_kernel(
         k = s % INTER + offs_k
         expert = tl.sum(tl.where(kcols == j, ids, 0)).to(tl.int64)
         w_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
-        w = tl.load(w_rows + k[None, :], mask=rmask[:, None])
-        a = tl.load(act_ptr + (token * TOP_K + j) * stride_am + k[:, None] + col[None, :] * 0, mask=first[None, :])
+        w = tl.load(w_rows + k[None, :], mask=rmask[:, None], other=0.0)
+        a = tl.load(
+            act_ptr + (token * TOP_K + j) * stride_am + k[:, None] + col[None, :] * 0, mask=first[None, :], other=0.0
+        )
         part = _dot(w, a, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_F32)
         acc += part * tl.sum(tl.where(kcols == j, weights, 0.0))
-    total = tl.sum(acc, axis=1)
+    total = tl.sum(tl.where(first[None, :], acc, 0.0), axis=1)  # the token's column
     out = out_ptr + token * stride_om + rows
     if SPLIT == 1:
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rmask)
