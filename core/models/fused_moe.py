@@ -78,17 +78,25 @@ def align_pairs(topk_ids: torch.Tensor, block_m: int, num_experts: int):
 
 
 @triton.jit
-def softmax_top_k(logits, ok, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, K_P2: tl.constexpr):
-    """`route` on a ``[rows, experts]`` tile of router logits (``ok``: the real rows and experts): ``(weights, ids)``,
-    each ``[rows, K_P2]``, the first ``TOP_K`` columns of each row its largest softmax probabilities (fp32) and
+def softmax_top_k(
+    logits,
+    ok,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    K_P2: tl.constexpr,
+):
+    """`route` on a ``[ROWS, COLS]`` tile of router logits (``ok``: the real rows and experts): ``(weights, ids)``,
+    each ``[ROWS, K_P2]``, the first ``TOP_K`` columns of each row its largest softmax probabilities (fp32) and
     their experts, the leftmost expert first among equal ones (as ``topk``)."""
-    cols = tl.arange(0, logits.shape[1])
+    cols = tl.arange(0, COLS)
     kcols = tl.arange(0, K_P2)
     lg = tl.where(ok, logits.to(tl.float32), -1e30)  # finite, in fp32: a padding row stays free of NaN
     p = tl.exp(lg - tl.max(lg, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
-    top_w = tl.zeros((logits.shape[0], K_P2), dtype=tl.float32)
-    top_id = tl.zeros((logits.shape[0], K_P2), dtype=tl.int32)
+    top_w = tl.zeros((ROWS, K_P2), dtype=tl.float32)
+    top_id = tl.zeros((ROWS, K_P2), dtype=tl.int32)
     for j in tl.static_range(TOP_K):  # the largest left, TOP_K times
         best = tl.argmax(p, axis=1, tie_break_left=True)
         top_w = tl.where(kcols[None, :] == j, tl.max(p, axis=1)[:, None], top_w)
@@ -130,7 +138,7 @@ def _route_align_kernel(
     row_ok = rows < T
     ok = row_ok[:, None] & (cols[None, :] < E)
     lg = tl.load(logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0)
-    top_w, top_id = softmax_top_k(lg, ok, TOP_K, RENORMALIZE, K_P2)
+    top_w, top_id = softmax_top_k(lg, ok, BLOCK_T, BLOCK_E, TOP_K, RENORMALIZE, K_P2)
     pair_ok2 = row_ok[:, None] & (kcols[None, :] < TOP_K)
     pair2 = rows[:, None] * TOP_K + kcols[None, :]
     tl.store(weights_ptr + pair2, top_w, mask=pair_ok2)

@@ -113,7 +113,7 @@ def _router_top_k_kernel(
         cols = tl.arange(0, ALL_E)
         ok = tmask[:, None] & (cols[None, :] < E)
         lg = tl.load(logits_ptr + tokens[:, None] * E + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        top_w, top_id = softmax_top_k(lg, ok, TOP_K, RENORMALIZE, K_P2)
+        top_w, top_id = softmax_top_k(lg, ok, BLOCK_M, ALL_E, TOP_K, RENORMALIZE, K_P2)
         kcols = tl.arange(0, K_P2)
         pair_ok = tmask[:, None] & (kcols[None, :] < TOP_K)
         pair = tokens[:, None] * TOP_K + kcols[None, :]
