@@ -34,6 +34,7 @@ from sluice.kv.attention.pdl import pdl_launch
 # The padded row tile of x (the MMA's smallest N), and the narrowest output tile (sizes the counters)
 BLOCK_M = 16
 MIN_BLOCK_N = 16
+_BLOCK_M = tl.constexpr(BLOCK_M)  # the kernels' copy: a kernel reads only constexpr globals
 
 
 def fits(num_tokens: int, top_k: int, num_experts: int, intermediate: int) -> bool:
@@ -96,10 +97,10 @@ def _router_top_k_kernel(
         tl.extra.cuda.gdc_wait()
     experts = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = experts < E
-    tokens = tl.arange(0, BLOCK_M)
+    tokens = tl.arange(0, _BLOCK_M)
     tmask = tokens < T
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_E, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_E, _BLOCK_M], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + offs_k
         kmask = k < H
@@ -113,7 +114,7 @@ def _router_top_k_kernel(
         cols = tl.arange(0, ALL_E)
         ok = tmask[:, None] & (cols[None, :] < E)
         lg = tl.load(logits_ptr + tokens[:, None] * E + cols[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        top_w, top_id = softmax_top_k(lg, ok, BLOCK_M, ALL_E, TOP_K, RENORMALIZE, K_P2)
+        top_w, top_id = softmax_top_k(lg, ok, _BLOCK_M, ALL_E, TOP_K, RENORMALIZE, K_P2)
         kcols = tl.arange(0, K_P2)
         pair_ok = tmask[:, None] & (kcols[None, :] < TOP_K)
         pair = tokens[:, None] * TOP_K + kcols[None, :]
@@ -151,11 +152,11 @@ def _gate_up_kernel(
     rmask = rows < INTER
     gate_ptrs = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
     up_ptrs = gate_ptrs + INTER * stride_wn
-    col = tl.arange(0, BLOCK_M)
+    col = tl.arange(0, _BLOCK_M)
     first = col == 0  # the token's row is column 0 of the padded tile
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, _BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, _BLOCK_M], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + offs_k
         kmask = k < H
@@ -207,10 +208,10 @@ def _down_sum_kernel(
     weights = tl.load(weights_ptr + token * TOP_K + kcols, mask=kcols < TOP_K, other=0.0)
     first_j = split * PER_SPLIT
     steps = tl.minimum(PER_SPLIT, TOP_K - first_j) * INTER  # one loop over this split's experts' K (whole steps)
-    col = tl.arange(0, BLOCK_M)
+    col = tl.arange(0, _BLOCK_M)
     first = col == 0
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, _BLOCK_M], dtype=tl.float32)
     for s in range(0, steps, BLOCK_K):
         j = first_j + s // INTER
         k = s % INTER + offs_k
@@ -220,7 +221,7 @@ def _down_sum_kernel(
         a = tl.load(
             act_ptr + (token * TOP_K + j) * stride_am + k[:, None] + col[None, :] * 0, mask=first[None, :], other=0.0
         )
-        part = _dot(w, a, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_F32)
+        part = _dot(w, a, tl.zeros([BLOCK_N, _BLOCK_M], dtype=tl.float32), DOT_F32)
         acc += part * tl.sum(tl.where(kcols == j, weights, 0.0))
     total = tl.sum(tl.where(first[None, :], acc, 0.0), axis=1)  # the token's column
     out = out_ptr + token * stride_om + rows
