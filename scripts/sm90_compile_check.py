@@ -6,7 +6,8 @@ shared memory (a launch of one fails). `tests/test_sm90_compile.py` runs it in C
 
 Groups: ``gemv`` (the bf16 GEMV and its folds), ``decode`` and ``prefill`` (paged attention, plain and with the
 sliding windows and soft-caps of Mistral and Gemma 2/3, at head size 128 and 256), ``fp8`` (the W8A8 linear
-layer's GEMV and row quantizer), ``moe`` (the fused MoE routing and grouped GEMMs), ``structured`` (the
+layer's GEMV and row quantizer), ``moe`` (the fused MoE routing and grouped GEMMs, the few-token path's three
+kernels), ``structured`` (the
 structured-output bitmask); not in the default, ``folds32`` (not launched: the folds past the engine's row limit)
 and ``fp32`` (Gemma 2's prefill attention in fp32, the GPU parity checks' dtype).
 
@@ -27,7 +28,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # a real compile, not the interpreter
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from sluice.core.models import fp8_kernels, fused, fused_moe, gemv  # noqa: E402
+from sluice.core.models import fp8_kernels, fused, fused_moe, gemv, moe_decode  # noqa: E402
 from sluice.core.structured import bitmask, bitmask_kernel  # noqa: E402
 from sluice.kv.attention import triton_kernels as tk  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -276,6 +277,45 @@ def _moe_gemm(tokens: int, gated: bool, what: str, model: tuple = QWEN3_MOE) -> 
     return f"MoE grouped GEMM, {what}, {tokens} tokens ({tiles})", fused_moe._grouped_gemm_kernel, const, args, options
 
 
+def _moe_decode(model: tuple, what: str) -> list[tuple]:
+    """`moe_decode.decode_moe`'s three kernels for one token at its default tiles (`DecodeMoEConfig`, the down
+    kernel's split for 132 SMs)."""
+    e, top_k, h, i = model
+    c = moe_decode.DecodeMoEConfig()
+    options = dict(num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=True)
+    k_p2 = triton.next_power_of_2(top_k)
+    router = dict(
+        x_ptr=PTR, w_ptr=PTR, logits_ptr=PTR_F32, weights_ptr=PTR_F32, ids_ptr=PTR_I32, cnt_ptr=PTR_I32, T=1, E=e,
+        H=h, stride_xm=h, stride_we=h,
+    )  # fmt: skip
+    router_const = dict(
+        TOP_K=top_k, RENORMALIZE=True, BLOCK_E=c.router_block_e, BLOCK_K=c.router_block_k,
+        ALL_E=triton.next_power_of_2(e), K_P2=k_p2, DOT_F32=False, PDL=True,
+    )  # fmt: skip
+    gate_up = dict(
+        x_ptr=PTR, w_ptr=PTR, ids_ptr=PTR_I32, act_ptr=PTR, INTER=i, H=h, stride_xm=h, stride_we=2 * i * h,
+        stride_wn=h, stride_am=i,
+    )  # fmt: skip
+    gate_up_const = dict(TOP_K=top_k, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k, DOT_F32=False, PDL=True)
+    tiles = triton.cdiv(h, c.down_block_n)
+    split = moe_decode.down_split(tiles, 1, top_k, 132)
+    per_split = triton.cdiv(top_k, split)
+    down = dict(
+        act_ptr=PTR, w_ptr=PTR, ids_ptr=PTR_I32, weights_ptr=PTR_F32, out_ptr=PTR, ws_ptr=PTR_F32, cnt_ptr=PTR_I32,
+        T=1, H=h, INTER=i, stride_am=i, stride_we=h * i, stride_wn=i, stride_om=h,
+    )  # fmt: skip
+    down_const = dict(
+        TOP_K=top_k, K_P2=k_p2, PER_SPLIT=per_split, SPLIT=triton.cdiv(top_k, per_split), BLOCK_N=c.down_block_n,
+        BLOCK_K=moe_decode.down_block_k(i), DOT_F32=False, PDL=True,
+    )  # fmt: skip
+    return [
+        (f"MoE decode router and top-k, {what}", moe_decode._router_top_k_kernel, router_const, router, options),
+        (f"MoE decode gate/up, {what}", moe_decode._gate_up_kernel, gate_up_const, gate_up, options),
+        (f"MoE decode down and sum, {what} (split {down_const['SPLIT']})", moe_decode._down_sum_kernel, down_const,
+         down, options),
+    ]  # fmt: skip
+
+
 def _bitmask(logits: str, what: str, vocab: int = 128256) -> tuple:
     """`bitmask.apply_token_bitmask_` over Llama-3's vocabulary: the step's logits (a graph's, the model's dtype)
     or a speculative step's (fp32)."""
@@ -367,6 +407,8 @@ VARIANTS = {
             for tokens in (16, 512, 4096)
             for gated, what in ((True, "gate/up and SiLU-and-mul"), (False, "down, routing-weighted"))
         ),
+        *_moe_decode(QWEN3_MOE, "Qwen3-30B-A3B"),
+        *_moe_decode(MIXTRAL, "Mixtral-8x7B"),
     ],
     "structured": [_bitmask(PTR, "bf16 logits"), _bitmask(PTR_F32, "fp32 logits (speculative steps)")],
 }

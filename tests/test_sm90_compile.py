@@ -31,6 +31,7 @@ def test_the_engines_kernels_compile_for_sm90_and_fit_its_shared_memory():
     assert [line[:-1] for line in lines if not line.startswith(" ") and line.endswith(":")] == list(GROUPS)
     assert sum("'ptxas': 'Used" in line for line in lines) >= 60  # every variant compiled and was assembled
     for kernel in ("window 4096, soft-cap 50", "head 256", "fp8 GEMV", "fp8 row quantizer", "MoE routing",
-                   "MoE grouped GEMM", "structured-output bitmask"):  # fmt: skip
+                   "MoE grouped GEMM", "MoE decode router", "MoE decode gate/up", "MoE decode down",
+                   "structured-output bitmask"):  # fmt: skip
         assert any(kernel in line for line in lines), kernel
     assert lines[-1] == "over the H200's shared memory: none"
