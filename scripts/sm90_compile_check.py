@@ -297,15 +297,15 @@ def _moe_decode(model: tuple, what: str) -> list[tuple]:
         stride_wn=h, stride_am=i,
     )  # fmt: skip
     gate_up_const = dict(TOP_K=top_k, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k, DOT_F32=False, PDL=True)
-    tiles = triton.cdiv(h, c.down_block_n)
-    split = moe_decode.down_split(tiles, 1, top_k, 132)
-    per_split = triton.cdiv(top_k, split)
+    split, per_split = moe_decode.down_programs(
+        moe_decode.down_split(triton.cdiv(h, c.down_block_n), 1, top_k, 132), top_k
+    )
     down = dict(
         act_ptr=PTR, w_ptr=PTR, ids_ptr=PTR_I32, weights_ptr=PTR_F32, out_ptr=PTR, ws_ptr=PTR_F32, cnt_ptr=PTR_I32,
         T=1, H=h, INTER=i, stride_am=i, stride_we=h * i, stride_wn=i, stride_om=h,
     )  # fmt: skip
     down_const = dict(
-        TOP_K=top_k, K_P2=k_p2, PER_SPLIT=per_split, SPLIT=triton.cdiv(top_k, per_split), BLOCK_N=c.down_block_n,
+        TOP_K=top_k, K_P2=k_p2, PER_SPLIT=per_split, SPLIT=split, BLOCK_N=c.down_block_n,
         BLOCK_K=moe_decode.down_block_k(i), DOT_F32=False, PDL=True,
     )  # fmt: skip
     return [

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from sluice.core.models.fp8_kernels import num_sms
 from sluice.core.models.fused_moe import softmax_top_k
 from sluice.kv.attention.pdl import pdl_launch
 
@@ -260,6 +261,13 @@ def down_split(tiles: int, tokens: int, top_k: int, sms: int) -> int:
     return split
 
 
+def down_programs(split: int, top_k: int) -> tuple[int, int]:
+    """``(SPLIT, PER_SPLIT)`` of the down kernel for a wanted split of ``top_k`` experts: each program takes
+    ``PER_SPLIT`` of them, and no program is left without one (3 experts split 4 ways are 3 programs)."""
+    per_split = triton.cdiv(top_k, split)
+    return triton.cdiv(top_k, per_split), per_split
+
+
 def decode_moe(
     x: torch.Tensor,
     router: torch.Tensor,
@@ -296,10 +304,7 @@ def decode_moe(
         TOP_K=top_k, BLOCK_N=c.gate_up_block_n, BLOCK_K=c.gate_up_block_k, DOT_F32=dot_f32, **launch,
     )  # fmt: skip
     tiles = triton.cdiv(h, c.down_block_n)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 132
-    split = c.split or down_split(tiles, t, top_k, sms)
-    per_split = triton.cdiv(top_k, split)
-    split = triton.cdiv(top_k, per_split)  # no split without experts
+    split, per_split = down_programs(c.split or down_split(tiles, t, top_k, num_sms(dev)), top_k)
     out = torch.empty(t, h, dtype=x.dtype, device=dev)
     ws = torch.empty(split, t, h, dtype=torch.float32, device=dev) if split > 1 else out
     _down_sum_kernel[(tiles, t, split)](
