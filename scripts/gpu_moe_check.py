@@ -114,6 +114,25 @@ def kernel_case(name: str, t: int, layers, dtype, device, sweep: bool, iters: in
     return row
 
 
+def _captured(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``fn()`` warmed twice on a side stream (Triton compiles outside the capture), then captured in a CUDA graph
+    with sync debug "error" on (any host read-back raises): the graph and its output tensor."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return graph, out
+
+
 def graph_check(name: str, layers, dtype, device, t: int = 1) -> dict:
     """A decode step's MoE from router logits (the fused routing kernel, both GEMMs) in a CUDA graph, captured
     with sync debug "error" on; replayed on other tokens routed to other experts, it equals eager."""
@@ -124,19 +143,7 @@ def graph_check(name: str, layers, dtype, device, t: int = 1) -> dict:
     g = torch.Generator(device=device).manual_seed(99)
     x = torch.randn(t, h, generator=g, device=device, dtype=dtype)
     logits = torch.randn(t, e, generator=g, device=device, dtype=dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            moe_forward(x, logits, w13, w2, k, True, use_triton=True)  # compile and warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            out = moe_forward(x, logits, w13, w2, k, True, use_triton=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    graph, out = _captured(lambda: moe_forward(x, logits, w13, w2, k, True, use_triton=True))
     x.copy_(torch.randn(t, h, generator=g, device=device, dtype=dtype))
     logits.copy_(torch.randn(t, e, generator=g, device=device, dtype=dtype))
     graph.replay()
@@ -232,19 +239,7 @@ def decode_graph_check(name: str, layers, dtype, device) -> dict:
     x = torch.randn(1, h, generator=g, device=device, dtype=dtype)
     router = torch.randn(e, h, generator=g, device=device, dtype=dtype) / h**0.5
     counters = torch.zeros(moe_decode.counters_needed(k, e, h), dtype=torch.int32, device=device)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            moe_decode.decode_moe(x, router, w13, w2, k, True, counters)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            out = moe_decode.decode_moe(x, router, w13, w2, k, True, counters)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    graph, out = _captured(lambda: moe_decode.decode_moe(x, router, w13, w2, k, True, counters))
     x.copy_(torch.randn(1, h, generator=g, device=device, dtype=dtype))
     graph.replay()
     torch.cuda.synchronize()
