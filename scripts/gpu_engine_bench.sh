@@ -555,17 +555,11 @@ probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3
     MOE_SWEEP=1 moe_kernel_check
     ;;
 moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode.py) checked and its tiles swept at
-    # real shapes, greedy parity with transformers, then dummy:qwen3-30b-a3b batch 1 with it (SLUICE_MOE_DECODE=1) and
-    # without (the default: the router GEMM and grouped GEMMs), alternating twice, each against the weight-read floor;
-    # the bf16 GEMV's configs at its attention shapes; PROFILE=1: the as-served b1 profile last
+    # real shapes, dummy:qwen3-30b-a3b batch 1 with it (SLUICE_MOE_DECODE=1) and without (the default: the router GEMM
+    # and grouped GEMMs), alternating twice, each against the weight-read floor; greedy parity with transformers; the
+    # bf16 GEMV's configs at its attention shapes (QUICK=1: no sweeps); PROFILE=1: the as-served b1 profile last
     run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels $([ -n "${QUICK:-}" ] || echo --decode-sweep) --tokens 1 8 --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || grep -E "decode|PASS|FAIL|Error" "$OUT/moe_kernels.log"
-    # greedy against transformers (fp32): a solo request's decode steps take the few-token path, batched ones not
-    moe_decode_greedy() {
-        run moe_greedy 240 env SLUICE_MOE_DECODE=1 PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
-        [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
-    }
-    [ -n "${QUICK:-}" ] || moe_decode_greedy  # QUICK=1: no tile sweeps, the greedy check last
     Q3="--model dummy:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1"
     for r in $(seq ${MOE_REPEATS:-2}); do
         for side in on off; do
@@ -576,7 +570,9 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
             [ -n "${DRY:-}" ] || grep -E "step_ms|ratio_vs_floor_copy" "$OUT/moe_floor_${side}_$r.json"
         done
     done
-    [ -z "${QUICK:-}" ] || moe_decode_greedy
+    # greedy against transformers (fp32): a solo request's decode steps take the few-token path, batched ones not
+    run moe_greedy 240 env SLUICE_MOE_DECODE=1 PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py greedy --out "$OUT/moe_greedy.json"
+    [ -n "${DRY:-}" ] || grep -E "family|PASS|FAIL|Error" "$OUT/moe_greedy.log"
     # the bf16 GEMV's configs at Qwen3-30B-A3B's attention projections (q/k/v 5120 x 2048, o 2048 x 4096), batch 1
     [ -n "${SKIP_DENSE:-}${QUICK:-}" ] || run dense_qwen3moe 150 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_sweep.py dense --nk qkv:5120:2048 o:2048:4096 --rows 1 --time-limit 45 --out "$OUT/dense_qwen3moe.json"
     [ -z "${PROFILE:-}" ] || run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 --prefills 1x128 --out "$OUT/profile_moe.json"
