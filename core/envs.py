@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     SLUICE_FUSED_ROPE_KV: bool = True
     SLUICE_GEMV: bool = True
     SLUICE_MOE_DECODE: bool = False
+    SLUICE_CPU_VNNI: bool = True
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_FP8_GEMV_ROWS: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
@@ -169,6 +170,11 @@ environment_variables: dict[str, Variable] = {
         "(core/models/moe_decode.py); unset: the grouped GEMMs for every call (the default until the path is "
         "measured on a GPU).",
     ),
+    "SLUICE_CPU_VNNI": Variable(
+        _on_unless_zero("SLUICE_CPU_VNNI"),
+        "The int4/int8 CPU kernels of AVX-512 VNNI machines, activations rounded to int8 per block of 32 "
+        "(default, core/models/cpu_vnni.py); 0 keeps torch's packed kernels (bf16 activations).",
+    ),
     "SLUICE_GEMV_ROWS": Variable(
         _int("SLUICE_GEMV_ROWS", None),
         "Rows up to which a linear layer takes the GEMV, at most its `MAX_ROWS` (unset: `MAX_ROWS`).",
@@ -233,11 +239,12 @@ def fused_kernel_options() -> dict[str, Any]:
 
 def configure_kernels() -> None:
     """Set the kernels' process-wide switches (asked at every launch, so not parameters): PDL, the GEMV's rows and
-    folds, and the fp8 recipe (asked at load). The model runner calls it before it builds anything that
-    launches them."""
-    from sluice.core.models import fp8_kernels, fp8_recipe, gemv
+    folds, the fp8 recipe and the CPU's VNNI kernels (asked at load). The model runner calls it before it builds
+    anything that launches them."""
+    from sluice.core.models import cpu_linear, fp8_kernels, fp8_recipe, gemv
     from sluice.kv.attention import pdl
 
+    cpu_linear.configure(vnni=__getattr__("SLUICE_CPU_VNNI"))
     pdl.configure(enabled=__getattr__("SLUICE_PDL"))
     fp8_recipe.configure(__getattr__("SLUICE_FP8_WEIGHT_SCALE"), __getattr__("SLUICE_FP8_DENSE_LAST_LAYERS"))
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))

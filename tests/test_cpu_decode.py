@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sluice.core.models import cpu_linear
+from sluice.core.models import cpu_linear, cpu_vnni
 from sluice.core.models.cpu_linear import Int4PackedLinear, Int8PackedLinear, pack_for_cpu, select_cpu_kernel
 from sluice.core.models.quant import (
     QuantizedLinear,
@@ -138,15 +138,22 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 @needs_packed
 @pytest.mark.parametrize("method", ["int4", "int8"])
-def test_packed_model_logits_match_the_reference_path(method):
-    """A tiny random model quantized, then packed (every projection and the tied head), against the same
-    quantized model on the reference path (the weights dequantized at each call, bf16 activations)."""
+@pytest.mark.parametrize(
+    "isa",
+    ["AVX512", pytest.param("AVX512_VNNI", marks=pytest.mark.skipif(not cpu_vnni.load(), reason="no VNNI kernels"))],
+)
+def test_packed_model_logits_match_the_reference_path(method, isa):
+    """A tiny random model quantized, then packed (every projection and the tied head) for torch's kernels or the
+    VNNI ones, against the same quantized model on the reference path (the weights dequantized at each call, bf16
+    activations)."""
     ref = _tiny_model(torch.bfloat16)
     quantize_model(ref, method)
     model = _tiny_model(torch.bfloat16)
     quantize_model(model, method)
-    counts = pack_for_cpu(model, torch.bfloat16, isa="AVX512")
-    assert counts == {f"{method}pack": 8, "int8pack (tied LM head)": 1}
+    counts = pack_for_cpu(model, torch.bfloat16, isa=isa)
+    kind = "vnni" if isa == "AVX512_VNNI" else "pack"
+    head = "int8" + (kind if model.config.hidden_size % 64 == 0 else "pack")  # int8vnni takes K in steps of 64
+    assert counts == {f"{method}{kind}": 8, f"{head} (tied LM head)": 1}
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
     ids = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(2))
     got, want = _logits(model, ids), _logits(ref, ids)

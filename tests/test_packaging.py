@@ -86,6 +86,7 @@ def test_wheel_installs_beside_a_project_with_its_own_app_and_core(tmp_path):
     assert {t for t in top if not t.endswith(".dist-info")} == {"sluice"}
     assert "sluice/__init__.py" not in names  # an implicit namespace package
     probes = {"sluice/core/frontend/engine.py", "sluice/core/worker/tp/runner.py", "sluice/app/inspector/index.html"}
+    assert "sluice/core/models/cpu_vnni.cpp" in names  # the CPU kernels' source, built where they run
     assert probes <= names
     assert any(n.startswith("sluice/spec/heads/") and n.endswith(".safetensors") for n in names)
     assert "sluice/core/models/smollm2-tokenizer/tokenizer.json" in names

@@ -1,0 +1,111 @@
+"""int4 and int8 matmuls of a few rows for AVX-512 VNNI CPUs: `cpu_vnni.cpp`, built at first use.
+
+torch's packed CPU kernels (``int4pack``, ``int8pack``: `core/models/cpu_linear.py`) convert each weight to fp32
+and multiply it by the bf16 activation: a decode step of the default model spends most of its time there, in
+arithmetic, not in reading its ~50 MB of int4 weights. llama.cpp rounds the activations to int8 per block of 32
+instead, and sums 64 products of 8-bit values an instruction (``vpdpbusd``). These kernels do the same: the weights
+as stored (int4 in blocks of 32 with an fp16 scale and min, a GGUF Q4_1 block; int8 per output channel), x rounded
+to int8 per block of 32 at each call, the sums in fp32 (the source's comment has the algebra). The cost is the
+activation's rounding: outputs differ from the bf16 kernels' by about a hundredth of their scale.
+
+Built with torch's C++ extension loader (a C++ compiler and ninja on the machine; the build is cached under torch's
+extensions folder) where the CPU has the instructions (`vnni_supported`); `load` says whether the ops are there.
+The ops are registered as ``torch.ops.sluice_cpu.*`` with fake implementations, so a compiled decode step
+(`core/worker/cpu_compiled.py`) calls them from its generated code.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("sluice")
+
+SOURCE = Path(__file__).with_name("cpu_vnni.cpp")
+# what the source's intrinsics need (Linux /proc/cpuinfo names)
+REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+# -fopenmp: `at::parallel_for` is OpenMP in the header itself (without it, one thread); the library it links,
+# libgomp.so.1, resolves to the copy torch has loaded, as inductor's generated code does
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
+BLOCK = 32  # activations per rounding block; weights per int4 scale and min
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def vnni_supported(flags: frozenset[str] | None = None) -> bool:
+    return set(REQUIRED_FLAGS) <= (cpu_flags() if flags is None else flags)
+
+
+@functools.cache
+def load() -> bool:
+    """Build (or find built) and load the kernels once per process; False where the CPU lacks the instructions or
+    the build fails (no compiler: logged once), and the packed layers keep torch's kernels."""
+    if not vnni_supported():
+        return False
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name="sluice_cpu_vnni",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as e:  # noqa: BLE001 (any build failure leaves torch's kernels, which work everywhere)
+        logger.warning("the AVX-512 VNNI kernels did not build (%s); the CPU keeps torch's packed kernels", e)
+        return False
+    torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_rows_by_outputs)
+    torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_rows_by_outputs)
+    return True
+
+
+def require() -> None:
+    """`load`, or a RuntimeError where the kernels are not there (for layers built for them explicitly)."""
+    if not load():
+        raise RuntimeError("the AVX-512 VNNI kernels are not available on this machine (cpu_vnni.load)")
+
+
+def _rows_by_outputs(x: torch.Tensor, weight: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def int4_blocks(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """int4 values ``q`` (uint8 ``[N, K]``, 0..15) with fp16 ``scales`` and ``mins`` per group of a multiple of 32
+    -> the kernel's form: ``[N, K/2]`` bytes, each block of 32 as 16 bytes (byte i: k = i in the low nibble,
+    k = 16 + i in the high one), and a scale and min per block of 32 (a group's repeated)."""
+    n, k = q.shape
+    halves = q.view(n, k // BLOCK, 2, BLOCK // 2)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    repeat = k // BLOCK // scales.shape[1]
+    per_block = (t.to(torch.float16).repeat_interleave(repeat, dim=1).contiguous() for t in (scales, mins))
+    return packed, *per_block
+
+
+def int8_offset(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` -> uint8 ``q + 128`` (the kernel's unsigned operand)."""
+    return (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """bf16 ``x`` ``[rows, K]`` times the `int4_blocks` weight, transposed -> bf16 ``[rows, N]``."""
+    return torch.ops.sluice_cpu.int4_vnni_mm(x, packed, scales, mins)
+
+
+def int8_mm(x: torch.Tensor, offset_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 ``x`` ``[rows, K]`` (K a multiple of 64) times the `int8_offset` weight with bf16 per-row ``scales``,
+    transposed -> bf16 ``[rows, N]``."""
+    return torch.ops.sluice_cpu.int8_vnni_mm(x, offset_weight, scales)
