@@ -269,6 +269,24 @@ def test_bench_perplexity_compares_every_option_on_the_same_text(tmp_path):
     assert rc == (0 if rec["all_within_bounds"] else 1)
 
 
+def test_window_logits_in_steps_of_a_few_tokens_are_the_prefills():
+    """``rows`` tokens a pass, each over the KV the passes before wrote (how the perplexity bench scores the CPU's
+    few-row kernels), gives the one prefill's logits (fp32: equal to summation order)."""
+    from sluice.app.bench.perplexity import window_logits
+    from sluice.core.args import EngineArgs
+    from sluice.core.models.loader import resolve_model
+    from sluice.core.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(
+        EngineArgs(model="dummy:tiny", device="cpu", num_kv_blocks=8), resolve_model("dummy:tiny"), 128
+    )
+    ids = torch.randint(0, 200, (37,), generator=torch.Generator().manual_seed(4)).tolist()
+    whole = window_logits(runner, ids)
+    assert whole.shape[0] == 37
+    for rows in (1, 5, 16):
+        torch.testing.assert_close(window_logits(runner, ids, rows), whole, rtol=1e-4, atol=1e-4)
+
+
 def test_gemv_tuner_never_picks_a_config_whose_output_is_wrong(monkeypatch):
     """The tuner times candidates on a GPU; one that computes a different product (a miscompiled unpack, say)
     is dropped however fast it is. Timing is faked here (no GPU): the wrong config is the fastest."""

@@ -33,13 +33,16 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One way of loading the model: `EngineArgs` overrides, the issue's bound on its perplexity increase (None:
-    shown for information), the fp8 recipe (`core/models/fp8_recipe.py`; None: the process's) and whether int4 is
-    quantized from the dense weights instead of a GGUF's own blocks."""
+    shown for information), the fp8 recipe (`core/models/fp8_recipe.py`; None: the process's), whether int4 is
+    quantized from the dense weights instead of a GGUF's own blocks, and the tokens per forward pass (None: each
+    window in one prefill; a few: the rows of decode steps, which on the CPU take the packed few-row kernels
+    instead of the prefill's bf16 GEMMs, `core/models/cpu_linear.py`)."""
 
     engine: dict[str, Any] = field(default_factory=dict)
     bound_pct: float | None = None
     fp8_recipe: dict[str, Any] | None = None  # `Fp8Recipe`'s fields (torch is imported only to run)
     from_dense: bool = False
+    rows: int | None = None
 
 
 VARIANTS = {
@@ -55,6 +58,9 @@ VARIANTS = {
     # the mse weight scales, with every layer fp8 / the last one dense
     "fp8-mse-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 0}),
     "fp8-mse-lastdense": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 1}),
+    # the CPU's default (`--quantization auto`: int4, bf16 activations), scored by prefills and by 4-token steps
+    "cpu-auto": Variant({"quantization": "auto"}, 1.0),
+    "cpu-auto-rows": Variant({"quantization": "auto"}, 1.0, rows=4),
 }
 DEFAULT_VARIANTS = "base,fp8-kv,int8,int4,int4-requant,fp8,fp8+fp8-kv"
 
@@ -93,41 +99,51 @@ def heldout_windows(tokenizer, num_tokens: int, seq_len: int, min_len: int = 64)
     return windows
 
 
-def window_logits(runner, ids: list[int]):
+def window_logits(runner, ids: list[int], rows: int | None = None):
     """Logits ``[len(ids), vocab]`` (fp32) of every position of ``ids``, prefilled as one sequence from block 0
-    of ``runner``'s KV pool (which must hold ``len(ids)`` tokens)."""
+    of ``runner``'s KV pool (which must hold ``len(ids)`` tokens): in one forward pass, or ``rows`` tokens a pass,
+    each over the keys and values of the ones before."""
+    import torch
+
+    n = len(ids)
+    step = rows or n
+    with torch.inference_mode():
+        x = torch.tensor(ids, device=runner.device)
+        return torch.cat([_chunk_logits(runner, x, s, min(n, s + step)) for s in range(0, n, step)]).float()
+
+
+def _chunk_logits(runner, ids, start: int, end: int):
+    """The logits of positions ``[start, end)``, the KV of ``[0, start)`` already in the pool."""
     import torch
     from sluice.core.models.layers import ForwardContext
     from sluice.kv.attention import AttentionMetadata
     from sluice.kv.manager import cdiv
 
-    dev = runner.device
-    n = len(ids)
-    nb = cdiv(n, runner.block_size)
+    dev, q = runner.device, end - start
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=dev),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-        block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
-        max_query_len=n,
-        max_seq_len=n,
-        query_start_loc_host=[0, n],
-        seq_lens_host=[n],
+        slot_mapping=torch.arange(start, end, device=dev),
+        query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+        block_tables=torch.arange(cdiv(end, runner.block_size), dtype=torch.int32, device=dev)[None],
+        max_query_len=q,
+        max_seq_len=end,
+        query_start_loc_host=[0, q],
+        seq_lens_host=[end],
     )
-    with torch.inference_mode():
-        x = torch.tensor(ids, device=dev)
-        hidden = runner.model(x, torch.arange(n, device=dev), ForwardContext(meta, runner.kv_caches, runner.backend))
-        return runner.model.compute_logits(hidden).float()
+    positions = torch.arange(start, end, device=dev)
+    hidden = runner.model(ids[start:end], positions, ForwardContext(meta, runner.kv_caches, runner.backend))
+    return runner.model.compute_logits(hidden)
 
 
-def score(runner, windows: list[list[int]]) -> tuple[float, int]:
-    """Summed negative log-likelihood (nats) of every token after the first of each window, and their count."""
+def score(runner, windows: list[list[int]], rows: int | None = None) -> tuple[float, int]:
+    """Summed negative log-likelihood (nats) of every token after the first of each window, and their count
+    (``rows``: `window_logits`)."""
     import torch
     import torch.nn.functional as F
 
     nll, count = 0.0, 0
     for ids in windows:
-        logits = window_logits(runner, ids)[:-1]
+        logits = window_logits(runner, ids, rows)[:-1]
         nll += float(F.cross_entropy(logits, torch.tensor(ids[1:], device=logits.device), reduction="sum"))
         count += len(ids) - 1
     return nll, count
@@ -146,11 +162,12 @@ def run_variant(name: str, ns: argparse.Namespace, source, windows: list[list[in
     t0 = time.perf_counter()
     runner = load_runner(args, src, ns.seq_len, variant)
     t1 = time.perf_counter()
-    nll, count = score(runner, windows)
+    nll, count = score(runner, windows, variant.rows)
     fig = {
         "variant": name,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "tokens_per_pass": variant.rows,
         "fp8_layers": fp8_layers(runner.model),
         "weights_gib": weight_bytes(runner.model) / 1024**3,
         "kv_bytes_per_token": runner.kv_bytes_per_block() // runner.block_size,
