@@ -24,24 +24,31 @@ if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(share.count)
     cpu_threads.apply(share)
 
-# Under xdist, the longest modules (measured on CI's 2-core machine) are handed out first, so that the two
+# Under xdist, the longest modules (measured on a 2-core machine like CI's) are handed out first, so that the two
 # workers finish together rather than one starting a minute-long module while the other has nothing left.
 # Only the order changes; a module missing from the list keeps its place after these.
-LONGEST_FIRST = (
-    "test_readme.py",
-    "test_ray.py",
-    "test_engine.py",
-    "test_schemathesis.py",
+LONGEST_FIRST = (  # by their time in a full run (2026-12-07, `--durations`)
     "test_spec_decode.py",
+    "test_ray.py",
     "test_hf_parity.py",
     "test_tensor_parallel.py",
-    "test_disagg.py",
-    "test_core_process.py",
-    "test_api_servers.py",
+    "test_readme.py",
+    "test_schemathesis.py",
+    "test_engine.py",
     "test_quant_e2e.py",
+    "test_core_process.py",
+    "test_model_runner.py",
     "test_server_cli.py",
-    "test_bench_commands.py",
+    "test_api_servers.py",
+    "test_disagg.py",
+    "test_spec_default_head.py",
+    "test_inspector_e2e.py",
+    "test_qwen3.py",
+    "test_dead_core_exit.py",
+    "test_fp8_checkpoint.py",
+    "test_sm90_compile.py",
     "test_prefix_cache.py",
+    "test_bench_commands.py",
 )
 
 

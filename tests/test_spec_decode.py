@@ -153,8 +153,9 @@ def test_logprobs_requests_decode_without_drafts(plain_llm, spec_llm):
 
 
 UNIFORM_KW = dict(COMMON, attention_backend="triton")
-UNIFORM_PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-UNIFORM_MIXED = [UNIFORM_PARAMS, SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True)]
+# 8 tokens: two or three speculative steps a request, through the Triton interpreter (the suite's slowest tests)
+UNIFORM_PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+UNIFORM_MIXED = [UNIFORM_PARAMS, SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True)]
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_uniform_greedy_steps_through_the_graph_path_match_plain_and_eager(
             # drafts, max_tokens reached inside a step, while the others run on
             stop = expected[0][4]
             ends = [
-                SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop]),
+                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop]),
                 SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                 SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
             ]
@@ -251,7 +252,7 @@ def test_aborts_and_cancellations_under_steps_fed_from_the_device(tmp_path, tiny
             limiter = anyio.CapacityLimiter(3)
 
             async def one(i: int) -> None:
-                n = rng.randrange(2, 11)
+                n = rng.randrange(2, 9)
                 params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                 end = rng.choice(["finish", "finish", "abort", "cancel"])
                 rid = f"d{i}"
