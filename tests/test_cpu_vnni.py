@@ -117,3 +117,30 @@ def test_selection_names_the_vnni_kernels_only_on_their_isa(monkeypatch):
     monkeypatch.setattr(cpu_linear, "cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(cpu_vnni, "load", lambda: True)
     assert cpu_linear.cpu_isa() == "AVX2"
+
+
+@needs_vnni
+def test_a_non_contiguous_activation_is_taken():
+    """A strided view (columns of a wider tensor, as a fused projection's output slices are) gives the copy's."""
+    qweight, scales, mins = quantize_int4(torch.randn(8, 64, generator=torch.Generator().manual_seed(3)), 32)
+    lin = Int4PackedLinear.from_int4(qweight, scales, mins, None, 32, kernel="int4vnni")
+    wide = torch.randn(3, 128).bfloat16()
+    x = wide[:, 32:96]
+    assert not x.is_contiguous()
+    assert torch.equal(lin(x), lin(x.contiguous()))
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A build killed mid-way leaves torch's lock file, on which every later build would wait without end."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_vnni._remove_stale_lock(lock)  # noqa: SLF001
+    assert lock.exists()  # a build in progress elsewhere
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    cpu_vnni._remove_stale_lock(lock)  # noqa: SLF001
+    assert not lock.exists()
+    cpu_vnni._remove_stale_lock(lock)  # noqa: SLF001 (none: nothing to do)

@@ -137,7 +137,7 @@ class Int4VnniRows(nn.Module):
         return torch.addcmul(m, q.view(*s.shape[:2], group_size).float(), s).view(q.shape)
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
-        return cpu_vnni.int4_mm(x2, self.packed, self.scales, self.mins)
+        return cpu_vnni.int4_mm(x2.contiguous(), self.packed, self.scales, self.mins)
 
 
 class Int4PackedLinear(nn.Module):
@@ -245,7 +245,7 @@ class Int8VnniRows(nn.Module):
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
-        return cpu_vnni.int8_mm(x2, self.offset_weight, self.scales)
+        return cpu_vnni.int8_mm(x2.contiguous(), self.offset_weight, self.scales)
 
 
 class Int8PackedLinear(nn.Module):

@@ -28,7 +28,10 @@ namespace {
 constexpr int kBlock = 32;   // activations per rounding block, weights per int4 scale/min block
 constexpr int kQuad = 4;     // int4 blocks per 64-byte load
 constexpr int kRowTile = 4;  // activation rows per pass over a weight row
-constexpr int kOutTile = 4;  // weight rows per pass (independent accumulators)
+// weight rows per pass (independent accumulators): 4, or 2 where 3-4 activation rows' registers come too (16
+// accumulators and their rows' x would not fit the 32 vector registers)
+constexpr int kOutTile = 4;
+constexpr int kOutTileManyRows = 2;
 
 // x [rows, K] rounded per block: xq in K order, each block's d and the sum of its xq
 struct RoundedRows {
@@ -91,8 +94,8 @@ QuadRows quad_rows(const RoundedRows& rr, int64_t rows, int64_t k) {
     return out;
 }
 
-// Bytes ahead of a tile's first weight row that it asks the cache for (about two tiles of the default model's rows:
-// the hardware prefetchers alone left the kernel waiting on memory)
+// Weight rows ahead of a tile's first that it asks the cache for (two tiles: the hardware prefetchers alone left
+// the kernel waiting on memory)
 constexpr int64_t kPrefetchRows = 8;
 
 inline void prefetch_rows(const void* start, int64_t bytes) {
@@ -201,17 +204,24 @@ inline void all_rows(int64_t rows, Tile tile) {
     }
 }
 
-// y [rows, n] by weight-row tiles over torch's intra-op threads
-template <typename OutTile>
-at::Tensor over_outputs(const at::Tensor& x, int64_t n, int64_t grain, OutTile out_tile) {
-    const int64_t tiles = n / kOutTile;
+// y [rows, n] by tiles of OUT weight rows over torch's intra-op threads
+template <int OUT, typename OutTile>
+at::Tensor over_outputs(const at::Tensor& x, int64_t n, int64_t grain_rows, OutTile out_tile) {
+    const int64_t tiles = n / OUT;
     at::Tensor y = at::empty({x.size(0), n}, x.options());
     at::BFloat16* out = y.data_ptr<at::BFloat16>();
-    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) out_tile(std::integral_constant<int, kOutTile>{}, t * kOutTile, out);
+    at::parallel_for(0, tiles, grain_rows / OUT, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) out_tile(std::integral_constant<int, OUT>{}, t * OUT, out);
     });
-    for (int64_t n0 = tiles * kOutTile; n0 < n; ++n0) out_tile(std::integral_constant<int, 1>{}, n0, out);
+    for (int64_t n0 = tiles * OUT; n0 < n; ++n0) out_tile(std::integral_constant<int, 1>{}, n0, out);
     return y;
+}
+
+// `over_outputs` with the tile width for x's row count
+template <typename OutTile>
+at::Tensor by_tiles(const at::Tensor& x, int64_t n, int64_t grain_rows, OutTile out_tile) {
+    return x.size(0) >= 3 ? over_outputs<kOutTileManyRows>(x, n, grain_rows, out_tile)
+                          : over_outputs<kOutTile>(x, n, grain_rows, out_tile);
 }
 
 void check_x(const at::Tensor& x) {
@@ -231,7 +241,7 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& packed, const at:
     const uint8_t* w = packed.data_ptr<uint8_t>();
     const at::Half* s = scales.data_ptr<at::Half>();
     const at::Half* m = mins.data_ptr<at::Half>();
-    return over_outputs(x, n, 16, [&](auto out, int64_t n0, at::BFloat16* y) {
+    return by_tiles(x, n, 64, [&](auto out, int64_t n0, at::BFloat16* y) {
         all_rows(rows, [&](auto r, int64_t r0) { int4_tile<decltype(out)::value, decltype(r)::value>(w, s, m, xr, r0, n0, k, n, y); });
     });
 }
@@ -249,7 +259,7 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& offset_weight, co
         lane_offsets[i] = -128 * (xr.xq[4 * i] + xr.xq[4 * i + 1] + xr.xq[4 * i + 2] + xr.xq[4 * i + 3]);
     const uint8_t* w = offset_weight.data_ptr<uint8_t>();
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    return over_outputs(x, n, 64, [&](auto out, int64_t n0, at::BFloat16* y) {
+    return by_tiles(x, n, 256, [&](auto out, int64_t n0, at::BFloat16* y) {
         all_rows(rows, [&](auto r, int64_t r0) { int8_tile<decltype(out)::value, decltype(r)::value>(w, s, xr, lane_offsets.data(), r0, n0, k, n, y); });
     });
 }

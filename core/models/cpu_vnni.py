@@ -16,8 +16,11 @@ The ops are registered as ``torch.ops.sluice_cpu.*`` with fake implementations, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -57,9 +60,14 @@ def load() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    name = f"sluice_cpu_vnni_{source_hash()}"  # a build folder per source: checkouts never rebuild each other's
     try:
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))  # noqa: SLF001 (no public name)
+        _remove_stale_lock(folder / "lock")
+        if not any(folder.glob("*.so")):
+            logger.info("building the AVX-512 VNNI kernels (once per source, in %s)", folder)
         cpp_extension.load(
-            name="sluice_cpu_vnni",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
@@ -71,6 +79,18 @@ def load() -> bool:
     torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_rows_by_outputs)
     torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_rows_by_outputs)
     return True
+
+
+def _remove_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
+    """torch's builder waits without end on a lock a killed build left behind (a build takes seconds)."""
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            logger.warning("removing a stale build lock: %s", lock)
+            lock.unlink()
+
+
+def source_hash() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 
 def require() -> None:
