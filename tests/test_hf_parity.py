@@ -10,7 +10,7 @@ from tests.helpers import assert_greedy_match, chat_prompt_of_length, hf_greedy
 
 pytestmark = pytest.mark.slow
 
-NEW_TOKENS = 48
+NEW_TOKENS = 32  # every prompt (15-64 tokens) decodes across one or more 16-token block boundaries
 
 
 @pytest.fixture(scope="module")
