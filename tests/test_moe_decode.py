@@ -81,3 +81,10 @@ def test_which_calls_take_the_decode_path():
     assert moe_decode.max_tokens(1, 256) == moe_decode.BLOCK_M  # the router's last program routes one row tile
     assert moe_decode.down_split(tiles=128, tokens=1, top_k=8, sms=132) == 2
     assert moe_decode.down_split(tiles=256, tokens=1, top_k=2, sms=132) == 1
+
+
+def test_fp32_activations_take_half_the_stages():
+    """The stages' shared memory stays what the 16-bit tiles need (fp32 at 4 stages overflowed an H100's)."""
+    assert moe_decode.stages_for(4, 2) == 4
+    assert moe_decode.stages_for(4, 4) == 2
+    assert moe_decode.stages_for(1, 4) == 1

@@ -253,6 +253,13 @@ class DecodeMoEConfig:
     num_stages: int = 4
 
 
+def stages_for(num_stages: int, element_size: int) -> int:
+    """Pipeline stages for activations of ``element_size`` bytes: `DecodeMoEConfig.num_stages` is for 16-bit ones;
+    fp32 tiles are twice the bytes, so half the stages keep the shared memory (the gate/up kernel's 120 KiB at 4
+    stages in bf16 was 240 KiB in fp32, over the H100's 227 KiB: found by the GPU greedy check)."""
+    return max(1, num_stages * 2 // element_size)
+
+
 def down_split(tiles: int, tokens: int, top_k: int, sms: int) -> int:
     """A power of two up to ``top_k`` that brings the down kernel's grid to about two programs per SM."""
     split = 1
@@ -289,7 +296,8 @@ def decode_moe(
     dev = x.device
     interp = dev.type == "cpu"
     dot_f32 = x.dtype == torch.float32 or interp
-    launch = pdl_launch(dev) if interp else dict(num_warps=c.num_warps, num_stages=c.num_stages, **pdl_launch(dev))
+    stages = stages_for(c.num_stages, x.element_size())
+    launch = pdl_launch(dev) if interp else dict(num_warps=c.num_warps, num_stages=stages, **pdl_launch(dev))
     logits = torch.empty(t, e, dtype=torch.float32, device=dev)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
