@@ -558,6 +558,7 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
     # real shapes, dummy:qwen3-30b-a3b batch 1 with it (SLUICE_MOE_DECODE=1) and without (the default: the router GEMM
     # and grouped GEMMs), alternating twice, each against the weight-read floor; greedy parity with transformers; the
     # bf16 GEMV's configs at its attention shapes (QUICK=1: no sweeps); PROFILE=1: the as-served b1 profile last
+    pyx  # msgspec (the engine's wire), which the bench commands import
     run moe_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels $([ -n "${QUICK:-}" ] || echo --decode-sweep) --tokens 1 8 --out "$OUT/moe_kernels.json"
     [ -n "${DRY:-}" ] || grep -E "decode|PASS|FAIL|Error" "$OUT/moe_kernels.log"
     Q3="--model dummy:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1"
