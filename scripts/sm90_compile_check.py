@@ -282,7 +282,8 @@ def _moe_decode(model: tuple, what: str) -> list[tuple]:
     kernel's split for 132 SMs)."""
     e, top_k, h, i = model
     c = moe_decode.DecodeMoEConfig()
-    options = dict(num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=True)
+    stages = moe_decode.stages_for(c.num_stages, torch.bfloat16.itemsize)  # the launch's rule, bf16 activations
+    options = dict(num_warps=c.num_warps, num_stages=stages, launch_pdl=True)
     k_p2 = triton.next_power_of_2(top_k)
     router = dict(
         x_ptr=PTR, w_ptr=PTR, logits_ptr=PTR_F32, weights_ptr=PTR_F32, ids_ptr=PTR_I32, cnt_ptr=PTR_I32, T=1, E=e,

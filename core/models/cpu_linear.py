@@ -37,7 +37,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from sluice.core.models import cpu_vnni
-from sluice.core.models.quant import QuantizedLinear, quantize_int4, quantize_int8, unpack_int4
+from sluice.core.models.quant import QuantizedLinear, dequantize_int4, quantize_int4, quantize_int8, unpack_int4
 from torch import nn
 
 logger = logging.getLogger("sluice")
@@ -93,9 +93,10 @@ class Int4PackRows(nn.Module):
 
     kernel = "int4pack"
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> None:
         super().__init__()
         self.group_size = group_size
+        q = unpack_int4(qweight, scales.shape[1]).view(qweight.shape[0], -1)
         self.register_buffer("packed", pack_int4(q.to(torch.int32), 2))  # (inner k tiles: unused on the CPU)
         s, z = self.scale_and_zero(scales, mins)
         self.register_buffer("scales_and_zeros", torch.stack((s.t(), z.t()), dim=-1).contiguous())  # [K/g, N, 2]
@@ -106,10 +107,10 @@ class Int4PackRows(nn.Module):
         return s.to(torch.bfloat16), (mins.float() + 8 * s).to(torch.bfloat16)
 
     @classmethod
-    def weight(cls, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    def weight(cls, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
         """The fp32 ``[N, K]`` weight the kernel multiplies: (q - 8) * s + z == q * s + (z - 8 s), exact in fp32."""
-        s, z = (t.float()[..., None] for t in cls.scale_and_zero(scales, mins))
-        return torch.addcmul(z - 8 * s, q.view(*s.shape[:2], group_size).float(), s).view(q.shape)
+        s, z = (t.float() for t in cls.scale_and_zero(scales, mins))
+        return dequantize_int4(qweight, s, z - 8 * s, torch.float32)
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         return int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
@@ -121,20 +122,19 @@ class Int4VnniRows(nn.Module):
 
     kernel = "int4vnni"
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> None:
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> None:
         super().__init__()
         cpu_vnni.require()
         self.group_size = group_size
-        packed, s, m = cpu_vnni.int4_blocks(q, scales, mins)
+        packed, s, m = cpu_vnni.int4_blocks(qweight, scales, mins)
         self.register_buffer("packed", packed)
         self.register_buffer("scales", s)
         self.register_buffer("mins", m)
 
     @staticmethod
-    def weight(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
-        """The fp32 ``[N, K]`` weight the kernel multiplies: q * s + m with the fp16 s and m."""
-        s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
-        return torch.addcmul(m, q.view(*s.shape[:2], group_size).float(), s).view(q.shape)
+    def weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+        """The fp32 ``[N, K]`` weight the kernel multiplies: the int4 format's own (fp16 scale and min)."""
+        return dequantize_int4(qweight, scales, mins, torch.float32)
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
         return cpu_vnni.int4_mm(x2.contiguous(), self.packed, self.scales, self.mins)
@@ -172,12 +172,11 @@ class Int4PackedLinear(nn.Module):
     ) -> Int4PackedLinear:
         """From our int4 format (`quant.quantize_int4`: ``[N, K/2]`` uint8, low nibbles the first half of each
         group; fp16 ``scale`` and ``min`` ``[N, K / group]``), for ``kernel`` ("int4pack" or "int4vnni")."""
-        q = unpack_int4(qweight, scales.shape[1]).view(qweight.shape[0], -1)
         rows_type = Int4VnniRows if kernel == "int4vnni" else Int4PackRows
         owns = dense is None
         if owns:
-            dense = rows_type.weight(q, scales, mins, group_size).to(torch.bfloat16)
-        return cls(rows_type(q, scales, mins, group_size), dense, bias, owns)
+            dense = rows_type.weight(qweight, scales, mins).to(torch.bfloat16)
+        return cls(rows_type(qweight, scales, mins, group_size), dense, bias, owns)
 
     @classmethod
     def rounded_from(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4PackedLinear:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from sluice.core.models.quant import pack_int4_codes, unpack_int4
 
 logger = logging.getLogger("sluice")
 
@@ -103,16 +104,17 @@ def _rows_by_outputs(x: torch.Tensor, weight: torch.Tensor, *_: torch.Tensor) ->
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def int4_blocks(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """int4 values ``q`` (uint8 ``[N, K]``, 0..15) with fp16 ``scales`` and ``mins`` per group of a multiple of 32
-    -> the kernel's form: ``[N, K/2]`` bytes, each block of 32 as 16 bytes (byte i: k = i in the low nibble,
-    k = 16 + i in the high one), and a scale and min per block of 32 (a group's repeated)."""
-    n, k = q.shape
-    halves = q.view(n, k // BLOCK, 2, BLOCK // 2)
-    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    repeat = k // BLOCK // scales.shape[1]
+def int4_blocks(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The int4 format (`quant.quantize_int4`, groups of a multiple of 32) -> the kernel's form: the same format in
+    groups of 32 (each block of 32 as 16 bytes, byte i: k = i in the low nibble, k = 16 + i in the high one: a
+    group-32 weight, the GGUF's Q4_1 among them, as it is), and fp16 scales and mins per block of 32 (a group's
+    repeated)."""
+    groups = scales.shape[1]
+    repeat = qweight.shape[1] * 2 // BLOCK // groups
+    if repeat > 1:
+        qweight = pack_int4_codes(unpack_int4(qweight, groups).view(qweight.shape[0], -1, BLOCK))
     per_block = (t.to(torch.float16).repeat_interleave(repeat, dim=1).contiguous() for t in (scales, mins))
-    return packed, *per_block
+    return qweight.contiguous(), *per_block
 
 
 def int8_offset(q: torch.Tensor) -> torch.Tensor:

@@ -152,9 +152,13 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     mins = lo.to(torch.float16)
     s = scales.float().clamp_min(1e-12)[:, :, None]
     q = torch.round((wg - mins.float()[:, :, None]) / s).clamp_(0, 15).to(torch.uint8)
-    half = group_size // 2
-    packed = q[:, :, :half] | (q[:, :, half:] << 4)
-    return packed.reshape(n, k // 2).contiguous(), scales, mins
+    return pack_int4_codes(q), scales, mins
+
+
+def pack_int4_codes(q: torch.Tensor) -> torch.Tensor:
+    """`unpack_int4`'s inverse: uint8 codes 0..15 ``[N, groups, G]`` -> the int4 format's ``[N, K/2]`` bytes."""
+    half = q.shape[-1] // 2
+    return (q[:, :, :half] | (q[:, :, half:] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------ GGUF

@@ -123,7 +123,9 @@ class CompiledDecode:
         row as a compiled reduction (`Int8PackedLinear.forward_one_row`), whichever is faster on this machine at
         these threads (the packed kernel's time at one row varies several-fold with the thread count)."""
         head = getattr(self.model, "lm_head", None)
-        if not isinstance(head, Int8PackedLinear) or head.kernel != "int8pack" or getattr(self.model, "tp", None):
+        if not isinstance(head, Int8PackedLinear) or getattr(self.model, "tp", None) is not None:
+            return
+        if head.kernel != "int8pack":  # only torch's int8 kernel has the reduction beside it
             return
         one_row = torch.compile(head.forward_one_row, fullgraph=True, dynamic=False)
         packed_s, one_row_s = (_seconds(f, hidden) for f in (self.model.compute_logits, one_row))
