@@ -53,6 +53,7 @@
 #                   # batch 1 with it and without (MOE_REPEATS alternations, default 2) against the floor, the bf16
 #                   # GEMV swept at its attention shapes (~7 min); QUICK=1: checks and batch 1 only; PROFILE=1: the
 #                   # b1 profile last
+#   scripts/gpu_engine_bench.sh moe-tiles   # issue 38: the few-token MoE path's tiles swept in CUDA graphs
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -577,6 +578,13 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
     # the bf16 GEMV's configs at Qwen3-30B-A3B's attention projections (q/k/v 5120 x 2048, o 2048 x 4096), batch 1
     [ -n "${SKIP_DENSE:-}${QUICK:-}" ] || run dense_qwen3moe 150 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_kernel_sweep.py dense --nk qkv:5120:2048 o:2048:4096 --rows 1 --time-limit 45 --out "$OUT/dense_qwen3moe.json"
     [ -z "${PROFILE:-}" ] || run profile_moe 240 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_engine_check.py profile --model dummy:qwen3-30b-a3b --batch-sizes 1 --prefills 1x128 --out "$OUT/profile_moe.json"
+    ;;
+moe-tiles)  # issue 38 (~6 min): the few-token MoE path's tiles by coordinate descent, each config timed in a CUDA
+    # graph over cold layers beside the router GEMM + grouped GEMMs (Qwen3-30B-A3B two rounds, Mixtral one)
+    run moe_tiles_qwen3 330 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py decode-sweep --shapes qwen3-30b-a3b --rounds 2 --out "$OUT/moe_tiles_qwen3.json"
+    [ -n "${DRY:-}" ] || grep -E "^\{|Error" "$OUT/moe_tiles_qwen3.log"
+    run moe_tiles_mixtral 200 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py decode-sweep --shapes mixtral-8x7b --rounds 1 --out "$OUT/moe_tiles_mixtral.json"
+    [ -n "${DRY:-}" ] || grep -E "^\{|Error" "$OUT/moe_tiles_mixtral.log"
     ;;
 configs)  # the same workloads at other batch limits
     run tp1000_s1024 120 $bench throughput $M --requests-file "$REQ" --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 --out "$OUT/tp1000_s1024.json"

@@ -248,6 +248,90 @@ def decode_graph_check(name: str, layers, dtype, device) -> dict:
     return dict(shape=name, tokens=1, path="decode", graph_equal=equal, replay_ms=_time_ms(graph.replay, [()], 50))
 
 
+GRAPH_KNOBS = {  # `moe_decode.DecodeMoEConfig`'s fields and the values `decode-sweep` tries for each (None: the rule)
+    "router_block_e": (4, 8, 16, 32),
+    "router_block_k": (128, 256, 512),
+    "gate_up_block_n": (16, 32, 64, 128),
+    "gate_up_block_k": (64, 128, 256, 512),
+    "down_block_n": (16, 32, 64, 128),
+    "down_block_k": (None, 64, 128),
+    "split": (None, 1, 2, 4, 8),
+    "num_warps": (2, 4, 8),
+    "num_stages": (2, 3, 4, 5),
+}
+
+
+def _graph_layers_ms(step, layers, xs, routers) -> float:
+    """Median ms per layer of ``step(x, router, w13, w2)`` over every copy of the layer in one CUDA graph (cold
+    weights: the copies are more than L2 holds), as a decode step replays it."""
+    graph, _ = _captured(lambda: [step(x, r, a, b) for x, r, (a, b) in zip(xs, routers, layers)])
+    return _time_ms(graph.replay, [()], 30) / len(layers)
+
+
+def decode_sweep_shape(name: str, rounds: int) -> dict:
+    """One shape's coordinate descent over `GRAPH_KNOBS` (each knob in turn, the best kept, ``rounds`` times),
+    timed in CUDA graphs beside the path the few-token one replaces (router GEMM + `moe_forward`)."""
+    from dataclasses import asdict, replace
+
+    import torch.nn.functional as F
+    from sluice.core.models import moe_decode
+    from sluice.core.models.fused_moe import moe_forward
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    e, k, h, i = SHAPES[name]
+    copies = max(2, int(4e9 // (3 * e * h * i * 2)))
+    layers = [_layer(e, h, i, dtype, device, seed=c) for c in range(copies)]
+    g = torch.Generator(device=device).manual_seed(7)
+    xs = [torch.randn(1, h, generator=g, device=device, dtype=dtype) for _ in layers]
+    routers = [torch.randn(e, h, generator=g, device=device, dtype=dtype) / h**0.5 for _ in layers]
+    counters = torch.zeros(moe_decode.counters_needed(k, e, h), dtype=torch.int32, device=device)
+
+    def grouped(x, r, a, b):
+        return moe_forward(x, F.linear(x, r), a, b, k, True, True)
+
+    def timed(cfg) -> float:
+        try:
+            return _graph_layers_ms(lambda *a: moe_decode.decode_moe(*a, k, True, counters, cfg), layers, xs, routers)
+        except Exception as ex:  # a tile over the shared memory, a K step that does not divide I
+            print(f"  {cfg}: {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+            return float("inf")
+
+    best = moe_decode.DecodeMoEConfig()
+    best_ms = default_ms = timed(best)
+    tried = [dict(asdict(best), ms=best_ms)]
+    for _ in range(rounds):
+        for knob, values in GRAPH_KNOBS.items():
+            for v in values:
+                if v != getattr(best, knob):
+                    cfg = replace(best, **{knob: v})
+                    tried.append(dict(asdict(cfg), ms=timed(cfg)))
+                    print(f"  {name} {knob}={v}: {tried[-1]['ms'] * 1e3:.1f} us/layer", flush=True)
+                    if tried[-1]["ms"] < best_ms:
+                        best, best_ms = cfg, tried[-1]["ms"]
+    return dict(
+        shape=name,
+        tokens=1,
+        layers_in_graph=copies,
+        grouped_ms_per_layer=_graph_layers_ms(grouped, layers, xs, routers),
+        default_ms_per_layer=default_ms,
+        best_ms_per_layer=best_ms,
+        best=asdict(best),
+        tried=tried,
+    )
+
+
+def run_decode_sweep(ns) -> int:
+    results = []
+    for name in ns.shapes:
+        row = decode_sweep_shape(name, ns.rounds)
+        print(json.dumps({k: v for k, v in row.items() if k != "tried"}), flush=True)
+        results.append(row)
+        torch.cuda.empty_cache()
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def run_kernels(ns) -> int:
     device = torch.device("cpu" if ns.tiny else "cuda")
     dtype = torch.float32 if ns.tiny else torch.bfloat16
@@ -460,13 +544,19 @@ def main() -> int:
     f.add_argument("--latency", default=None, help="a `sluice bench latency --batch-size 1` JSON")
     f.add_argument("--nominal-tbps", type=float, default=4.8, help="HBM bandwidth (H200 4.8, H100 SXM 3.35)")
     f.add_argument("--out", default=None)
+    d = sub.add_parser("decode-sweep", help="the few-token path's tiles in CUDA graphs, by coordinate descent")
+    d.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    d.add_argument("--rounds", type=int, default=2)
+    d.add_argument("--out", default=None)
     g = sub.add_parser("greedy")
     g.add_argument("--device", default="cuda")
     g.add_argument("--small", action="store_true", help="CPU-sized models (head size 32)")
     g.add_argument("--tol", type=float, default=1e-3, help="largest logit shortfall of a picked token (fp32)")
     g.add_argument("--out", default=None)
     ns = p.parse_args()
-    return {"kernels": run_kernels, "floor": run_floor, "greedy": run_greedy}[ns.cmd](ns)
+    return {"kernels": run_kernels, "floor": run_floor, "greedy": run_greedy, "decode-sweep": run_decode_sweep}[ns.cmd](
+        ns
+    )
 
 
 if __name__ == "__main__":
