@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+from sluice.app.server.uvicorn_server import no_delay
 
 
 class ServerThread:
@@ -22,6 +23,7 @@ class ServerThread:
     def __init__(self, app: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        no_delay(self.sock)  # as `sluice serve`'s socket: uvicorn runs on asyncio's loop here
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

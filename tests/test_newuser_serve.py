@@ -105,3 +105,33 @@ def test_the_port_is_held_from_the_check_until_uvicorn_listens_on_it():
             other.bind(("127.0.0.1", port))
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("bind", ["serve", "api_servers"])
+def test_connections_on_the_held_socket_send_without_delay(bind):
+    """uvicorn on asyncio's loop (no uvloop installed) leaves Nagle's algorithm on for the connections of a socket
+    handed to it unless the socket says TCP: each request after the first on a kept-alive connection was answered
+    ~40 ms late (the `--api-server-count` socket did). The held sockets' connections have TCP_NODELAY."""
+    import asyncio
+
+    from sluice.app.commands.serve import bind_listening_socket
+    from sluice.app.server.api_servers import _bind  # noqa: PLC2701
+
+    held = bind_listening_socket if bind == "serve" else _bind
+
+    async def accepted_no_delay() -> int:
+        got: list[int] = []
+
+        def on_connect(reader, writer) -> None:
+            got.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=held("127.0.0.1", 0))
+        async with server:
+            _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+            while not got:
+                await asyncio.sleep(0.01)
+            writer.close()
+        return got[0]
+
+    assert asyncio.run(accepted_no_delay()) != 0

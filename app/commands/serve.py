@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 
+from sluice.app.server.uvicorn_server import no_delay
 from sluice.core import cpu_threads, envs
 from sluice.core.errors import SluiceError
 
@@ -52,6 +53,7 @@ def bind_listening_socket(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = infos[0]
     s = socket.socket(family, kind, proto)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    no_delay(s)  # uvicorn listens on this socket: its connections as uvicorn's own would be
     try:
         s.bind(address)
     except OSError as e:

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.app.server.uvicorn_server import no_delay
 from sluice.core import cpu_threads
 from sluice.core.args import EngineArgs
 from sluice.core.engine_core.process import BridgeAddress, CoreProcessSpec, run_core_process, watch_parent
@@ -285,6 +286,7 @@ def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound (as uvicorn binds its own); each front end's uvicorn listens on it."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    no_delay(sock)  # uvicorn listens on this socket: its connections as uvicorn's own would be
     try:
         sock.bind((host, port))
     except OSError as e:

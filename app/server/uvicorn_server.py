@@ -7,9 +7,19 @@ import argparse
 import contextlib
 import logging
 import math
+import socket
 from collections.abc import Callable, Iterator
 
 logger = logging.getLogger("sluice.server")
+
+
+def no_delay(sock: socket.socket) -> None:
+    """TCP_NODELAY on a listening socket, which the connections it accepts inherit. asyncio sets it only on the
+    connections of a socket whose protocol number says TCP (a socket made with the default, 0, gets none): uvicorn
+    on asyncio's loop (where uvloop is not installed) then answered each request after the first on a kept-alive
+    connection ~40 ms late (Nagle's algorithm waiting on the client's delayed ACK)."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def build_server(
