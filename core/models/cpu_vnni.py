@@ -11,7 +11,8 @@ activation's rounding: outputs differ from the bf16 kernels' by about a hundredt
 Built with torch's C++ extension loader (a C++ compiler and ninja on the machine; the build is cached under torch's
 extensions folder) where the CPU has the instructions (`vnni_supported`); `load` says whether the ops are there.
 The ops are registered as ``torch.ops.sluice_cpu.*`` with fake implementations, so a compiled decode step
-(`core/worker/cpu_compiled.py`) calls them from its generated code.
+(`core/worker/cpu_compiled.py`) calls them from its generated code. The library also carries that step's decode
+attention (`cpu_attention.cpp`, `decode_attention`), built and loaded with the matmuls.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from sluice.core.models.quant import pack_int4_codes, unpack_int4
 
 logger = logging.getLogger("sluice")
 
-SOURCE = Path(__file__).with_name("cpu_vnni.cpp")
+# the matmuls, and built into the same library the decode step's attention for AVX-512 CPUs (`decode_attention`)
+SOURCES = (Path(__file__).with_name("cpu_vnni.cpp"), Path(__file__).with_name("cpu_attention.cpp"))
 # what the source's intrinsics need (Linux /proc/cpuinfo names)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
 # -fopenmp: `at::parallel_for` is OpenMP in the header itself (without it, one thread); the library it links,
@@ -69,7 +71,7 @@ def load() -> bool:
             logger.info("building the AVX-512 VNNI kernels (once per source, in %s)", folder)
         cpp_extension.load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -79,6 +81,7 @@ def load() -> bool:
         return False
     torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_rows_by_outputs)
     torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_rows_by_outputs)
+    torch.library.register_fake("sluice_cpu::decode_attention")(_like_query)
     return True
 
 
@@ -91,7 +94,7 @@ def _remove_stale_lock(lock: Path, max_age_s: float = 600.0) -> None:
 
 
 def source_hash() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()).hexdigest()[:12]
 
 
 def require() -> None:
@@ -102,6 +105,10 @@ def require() -> None:
 
 def _rows_by_outputs(x: torch.Tensor, weight: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _like_query(query: torch.Tensor, *_) -> torch.Tensor:
+    return query.new_empty(query.shape)
 
 
 def int4_blocks(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -125,6 +132,26 @@ def int8_offset(q: torch.Tensor) -> torch.Tensor:
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """bf16 ``x`` ``[rows, K]`` times the `int4_blocks` weight, transposed -> bf16 ``[rows, N]``."""
     return torch.ops.sluice_cpu.int4_vnni_mm(x, packed, scales, mins)
+
+
+def attention_fits(head_size: int, kv_dtype: torch.dtype) -> bool:
+    """Whether `decode_attention` serves a cache of these heads: 16-wide vectors of bf16 or fp32."""
+    return head_size % 16 == 0 and kv_dtype in (torch.bfloat16, torch.float32)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One query token per sequence (``query [B, Hq, D]``) over its ``seq_lens`` keys in the paged cache
+    ``[2, blocks, block_size, Hk, D]`` of the query's dtype (int32 ``block_tables [B, W]``, ``seq_lens [B]``); a
+    ``window`` > 0 keeps the last ``window`` keys, ``softcap`` > 0 caps the logits. `attention_fits` says where."""
+    return torch.ops.sluice_cpu.decode_attention(query, kv_cache, block_tables, seq_lens, scale, window, softcap)
 
 
 def int8_mm(x: torch.Tensor, offset_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,12 @@ import time
 import types
 
 import torch
-from sluice.core.models.cpu_linear import Int4PackedLinear, Int8PackedLinear
+from sluice.core.models import cpu_vnni
+from sluice.core.models.cpu_linear import Int4PackedLinear, Int8PackedLinear, cpu_isa
 from sluice.core.models.layers import ForwardContext
 from sluice.core.worker.step_buffers import StepBuffers
-from sluice.kv.attention.base import AttentionMetadata
+from sluice.kv.attention.base import AttentionBackend, AttentionMetadata
+from sluice.kv.attention.cpu_decode import CpuKernelDecodeAttentionBackend
 from sluice.kv.attention.torch_decode import TorchDecodeAttentionBackend
 from torch import nn
 
@@ -51,7 +53,7 @@ class CompiledDecode:
         self.buffers = buffers
         self.block_size = block_size
         self.max_batch = max_batch
-        self.backend = TorchDecodeAttentionBackend()
+        self.backend = decode_attention_backend(kv_caches[0])
         self.batch_sizes = list(range(1, max_batch + 1))
         self.num_replays = 0
         # No guards: `capture` compiles the one graph there is, and `padded_size` keeps every call within its ranges.
@@ -137,6 +139,14 @@ class CompiledDecode:
             1e3 * packed_s,
             1e3 * one_row_s,
         )
+
+
+def decode_attention_backend(kv_cache: torch.Tensor) -> AttentionBackend:
+    """The attention kernel's backend where this CPU runs the AVX-512 library (`cpu_linear.cpu_isa`) and the kernel
+    fits the cache (`cpu_vnni.attention_fits`); else the attention in torch ops, which the compiler fuses."""
+    if cpu_isa() == "AVX512_VNNI" and cpu_vnni.attention_fits(kv_cache.shape[-1], kv_cache.dtype):
+        return CpuKernelDecodeAttentionBackend()
+    return TorchDecodeAttentionBackend()
 
 
 def _seconds(fn, x: torch.Tensor, repeats: int = 5) -> float:
