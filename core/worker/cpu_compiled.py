@@ -65,8 +65,16 @@ class CompiledDecode:
         self._step = torch.compile(
             types.MethodType(own, self),
             fullgraph=True,
-            # the graph's own calls from C++ (its Python wrapper costs a few microseconds a call, ~300 calls a step)
-            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe, "cpp_wrapper": True},
+            # the graph's own calls from C++ (its Python wrapper costs a few microseconds a call, ~300 calls a step);
+            # no size or alignment asserts on its inputs: every call passes the same tensors (the model's weights,
+            # hundreds of them, and the buffers' rows), which `capture` compiled for; checking each is host time
+            # in every step
+            options={
+                "guard_filter_fn": torch.compiler.skip_all_guards_unsafe,
+                "cpp_wrapper": True,
+                "size_asserts": False,
+                "alignment_asserts": False,
+            },
         )
         self._head_one_row = None  # the LM head of batches of one, when `_choose_head` finds a faster one
 
