@@ -52,10 +52,19 @@ inline __m512 exp16(__m512 x) {
 }
 
 // f(j, row) for keys start + j in [start, len): their rows in the cache through the block table, a block at a time
-// (no division per key)
-template <typename F>
-inline void for_each_key(const int32_t* table, int64_t start, int64_t len, int64_t block_size, F f) {
+// (no division per key); each block's rows of this head (at ``head``, ``token_stride`` apart) are asked of the
+// cache while the block before them is read (one block's rows are too few for the hardware's stride prefetcher)
+template <typename T, typename F>
+inline void for_each_key(const int32_t* table, int64_t start, int64_t len, int64_t block_size, const T* head,
+                         int64_t token_stride, int64_t d, F f) {
+    const int64_t last = (len - 1) / block_size;
     for (int64_t block = start / block_size, pos = start; pos < len; ++block) {
+        if (block < last) {
+            const char* next = reinterpret_cast<const char*>(head + static_cast<int64_t>(table[block + 1]) * block_size * token_stride);
+            for (int64_t r = 0; r < block_size; ++r)
+                for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(T)); b += 64)
+                    _mm_prefetch(next + r * token_stride * static_cast<int64_t>(sizeof(T)) + b, _MM_HINT_T0);
+        }
         const int64_t base = static_cast<int64_t>(table[block]) * block_size - block * block_size;
         for (const int64_t end = std::min(len, (block + 1) * block_size); pos < end; ++pos) f(pos - start, base + pos);
     }
@@ -68,14 +77,14 @@ void weigh_values_in(const float* p, const T* v_cache, const int32_t* table, int
                      int64_t block_size, int64_t token_stride, int64_t d, float* acc) {
     if constexpr (VECS == 0) {
         std::fill_n(acc, d, 0.f);
-        for_each_key(table, start, len, block_size, [&](int64_t j, int64_t row) {
+        for_each_key(table, start, len, block_size, v_cache, token_stride, d, [&](int64_t j, int64_t row) {
             const __m512 w = _mm512_set1_ps(p[j]);
             for (int64_t i = 0; i < d; i += kLanes) store16(acc + i, _mm512_fmadd_ps(w, load16(v_cache + row * token_stride + i), load16(acc + i)));
         });
     } else {
         __m512 a[VECS];
         for (int v = 0; v < VECS; ++v) a[v] = _mm512_setzero_ps();
-        for_each_key(table, start, len, block_size, [&](int64_t j, int64_t row) {
+        for_each_key(table, start, len, block_size, v_cache, token_stride, d, [&](int64_t j, int64_t row) {
             const __m512 w = _mm512_set1_ps(p[j]);
             const T* value = v_cache + row * token_stride;
             for (int v = 0; v < VECS; ++v) a[v] = _mm512_fmadd_ps(w, load16(value + v * kLanes), a[v]);
@@ -102,7 +111,7 @@ template <typename T>
 void kv_head(const float* q, int64_t group, const T* k_cache, const T* v_cache, const int32_t* table, int64_t start,
              int64_t len, int64_t block_size, int64_t token_stride, int64_t d, float softcap, float* logits, float* acc) {
     const int64_t keys = len - start, vecs = d / kLanes;
-    for_each_key(table, start, len, block_size, [&](int64_t j, int64_t row) {
+    for_each_key(table, start, len, block_size, k_cache, token_stride, d, [&](int64_t j, int64_t row) {
         const T* key = k_cache + row * token_stride;
         for (int64_t g = 0; g < group; ++g) {
             __m512 dot = _mm512_setzero_ps();
