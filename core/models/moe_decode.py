@@ -242,11 +242,14 @@ def _down_sum_kernel(
 
 @dataclass(frozen=True, slots=True)
 class DecodeMoEConfig:
+    """The few-token path's tiles; the defaults are the best of a coordinate descent timed in CUDA graphs on an H100
+    at Qwen3-30B-A3B's shapes (`scripts/gpu_moe_check.py decode-sweep`)."""
+
     router_block_e: int = 16
-    router_block_k: int = 256
+    router_block_k: int = 512
     gate_up_block_n: int = 32
     gate_up_block_k: int = 256
-    down_block_n: int = 16
+    down_block_n: int = 32
     down_block_k: int | None = None  # a power of two dividing I (None: `down_block_k`)
     split: int | None = None  # the down kernel's split of a token's experts (None: `down_split`)
     num_warps: int = 4
