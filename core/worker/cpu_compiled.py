@@ -6,13 +6,14 @@ backend) turns the step from the embedding to the logits into one call of genera
 of each layer fused into a few loops, the packed matmuls (`core/models/cpu_linear.py`) called as they are.
 
 The step reads the runner's `StepBuffers` for its batch, as a decode graph does, with the attention of
-`kv/attention/torch_decode.py` (tensors only). The batch size and the block-table width (the step's longest
-context, in blocks) are unbacked dynamic dimensions: the compiler neither specializes sizes 0 and 1 nor guards on
-a range, so one graph serves every batch of 1 to ``max_batch`` sequences and every context length, compiled at
-start-up (`capture`, at both ends of both ranges), never in the middle of serving. That one graph is all there
-is, so it keeps no guards (``skip_all_guards_unsafe``, as vLLM compiles): checking them would walk every weight of
-the model at each call (about a millisecond for the default model), and `padded_size` already keeps each call
-within the ranges the graph was compiled for.
+`kv/attention/cpu_decode.py` (one kernel call a layer, on AVX-512 machines: `decode_attention_backend`) or of
+`kv/attention/torch_decode.py` (tensors only, fused by the compiler). The batch size and the block-table width (the
+step's longest context, in blocks) are unbacked dynamic dimensions: the compiler neither specializes sizes 0 and 1
+nor guards on a range, so one graph serves every batch of 1 to ``max_batch`` sequences and every context length,
+compiled at start-up (`capture`, at both ends of both ranges), never in the middle of serving. That one graph is all
+there is, so it keeps no guards (``skip_all_guards_unsafe``, as vLLM compiles): checking them would walk every
+weight of the model at each call (about a millisecond for the default model), and `padded_size` already keeps each
+call within the ranges the graph was compiled for.
 Steps with more rows run eagerly: their matmuls outweigh the overhead, and the packed int4 layer switches to a
 dense GEMM from `Int4PackedLinear.DENSE_MIN_ROWS` rows, a branch a graph would have to take both ways.
 """
