@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     SLUICE_DECODE_ROPE: bool = True
     SLUICE_FUSED_ROPE_KV: bool = True
     SLUICE_GEMV: bool = True
-    SLUICE_MOE_DECODE: bool = False
+    SLUICE_MOE_DECODE: bool | None = None
     SLUICE_CPU_VNNI: bool = True
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_FP8_GEMV_ROWS: int | None = None
@@ -165,10 +165,10 @@ environment_variables: dict[str, Variable] = {
         "The few-row GEMV for 16-bit linear layers (default, core/models/gemv.py); 0 keeps cuBLAS for all.",
     ),
     "SLUICE_MOE_DECODE": Variable(
-        _on_if_one("SLUICE_MOE_DECODE"),
-        "1: a mixture-of-experts layer's calls of a few tokens as three GEMV kernels, router included "
-        "(core/models/moe_decode.py); unset: the grouped GEMMs for every call (the default until the path is "
-        "measured on a GPU).",
+        _tristate("SLUICE_MOE_DECODE"),
+        "A mixture-of-experts layer's calls of a few tokens as three GEMV kernels, router included "
+        "(core/models/moe_decode.py): 1 for every MoE model, 0 for none (the grouped GEMMs for every call); unset: "
+        "for models of many small experts (moe_decode.preferred: Qwen3-MoE, not Mixtral).",
     ),
     "SLUICE_CPU_VNNI": Variable(
         _on_unless_zero("SLUICE_CPU_VNNI"),

@@ -556,7 +556,7 @@ probe-moe)  # issue 38 in one call (~5 min): where a batch-1 step of dummy:qwen3
     MOE_SWEEP=1 moe_kernel_check
     ;;
 moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode.py) checked and its tiles swept at
-    # real shapes, dummy:qwen3-30b-a3b batch 1 with it (SLUICE_MOE_DECODE=1) and without (the default: the router GEMM
+    # real shapes, dummy:qwen3-30b-a3b batch 1 with it (SLUICE_MOE_DECODE=1) and without (=0: the router GEMM
     # and grouped GEMMs), alternating twice, each against the weight-read floor; greedy parity with transformers; the
     # bf16 GEMV's configs at its attention shapes (QUICK=1: no sweeps); PROFILE=1: the as-served b1 profile last
     pyx  # msgspec (the engine's wire), which the bench commands import
@@ -565,7 +565,7 @@ moe-decode)  # issue 38 (~7 min): the few-token MoE path (core/models/moe_decode
     Q3="--model dummy:qwen3-30b-a3b --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1"
     for r in $(seq ${MOE_REPEATS:-2}); do
         for side in on off; do
-            prefix=""
+            prefix="env SLUICE_MOE_DECODE=0"
             [ $side = on ] && prefix="env SLUICE_MOE_DECODE=1"
             run moe_b1_${side}_$r 120 $prefix $bench latency $Q3 --out "$OUT/moe_b1_${side}_$r.json"
             run moe_floor_${side}_$r 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model dummy:qwen3-30b-a3b --latency "$OUT/moe_b1_${side}_$r.json" --out "$OUT/moe_floor_${side}_$r.json"

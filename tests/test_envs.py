@@ -46,7 +46,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_SUBMIT_CHUNK": 64,
         "SLUICE_EAGER_WARMUP": None,
         "SLUICE_SYNC_DEBUG": False,
-        "SLUICE_MOE_DECODE": False,
+        "SLUICE_MOE_DECODE": None,
         "SLUICE_DECODE_BLOCK_N": 128,
         "SLUICE_GEMV_ROWS": None,
         "SLUICE_FP8_GEMV_ROWS": None,
@@ -102,7 +102,7 @@ def test_the_attention_backend_and_the_fused_kernels_take_their_switches(clean_e
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)
-    assert envs.fused_kernel_options() == {"gemv": True, "fused_rope_kv": True, "moe_decode": False}
+    assert envs.fused_kernel_options() == {"gemv": True, "fused_rope_kv": True, "moe_decode": None}
     clean_env.setenv("SLUICE_FUSED_ROPE_KV", "0")
     clean_env.setenv("SLUICE_GEMV", "0")
     clean_env.setenv("SLUICE_MOE_DECODE", "1")

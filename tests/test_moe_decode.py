@@ -88,3 +88,16 @@ def test_fp32_activations_take_half_the_stages():
     assert moe_decode.stages_for(4, 2) == 4
     assert moe_decode.stages_for(4, 4) == 2
     assert moe_decode.stages_for(1, 4) == 1
+
+
+@pytest.mark.parametrize("switch", [None, True, False])
+def test_which_models_take_the_path_by_default(switch):
+    """Unset (None): the layers of many small experts (Qwen3-MoE's 128), not Mixtral's 8; 1 and 0 for every layer."""
+    from sluice.core.models.layers import enable_fused_kernels
+    from sluice.core.models.moe import SparseMoeBlock
+
+    many, few = (SparseMoeBlock(32, 16, e, 2, True) for e in (moe_decode.PREFERRED_MIN_EXPERTS, 8))
+    for block in (many, few):
+        enable_fused_kernels(block, moe_decode=switch)
+    on = [block.experts.decode_counters is not None for block in (many, few)]
+    assert on == ([True, False] if switch is None else [switch, switch])

@@ -192,13 +192,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def enable_fused_kernels(
-    model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True, moe_decode: bool = False
+    model: nn.Module, gemv: bool = True, fused_rope_kv: bool = True, moe_decode: bool | None = None
 ) -> int:
     """Switch every norm, activation and rotary module of ``model`` to the fused Triton kernels where the
     shapes allow (rotary needs ``head_dim / 2`` a power of two), and its 16-bit linear layers to the few-row
     GEMV; returns how many modules switched. ``gemv=False`` keeps cuBLAS for every linear layer,
-    ``fused_rope_kv=False`` RoPE and the KV write in two kernels, ``moe_decode=True`` a mixture-of-experts layer's
-    calls of a few tokens through `core/models/moe_decode.py` (switches for side-by-side timing: the engine sets them
+    ``fused_rope_kv=False`` RoPE and the KV write in two kernels, ``moe_decode`` a mixture-of-experts layer's
+    calls of a few tokens through `core/models/moe_decode.py` (True: every layer, False: none, None: the layers that
+    prefer it, `SparseMoeBlock.decode_preferred`) (switches for side-by-side timing: the engine sets them
     from ``SLUICE_GEMV``, ``SLUICE_FUSED_ROPE_KV`` and ``SLUICE_MOE_DECODE``, `core/envs.py`)."""
     from sluice.core.models import fused
     from sluice.core.models import gemv as gemv_kernels
@@ -215,7 +216,7 @@ def enable_fused_kernels(
         if isinstance(m, HeadNorms):
             m.fused_qk_norm = fused.rmsnorm_qk_
             n += 1
-        if isinstance(m, SparseMoeBlock) and moe_decode:
+        if isinstance(m, SparseMoeBlock) and (m.decode_preferred() if moe_decode is None else moe_decode):
             m.enable_decode_kernels()
             n += 1
         kernel = kernels.get(type(m))

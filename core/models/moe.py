@@ -14,8 +14,8 @@ Routing (`fused_moe.route`) as transformers defines it for both families: softma
 Tensor parallel: every rank holds every expert, cut along the intermediate dim (gate/up rows, down columns), so
 each rank's experts give a partial sum that one all-reduce completes, as the dense MLP's do. The router is
 replicated. A GPU runs the Triton kernels, the CPU the torch loop (`fused_moe.moe_forward`); with the decode path
-enabled (`enable_decode_kernels`, ``SLUICE_MOE_DECODE=1``), a call of a few tokens takes `core/models/moe_decode.py`,
-router included.
+enabled (`enable_decode_kernels`: by default for many small experts, `decode_preferred`; ``SLUICE_MOE_DECODE=1``
+for every layer, ``0`` for none), a call of a few tokens takes `core/models/moe_decode.py`, router included.
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ class SparseMoeBlock(nn.Module):
 
     def enable_decode_kernels(self) -> None:
         self.experts.enable_decode_kernels(self.top_k)
+
+    def decode_preferred(self) -> bool:
+        """Whether this layer's experts take the few-token path by default (`moe_decode.preferred`)."""
+        from sluice.core.models import moe_decode
+
+        return moe_decode.preferred(self.experts.gate_up_proj.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate, self.top_k, self.renormalize)

@@ -44,6 +44,18 @@ def fits(num_tokens: int, top_k: int, num_experts: int, intermediate: int) -> bo
     return num_tokens <= max_tokens(top_k, num_experts) and down_block_k(intermediate) > 0
 
 
+# The fewest experts for which the few-token path is the default (`preferred`)
+PREFERRED_MIN_EXPERTS = 64
+
+
+def preferred(num_experts: int) -> bool:
+    """Whether a layer of ``num_experts`` takes the few-token path unless told (``SLUICE_MOE_DECODE``): many small
+    experts, where the grouped GEMMs' routing and sorting launches weigh most. Measured on an H100 in the engine
+    at Qwen3-30B-A3B (128 experts) ahead of the grouped GEMMs at batch 1, and per layer in a CUDA graph at
+    Mixtral-8x7B (8 experts) behind them (`docs/benchmarks.md`)."""
+    return num_experts >= PREFERRED_MIN_EXPERTS
+
+
 def max_tokens(top_k: int, num_experts: int) -> int:
     """The most tokens `fits` takes for these experts (at most a row tile: the router's last program routes all)."""
     return min(BLOCK_M, max(top_k, num_experts // 4) // top_k)
