@@ -1,4 +1,5 @@
-"""The compiled CPU decode step's attention: the kernel (`core/models/cpu_attention.cpp`) against the torch-ops
+"""The compiled CPU decode step's attention: the kernel (`core/models/cpu_attention.cpp`, through the step's backend
+`kv/attention/cpu_decode.py`) against the torch-ops
 backend it replaced (`kv/attention/torch_decode.py`) as the compiler builds it (inductor's C++ code, as
 `core/worker/cpu_compiled.py` compiles the step; here with the guards of its few inputs).
 
@@ -14,39 +15,31 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from scripts.cpu_packed_rows import best_ms  # noqa: E402
+
 LAYERS, HQ, HK, D, BLOCK = 30, 9, 3, 64, 16
-
-
-def _best_ms(fn, passes: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(passes):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return 1e3 * best
 
 
 def measure(rows: int, ctx: int, compiled) -> dict:
     """Both at ``rows`` rows of ``ctx`` keys: 30 layers' calls, each over its own cache; equal first."""
-    from sluice.core.models import cpu_vnni
+    from sluice.kv.attention.base import AttentionMetadata
+    from sluice.kv.attention.cpu_decode import CpuKernelDecodeAttentionBackend
 
     width = -(-ctx // BLOCK)
     caches = [torch.randn(2, rows * width, BLOCK, HK, D, dtype=torch.bfloat16) for _ in range(LAYERS)]
     tables = torch.arange(rows * width, dtype=torch.int32).view(rows, width)
     lens = torch.full((rows,), ctx, dtype=torch.int32)
     q = torch.randn(rows, HQ, D, dtype=torch.bfloat16)
-    want = compiled(q, caches[0], tables, lens)
-    torch.testing.assert_close(cpu_vnni.decode_attention(q, caches[0], tables, lens, D**-0.5), want)
-    kernel = _best_ms(lambda: [cpu_vnni.decode_attention(q, c, tables, lens, D**-0.5) for c in caches])
-    inductor = _best_ms(lambda: [compiled(q, c, tables, lens) for c in caches])
+    meta, backend = AttentionMetadata(None, lens, lens, tables, 1, 0, [], []), CpuKernelDecodeAttentionBackend()
+    torch.testing.assert_close(backend.forward(q, caches[0], meta, D**-0.5), compiled(q, caches[0], tables, lens))
+    kernel = best_ms(lambda: [backend.forward(q, c, meta, D**-0.5) for c in caches])
+    inductor = best_ms(lambda: [compiled(q, c, tables, lens) for c in caches])
     return dict(
         kernel_us_per_layer=1e3 * kernel / LAYERS,
         torch_ops_compiled_us_per_layer=1e3 * inductor / LAYERS,

@@ -12,7 +12,7 @@ Built with torch's C++ extension loader (a C++ compiler and ninja on the machine
 extensions folder) where the CPU has the instructions (`vnni_supported`); `load` says whether the ops are there.
 The ops are registered as ``torch.ops.sluice_cpu.*`` with fake implementations, so a compiled decode step
 (`core/worker/cpu_compiled.py`) calls them from its generated code. The library also carries that step's decode
-attention (`cpu_attention.cpp`, `decode_attention`), built and loaded with the matmuls.
+attention (`cpu_attention.cpp`, called by `kv/attention/cpu_decode.py`), built and loaded with the matmuls.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from sluice.core.models.quant import pack_int4_codes, unpack_int4
 
 logger = logging.getLogger("sluice")
 
-# the matmuls, and built into the same library the decode step's attention for AVX-512 CPUs (`decode_attention`)
+# the matmuls, and built into the same library the decode step's attention for AVX-512 CPUs (`cpu_attention.cpp`)
 SOURCES = (Path(__file__).with_name("cpu_vnni.cpp"), Path(__file__).with_name("cpu_attention.cpp"))
 # what the source's intrinsics need (Linux /proc/cpuinfo names)
 REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
@@ -135,23 +135,9 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: t
 
 
 def attention_fits(head_size: int, kv_dtype: torch.dtype) -> bool:
-    """Whether `decode_attention` serves a cache of these heads: 16-wide vectors of bf16 or fp32."""
+    """Whether the library's decode attention (called by `kv/attention/cpu_decode.py`) serves a cache of these heads:
+    16-wide vectors of bf16 or fp32."""
     return head_size % 16 == 0 and kv_dtype in (torch.bfloat16, torch.float32)
-
-
-def decode_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """One query token per sequence (``query [B, Hq, D]``) over its ``seq_lens`` keys in the paged cache
-    ``[2, blocks, block_size, Hk, D]`` of the query's dtype (int32 ``block_tables [B, W]``, ``seq_lens [B]``); a
-    ``window`` > 0 keeps the last ``window`` keys, ``softcap`` > 0 caps the logits. `attention_fits` says where."""
-    return torch.ops.sluice_cpu.decode_attention(query, kv_cache, block_tables, seq_lens, scale, window, softcap)
 
 
 def int8_mm(x: torch.Tensor, offset_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

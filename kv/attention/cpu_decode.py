@@ -5,7 +5,8 @@ The torch-ops backend it replaces (`torch_decode.py`) compiles to a loop over ev
 thread; the kernel reads each row's own keys once for the query heads that share them, over torch's intra-op
 threads. The KV write is the torch backend's (`index_put_` on the cache, fused by the compiler with the step's
 other elementwise work). The step that builds this backend checks that the kernel is there and fits the cache
-(`cpu_vnni.attention_fits`).
+(`cpu_vnni.attention_fits`): one query token per sequence, a cache ``[2, blocks, block_size, Hk, D]`` of the
+query's dtype (bf16 or fp32, D a multiple of 16), int32 block tables and sequence lengths.
 """
 
 from __future__ import annotations
