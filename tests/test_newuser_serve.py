@@ -115,7 +115,7 @@ def test_connections_on_the_held_socket_send_without_delay(bind):
     import asyncio
 
     from sluice.app.commands.serve import bind_listening_socket
-    from sluice.app.server.api_servers import _bind  # noqa: PLC2701
+    from sluice.app.server.api_servers import _bind
 
     held = bind_listening_socket if bind == "serve" else _bind
 

@@ -1,7 +1,7 @@
 // Decode attention over the paged KV cache for AVX-512 CPUs: one query token per sequence (built beside
 // `cpu_vnni.cpp`, into the same library, by `core/models/cpu_vnni.py`). The compiled CPU decode step's attention
 // in torch ops (`kv/attention/torch_decode.py`) became one generated loop that ran on a single thread, over every
-// row's padded width; this reads each row's own keys, once for the query heads that share them, and spreads
+// row's padded width; this reads each row's own keys once for the query heads that share them, and spreads
 // (sequence, KV head) pairs over torch's intra-op threads.
 //
 // Per pair: the logits of keys [start, len) (start > 0 only with a sliding window), soft-capped if asked, their
@@ -105,8 +105,9 @@ void weigh_values(const float* p, const T* v_cache, const int32_t* table, int64_
     }
 }
 
-// The G = Hq / Hk query heads of one KV head over their sequence's keys [start, len), each key and value read
-// once for all of them. q: [G, D] in fp32, scaled; logits: room for [G, len - start]; acc: [G, D], the output.
+// The G = Hq / Hk query heads of one KV head over their sequence's keys [start, len): each key read once for all
+// of them; the values once per head (its sum held in registers), the head's rows by then in cache.
+// q: [G, D] in fp32, scaled; logits: room for [G, len - start]; acc: [G, D], the output.
 template <typename T>
 void kv_head(const float* q, int64_t group, const T* k_cache, const T* v_cache, const int32_t* table, int64_t start,
              int64_t len, int64_t block_size, int64_t token_stride, int64_t d, float softcap, float* logits, float* acc) {
