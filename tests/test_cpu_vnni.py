@@ -33,8 +33,9 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("n,k,group", [(96, 576, 32), (37, 160, 32), (64, 256, 64), (20, 384, 128), (5, 32, 32)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 6, 15])
 def test_int4_is_the_stored_weight_times_the_rounded_activation(n, k, group, rows):
-    """K of 1 to 18 blocks (a partial last quad of blocks), N not a multiple of the 4-row tile, row counts on both
-    sides of the 4-row activation tile, groups of 64 and 128 split into blocks of 32 sharing their scale and min."""
+    """K of 1 to 18 blocks, N not a multiple of the kernel's 16-row weight groups (a partial last group), row counts
+    on both sides of the 4-row activation tile, groups of 64 and 128 split into blocks of 32 sharing their scale and
+    min."""
     g = torch.Generator().manual_seed(n * k + rows)
     w = torch.randn(n, k, generator=g) * 0.05 + 0.01
     qweight, scales, mins = quantize_int4(w, group)

@@ -126,10 +126,8 @@ class Int4VnniRows(nn.Module):
         super().__init__()
         cpu_vnni.require()
         self.group_size = group_size
-        packed, s, m = cpu_vnni.int4_blocks(qweight, scales, mins)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", s)
-        self.register_buffer("mins", m)
+        self.out_features = qweight.shape[0]
+        self.register_buffer("packed", cpu_vnni.int4_blocks(qweight, scales, mins))
 
     @staticmethod
     def weight(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -137,7 +135,7 @@ class Int4VnniRows(nn.Module):
         return dequantize_int4(qweight, scales, mins, torch.float32)
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
-        return cpu_vnni.int4_mm(x2.contiguous(), self.packed, self.scales, self.mins)
+        return cpu_vnni.int4_mm(x2.contiguous(), self.packed, self.out_features)
 
 
 class Int4PackedLinear(nn.Module):
@@ -240,11 +238,13 @@ class Int8VnniRows(nn.Module):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
         super().__init__()
         cpu_vnni.require()
-        self.register_buffer("offset_weight", cpu_vnni.int8_offset(q))
-        self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())
+        self.out_features = q.shape[0]
+        weight, scales = cpu_vnni.int8_lanes(q, scales)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scales", scales)
 
     def forward(self, x2: torch.Tensor) -> torch.Tensor:
-        return cpu_vnni.int8_mm(x2.contiguous(), self.offset_weight, self.scales)
+        return cpu_vnni.int8_mm(x2.contiguous(), self.weight, self.scales, self.out_features)
 
 
 class Int8PackedLinear(nn.Module):

@@ -8,6 +8,20 @@
 // int8 (w = q * scale[n], stored as u = q + 128):
 //   y[r, n] = scale[n] * sum_b d[r, b] * (sum_k u[n, b, k] * xq[r, b, k] - 128 * xqsum[r, b])
 // Both are the exact products of the stored weights with the rounded activations, summed in fp32.
+//
+// The weights lie in groups of 16 output rows, a 32-bit lane per row (`cpu_vnni.py` lays them out): a 64-byte load
+// holds four consecutive weights of each of 16 rows, so one vpdpbusd against four activations broadcast to every
+// lane advances 16 outputs at once. Each lane ends holding its row's whole sum: no horizontal sums, no shuffles, the
+// per-block scales applied to 16 rows by one multiply, and the outputs stored 16 at a time. (Rows as the reduction
+// axis instead, a row's dot product spread over the lanes, needed a shuffle per block for the scales and a
+// horizontal sum per output: at a decode step's shapes that arithmetic, not the weights' bytes, was the time.)
+// A group's weights are one run of memory, read front to back by one thread: one stream for the hardware's
+// prefetchers (a pass over several groups at once, or scales and mins apart, was slower for its extra streams).
+//   int4, per group of 16 rows and block of 32, 320 bytes: four 64-byte chunks, chunk c's lane r byte j holding
+//   k = 4c + j in its low nibble and k = 16 + 4c + j in its high one; then the 16 rows' fp16 scales, then their
+//   fp16 mins.
+//   int8, per group of 16 rows: K / 4 chunks of 64 bytes, chunk c's lane r byte j holding u at k = 4c + j; the
+//   per-row bf16 scales apart, in row order (read once per group).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,256 +33,206 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int kBlock = 32;   // activations per rounding block, weights per int4 scale/min block
-constexpr int kQuad = 4;     // int4 blocks per 64-byte load
-constexpr int kRowTile = 4;  // activation rows per pass over a weight row
-// weight rows per pass (independent accumulators): 4, or 2 where 3-4 activation rows' registers come too (16
-// accumulators and their rows' x would not fit the 32 vector registers)
-constexpr int kOutTile = 4;
-constexpr int kOutTileManyRows = 2;
+constexpr int kBlock = 32;  // activations per rounding block, weights per int4 scale/min block
+constexpr int kLanes = 16;  // output rows per weight group: a 32-bit lane each
+constexpr int kRowTile = 4;  // activation rows per pass over a group's weights
+constexpr int kInt4BlockBytes = 4 * 64 + 2 * kLanes * 2;  // a group's block of int4 weights, scales, mins
 
-// x [rows, K] rounded per block: xq in K order, each block's d and the sum of its xq
+// x [rows, K] rounded per block: xq in K order, each block's d and d times the sum of its xq
 struct RoundedRows {
     std::vector<int8_t> xq;
     std::vector<float> d;
+    std::vector<float> xsum;
     std::vector<int32_t> qsum;
 };
 
+inline __m512 bf16_to_fp32(const at::BFloat16* p) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// fp32 -> bf16 as c10::BFloat16 rounds: to nearest even, a NaN to 0x7FC0
+inline __m256i fp32_to_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k) {
     const int64_t blocks = k / kBlock;
-    RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<int32_t>(rows * blocks)};
+    RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
+                    std::vector<int32_t>(rows * blocks)};
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
     for (int64_t b = 0; b < rows * blocks; ++b) {
-        const at::BFloat16* xb = x + b * kBlock;
-        float amax = 0.f;
-        bool finite = true;
-        for (int i = 0; i < kBlock; ++i) {
-            const float v = static_cast<float>(xb[i]);
-            finite = finite && std::isfinite(v);
-            amax = std::max(amax, std::fabs(v));
+        const __m512 lo = bf16_to_fp32(x + b * kBlock), hi = bf16_to_fp32(x + b * kBlock + 16);
+        const __m512 alo = _mm512_abs_ps(lo), ahi = _mm512_abs_ps(hi);
+        // an inf or a NaN (unordered: not less than inf) anywhere in the block
+        const bool finite = !(_mm512_cmp_ps_mask(alo, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(ahi, inf, _CMP_NLT_UQ));
+        const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)) : 0.f;
+        __m512i qlo = _mm512_setzero_si512(), qhi = _mm512_setzero_si512();
+        if (finite && amax > 0.f) {
+            // x / amax * 127, not x * (127 / amax): the latter overflows for blocks of bf16's smallest normals;
+            // converted at the default rounding, to nearest even
+            const __m512 a = _mm512_set1_ps(amax), s = _mm512_set1_ps(127.f);
+            qlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_div_ps(lo, a), s));
+            qhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_div_ps(hi, a), s));
         }
-        // x / amax * 127, not x * (127 / amax): the latter overflows for blocks of bf16's smallest normals
-        const bool scaled = finite && amax > 0.f;
-        int32_t sum = 0;
-        for (int i = 0; i < kBlock; ++i) {
-            const int q = scaled ? static_cast<int>(std::nearbyint(static_cast<float>(xb[i]) / amax * 127.f)) : 0;
-            out.xq[b * kBlock + i] = static_cast<int8_t>(q);
-            sum += q;
-        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.xq.data() + b * kBlock), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.xq.data() + b * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
         out.d[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // a NaN or inf x: a NaN row
         out.qsum[b] = sum;
+        out.xsum[b] = out.d[b] * static_cast<float>(sum);
     }
     return out;
 }
 
-// The rows in the int4 weights' order: per quad of blocks, the four blocks' first halves (k 0-15 of each in turn),
-// then their second halves, zero past the last block; d per quad on 16 lanes (each block's on its 4 lanes); and
-// each block's d * xqsum for the mins.
-struct QuadRows {
-    std::vector<int8_t> xq;     // [rows, quads, 128]
-    std::vector<float> d;       // [rows, quads, 16]
-    std::vector<float> xsum;    // [rows, blocks]
-    int64_t quads;
-};
-
-QuadRows quad_rows(const RoundedRows& rr, int64_t rows, int64_t k) {
-    const int64_t blocks = k / kBlock, quads = (blocks + kQuad - 1) / kQuad;
-    QuadRows out{std::vector<int8_t>(rows * quads * 128, 0), std::vector<float>(rows * quads * 16, 0.f),
-                 std::vector<float>(rows * blocks), quads};
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t quad = r * quads + b / kQuad, slot = b % kQuad;
-            const int8_t* src = rr.xq.data() + (r * blocks + b) * kBlock;
-            int8_t* dst = out.xq.data() + quad * 128 + slot * 16;
-            std::copy(src, src + 16, dst);
-            std::copy(src + 16, src + 32, dst + 64);
-            const float d = rr.d[r * blocks + b];
-            std::fill_n(out.d.data() + quad * 16 + slot * 4, 4, d);
-            out.xsum[r * blocks + b] = d * static_cast<float>(rr.qsum[r * blocks + b]);
-        }
-    return out;
+// four activations of row r at k, on every lane
+inline __m512i broadcast4(const RoundedRows& xr, int64_t at) {
+    int32_t v;
+    std::memcpy(&v, xr.xq.data() + at, 4);
+    return _mm512_set1_epi32(v);
 }
 
-// Weight rows ahead of a tile's first that it asks the cache for (two tiles: the hardware prefetchers alone left
-// the kernel waiting on memory)
-constexpr int64_t kPrefetchRows = 8;
-
-inline void prefetch_rows(const void* start, int64_t bytes) {
-    const char* p = static_cast<const char*>(start);
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+// 16 outputs of row r for group g (the last group's lanes past n not written)
+inline void store_lanes(at::BFloat16* y, int64_t r, int64_t g, int64_t n, __m512 v) {
+    const int64_t n0 = g * kLanes, left = n - n0;
+    const __mmask16 m = left >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    _mm256_mask_storeu_epi16(y + r * n + n0, m, fp32_to_bf16(v));
 }
 
-// int4 rows [n0, n0 + OUT) against activation rows [r0, r0 + R)
-template <int OUT, int R>
-inline void int4_tile(const uint8_t* packed, const at::Half* scales, const at::Half* mins, const QuadRows& xr,
-                      int64_t r0, int64_t n0, int64_t k, int64_t n, at::BFloat16* y) {
-    const int64_t blocks = k / kBlock, bytes = k / 2;
-    if (r0 == 0 && n0 + OUT + kPrefetchRows <= n) {
-        const int64_t ahead = n0 + kPrefetchRows;
-        prefetch_rows(packed + ahead * bytes, OUT * bytes);
-        prefetch_rows(scales + ahead * blocks, OUT * blocks * 2);
-        prefetch_rows(mins + ahead * blocks, OUT * blocks * 2);
-    }
+// int4 group g against activation rows [r0, r0 + R)
+template <int R>
+inline void int4_tile(const uint8_t* packed, const RoundedRows& xr, int64_t r0, int64_t g, int64_t k, int64_t n,
+                      at::BFloat16* y) {
+    const int64_t blocks = k / kBlock;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[OUT][R];
-    for (int o = 0; o < OUT; ++o)
-        for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
-    for (int64_t qd = 0; qd < xr.quads; ++qd) {
-        const int64_t left = std::min<int64_t>(kQuad, blocks - qd * kQuad);
-        const __mmask64 wmask = left == kQuad ? ~0ULL : (1ULL << (left * 16)) - 1;
-        const __mmask8 smask = static_cast<__mmask8>((1u << left) - 1);
-        __m512i xlo[R], xhi[R];
-        __m512 dx[R];
-        for (int r = 0; r < R; ++r) {
-            const int64_t at = (r0 + r) * xr.quads + qd;
-            xlo[r] = _mm512_loadu_si512(xr.xq.data() + at * 128);
-            xhi[r] = _mm512_loadu_si512(xr.xq.data() + at * 128 + 64);
-            dx[r] = _mm512_loadu_ps(xr.d.data() + at * 16);
-        }
-        for (int o = 0; o < OUT; ++o) {
-            const int64_t row = n0 + o;
-            const __m512i v = _mm512_maskz_loadu_epi8(wmask, packed + row * bytes + qd * 64);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* block = packed + g * blocks * kInt4BlockBytes;
+    for (int64_t b = 0; b < blocks; ++b, block += kInt4BlockBytes) {
+        __m512i lo_sum[R], hi_sum[R];
+        for (int r = 0; r < R; ++r) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+            const __m512i v = _mm512_loadu_si512(block + 64 * c);
             const __m512i lo = _mm512_and_si512(v, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            const __m128i s16 = _mm_maskz_loadu_epi16(smask, scales + row * blocks + qd * kQuad);
-            const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(s16)));
             for (int r = 0; r < R; ++r) {
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[r]), hi, xhi[r]);
-                acc[o][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, dx[r]), acc[o][r]);
+                const int64_t at = (r0 + r) * k + b * kBlock + 4 * c;
+                lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], lo, broadcast4(xr, at));
+                hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], hi, broadcast4(xr, at + 16));
             }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 288)));
+        for (int r = 0; r < R; ++r) {
+            const int64_t rb = (r0 + r) * blocks + b;
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sum[r], hi_sum[r]));
+            acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xr.d[rb])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.xsum[rb]), acc[r]);
         }
     }
-    for (int o = 0; o < OUT; ++o)
-        for (int r = 0; r < R; ++r) {
-            // the mins against each block's x sum, 16 blocks at a time, into the same lanes (all are summed)
-            const float* xs = xr.xsum.data() + (r0 + r) * blocks;
-            const at::Half* mn = mins + (n0 + o) * blocks;
-            for (int64_t b = 0; b < blocks; b += 16) {
-                const __mmask16 m = blocks - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (blocks - b)) - 1);
-                const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, mn + b));
-                acc[o][r] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(m, xs + b), acc[o][r]);
-            }
-            y[(r0 + r) * n + n0 + o] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[o][r]));
-        }
+    for (int r = 0; r < R; ++r) store_lanes(y, r0 + r, g, n, acc[r]);
 }
 
-// int8 rows [n0, n0 + OUT) against activation rows [r0, r0 + R); 64 weights a step: two blocks, each block's d on
-// 8 lanes. Each lane's integer sum starts at -128 times its four xq (`lane_offsets`), so it ends at sum q * xq
-// exactly: the offset never meets the fp32 sums (where, for large x, it would overflow).
-template <int OUT, int R>
-inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const RoundedRows& xr, const int32_t* lane_offsets,
-                      int64_t r0, int64_t n0, int64_t k, int64_t n, at::BFloat16* y) {
+// int8 group g against activation rows [r0, r0 + R); a block's chunks summed in two chains
+template <int R>
+inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const RoundedRows& xr, int64_t r0, int64_t g,
+                      int64_t k, int64_t n, at::BFloat16* y) {
     const int64_t blocks = k / kBlock;
-    if (r0 == 0 && n0 + OUT + kPrefetchRows <= n) prefetch_rows(w + (n0 + kPrefetchRows) * k, OUT * k);
-    __m512 acc[OUT][R];
-    for (int o = 0; o < OUT; ++o)
-        for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
-    for (int64_t h = 0; h < k / 64; ++h) {
-        __m512i xv[R], start[R];
-        __m512 dv[R];
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* chunk = w + g * k * kLanes;
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m512i sum[2][R];
+        for (int r = 0; r < R; ++r) sum[0][r] = sum[1][r] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c, chunk += 64) {
+            const __m512i v = _mm512_loadu_si512(chunk);
+            for (int r = 0; r < R; ++r)
+                sum[c & 1][r] = _mm512_dpbusd_epi32(sum[c & 1][r], v, broadcast4(xr, (r0 + r) * k + b * kBlock + 4 * c));
+        }
         for (int r = 0; r < R; ++r) {
-            xv[r] = _mm512_loadu_si512(xr.xq.data() + (r0 + r) * k + h * 64);
-            start[r] = _mm512_loadu_si512(lane_offsets + ((r0 + r) * k + h * 64) / 4);
-            const float* db = xr.d.data() + (r0 + r) * blocks + h * 2;
-            dv[r] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(db[0]), _mm512_set1_ps(db[1]));
-        }
-        for (int o = 0; o < OUT; ++o) {
-            const __m512i v = _mm512_loadu_si512(w + (n0 + o) * k + h * 64);
-            for (int r = 0; r < R; ++r) {
-                const __m512i dot = _mm512_dpbusd_epi32(start[r], v, xv[r]);
-                acc[o][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv[r], acc[o][r]);
-            }
+            const int64_t rb = (r0 + r) * blocks + b;
+            // sum u * xq - 128 * sum xq == sum q * xq, exactly, in int32
+            const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(sum[0][r], sum[1][r]), _mm512_set1_epi32(128 * xr.qsum[rb]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xr.d[rb]), acc[r]);
         }
     }
-    for (int o = 0; o < OUT; ++o)
-        for (int r = 0; r < R; ++r)
-            y[(r0 + r) * n + n0 + o] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[o][r]) * static_cast<float>(scales[n0 + o]));
+    const __m512 s = bf16_to_fp32(scales + g * kLanes);
+    for (int r = 0; r < R; ++r) store_lanes(y, r0 + r, g, n, _mm512_mul_ps(acc[r], s));
 }
 
-// every activation row against weight rows [n0, n0 + OUT), kRowTile rows at a time
+// y [rows, n] by groups of 16 outputs over torch's intra-op threads (at least ``grain_rows`` outputs a thread),
+// each group against every activation row, kRowTile rows at a time
 template <typename Tile>
-inline void all_rows(int64_t rows, Tile tile) {
-    int64_t r0 = 0;
-    for (; r0 + kRowTile <= rows; r0 += kRowTile) tile(std::integral_constant<int, kRowTile>{}, r0);
-    switch (rows - r0) {
-        case 3: tile(std::integral_constant<int, 3>{}, r0); break;
-        case 2: tile(std::integral_constant<int, 2>{}, r0); break;
-        case 1: tile(std::integral_constant<int, 1>{}, r0); break;
-        default: break;
-    }
-}
-
-// y [rows, n] by tiles of OUT weight rows over torch's intra-op threads
-template <int OUT, typename OutTile>
-at::Tensor over_outputs(const at::Tensor& x, int64_t n, int64_t grain_rows, OutTile out_tile) {
-    const int64_t tiles = n / OUT;
-    at::Tensor y = at::empty({x.size(0), n}, x.options());
+at::Tensor over_groups(const at::Tensor& x, int64_t n, int64_t grain_rows, Tile tile) {
+    const int64_t rows = x.size(0), groups = (n + kLanes - 1) / kLanes;
+    at::Tensor y = at::empty({rows, n}, x.options());
     at::BFloat16* out = y.data_ptr<at::BFloat16>();
-    at::parallel_for(0, tiles, grain_rows / OUT, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) out_tile(std::integral_constant<int, OUT>{}, t * OUT, out);
+    at::parallel_for(0, groups, std::max<int64_t>(1, grain_rows / kLanes), [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g)
+            for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+                switch (std::min<int64_t>(kRowTile, rows - r0)) {
+                    case 4: tile(std::integral_constant<int, 4>{}, r0, g, out); break;
+                    case 3: tile(std::integral_constant<int, 3>{}, r0, g, out); break;
+                    case 2: tile(std::integral_constant<int, 2>{}, r0, g, out); break;
+                    default: tile(std::integral_constant<int, 1>{}, r0, g, out); break;
+                }
+            }
     });
-    for (int64_t n0 = tiles * OUT; n0 < n; ++n0) out_tile(std::integral_constant<int, 1>{}, n0, out);
     return y;
-}
-
-// `over_outputs` with the tile width for x's row count
-template <typename OutTile>
-at::Tensor by_tiles(const at::Tensor& x, int64_t n, int64_t grain_rows, OutTile out_tile) {
-    return x.size(0) >= 3 ? over_outputs<kOutTileManyRows>(x, n, grain_rows, out_tile)
-                          : over_outputs<kOutTile>(x, n, grain_rows, out_tile);
 }
 
 void check_x(const at::Tensor& x) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous bf16 [rows, K]");
 }
 
-// x [rows, K] bf16; packed [N, K/2] uint8 (per block of 32 weights: byte i holds k = i in its low nibble and
-// k = 16 + i in its high one); scales, mins [N, K/32] fp16. Returns [rows, N] bf16.
-at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+// x [rows, K] bf16, K % 32 == 0; packed [ceil(n / 16), K / 32 * 320] uint8 (the header's layout). Returns [rows, n]
+// bf16.
+at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
     check_x(x);
-    const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0);
-    TORCH_CHECK(k % kBlock == 0 && packed.size(1) * 2 == k && packed.scalar_type() == at::kByte, "packed: uint8 [N, K/2], K % 32 == 0");
-    TORCH_CHECK(scales.sizes() == at::IntArrayRef({n, k / kBlock}) && mins.sizes() == scales.sizes(), "scales, mins: [N, K/32]");
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf, "scales, mins: fp16");
-    TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), "contiguous weights");
-    const QuadRows xr = quad_rows(round_rows(x.data_ptr<at::BFloat16>(), rows, k), rows, k);
+    const int64_t rows = x.size(0), k = x.size(1), groups = (n + kLanes - 1) / kLanes;
+    TORCH_CHECK(k % kBlock == 0 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                    packed.sizes() == at::IntArrayRef({groups, k / kBlock * kInt4BlockBytes}),
+                "packed: contiguous uint8 [ceil(N / 16), K / 32 * 320], K % 32 == 0");
+    const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k);
     const uint8_t* w = packed.data_ptr<uint8_t>();
-    const at::Half* s = scales.data_ptr<at::Half>();
-    const at::Half* m = mins.data_ptr<at::Half>();
-    return by_tiles(x, n, 64, [&](auto out, int64_t n0, at::BFloat16* y) {
-        all_rows(rows, [&](auto r, int64_t r0) { int4_tile<decltype(out)::value, decltype(r)::value>(w, s, m, xr, r0, n0, k, n, y); });
+    return over_groups(x, n, 128, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
+        int4_tile<decltype(r)::value>(w, xr, r0, g, k, n, y);
     });
 }
 
-// x [rows, K] bf16, K % 64 == 0; offset_weight [N, K] uint8 (q + 128); scales [N] bf16. Returns [rows, N] bf16.
-at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& offset_weight, const at::Tensor& scales) {
+// x [rows, K] bf16, K % 64 == 0; weight [ceil(n / 16), K * 16] uint8 (q + 128, the header's layout); scales
+// [ceil(n / 16) * 16] bf16. Returns [rows, n] bf16.
+at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t n) {
     check_x(x);
-    const int64_t rows = x.size(0), k = x.size(1), n = offset_weight.size(0), blocks = k / kBlock;
-    TORCH_CHECK(k % 64 == 0 && offset_weight.size(1) == k && offset_weight.scalar_type() == at::kByte, "offset_weight: uint8 [N, K], K % 64 == 0");
-    TORCH_CHECK(scales.numel() == n && scales.scalar_type() == at::kBFloat16, "scales: bf16 [N]");
-    TORCH_CHECK(offset_weight.is_contiguous() && scales.is_contiguous(), "contiguous weights");
+    const int64_t rows = x.size(0), k = x.size(1), groups = (n + kLanes - 1) / kLanes;
+    TORCH_CHECK(k % 64 == 0 && weight.scalar_type() == at::kByte && weight.sizes() == at::IntArrayRef({groups, k * 16}),
+                "weight: uint8 [ceil(N / 16), K * 16], K % 64 == 0");
+    TORCH_CHECK(scales.numel() == groups * kLanes && scales.scalar_type() == at::kBFloat16, "scales: bf16 [ceil(N / 16) * 16]");
+    TORCH_CHECK(weight.is_contiguous() && scales.is_contiguous(), "contiguous weights");
     const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k);
-    std::vector<int32_t> lane_offsets(rows * k / 4);  // -128 times each lane's four xq (`int8_tile`)
-    for (int64_t i = 0; i < rows * k / 4; ++i)
-        lane_offsets[i] = -128 * (xr.xq[4 * i] + xr.xq[4 * i + 1] + xr.xq[4 * i + 2] + xr.xq[4 * i + 3]);
-    const uint8_t* w = offset_weight.data_ptr<uint8_t>();
+    const uint8_t* w = weight.data_ptr<uint8_t>();
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    return by_tiles(x, n, 256, [&](auto out, int64_t n0, at::BFloat16* y) {
-        all_rows(rows, [&](auto r, int64_t r0) { int8_tile<decltype(out)::value, decltype(r)::value>(w, s, xr, lane_offsets.data(), r0, n0, k, n, y); });
+    return over_groups(x, n, 512, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
+        int8_tile<decltype(r)::value>(w, s, xr, r0, g, k, n, y);
     });
 }
 
 }  // namespace
 
 TORCH_LIBRARY(sluice_cpu, m) {
-    m.def("int4_vnni_mm(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
-    m.def("int8_vnni_mm(Tensor x, Tensor offset_weight, Tensor scales) -> Tensor");
+    m.def("int4_vnni_mm(Tensor x, Tensor packed, int n) -> Tensor");
+    m.def("int8_vnni_mm(Tensor x, Tensor weight, Tensor scales, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sluice_cpu, CPU, m) {

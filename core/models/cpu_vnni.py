@@ -3,10 +3,12 @@
 torch's packed CPU kernels (``int4pack``, ``int8pack``: `core/models/cpu_linear.py`) convert each weight to fp32
 and multiply it by the bf16 activation: a decode step of the default model spends most of its time there, in
 arithmetic, not in reading its ~50 MB of int4 weights. llama.cpp rounds the activations to int8 per block of 32
-instead, and sums 64 products of 8-bit values an instruction (``vpdpbusd``). These kernels do the same: the weights
-as stored (int4 in blocks of 32 with an fp16 scale and min, a GGUF Q4_1 block; int8 per output channel), x rounded
-to int8 per block of 32 at each call, the sums in fp32 (the source's comment has the algebra). The cost is the
-activation's rounding: outputs differ from the bf16 kernels' by about a hundredth of their scale.
+instead, and sums 64 products of 8-bit values an instruction (``vpdpbusd``). These kernels do the same: the weights'
+values as stored (int4 in blocks of 32 with an fp16 scale and min, a GGUF Q4_1 block; int8 per output channel),
+laid out at load in groups of 16 output rows, a vector lane per row (`int4_blocks`, `int8_lanes`; the source's
+header says why); x rounded to int8 per block of 32 at each call; the sums in fp32 (the source's comment has the
+algebra). The cost is the activation's rounding: outputs differ from the bf16 kernels' by about a hundredth of their
+scale.
 
 Built with torch's C++ extension loader (a C++ compiler and ninja on the machine; the build is cached under torch's
 extensions folder) where the CPU has the instructions (`vnni_supported`); `load` says whether the ops are there.
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from sluice.core.models.quant import pack_int4_codes, unpack_int4
+from sluice.core.models.quant import unpack_int4
 
 logger = logging.getLogger("sluice")
 
@@ -37,6 +39,7 @@ REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma
 # libgomp.so.1, resolves to the copy torch has loaded, as inductor's generated code does
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"]
 BLOCK = 32  # activations per rounding block; weights per int4 scale and min
+LANES = 16  # output rows per group of the kernels' weights (`cpu_vnni.cpp`): a 32-bit lane each
 
 
 def cpu_flags() -> frozenset[str]:
@@ -79,8 +82,8 @@ def load() -> bool:
     except Exception as e:  # noqa: BLE001 (any build failure leaves torch's kernels, which work everywhere)
         logger.warning("the AVX-512 VNNI kernels did not build (%s); the CPU keeps torch's packed kernels", e)
         return False
-    torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_rows_by_outputs)
-    torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_rows_by_outputs)
+    torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_int4_out)
+    torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_int8_out)
     torch.library.register_fake("sluice_cpu::decode_attention")(_like_query)
     return True
 
@@ -103,35 +106,56 @@ def require() -> None:
         raise RuntimeError("the AVX-512 VNNI kernels are not available on this machine (cpu_vnni.load)")
 
 
-def _rows_by_outputs(x: torch.Tensor, weight: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]))
+def _int4_out(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
+def _int8_out(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
 
 
 def _like_query(query: torch.Tensor, *_) -> torch.Tensor:
     return query.new_empty(query.shape)
 
 
-def int4_blocks(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The int4 format (`quant.quantize_int4`, groups of a multiple of 32) -> the kernel's form: the same format in
-    groups of 32 (each block of 32 as 16 bytes, byte i: k = i in the low nibble, k = 16 + i in the high one: a
-    group-32 weight, the GGUF's Q4_1 among them, as it is), and fp16 scales and mins per block of 32 (a group's
-    repeated)."""
-    groups = scales.shape[1]
-    repeat = qweight.shape[1] * 2 // BLOCK // groups
-    if repeat > 1:
-        qweight = pack_int4_codes(unpack_int4(qweight, groups).view(qweight.shape[0], -1, BLOCK))
-    per_block = (t.to(torch.float16).repeat_interleave(repeat, dim=1).contiguous() for t in (scales, mins))
-    return qweight.contiguous(), *per_block
+def _by_lanes(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """``[N, ...]`` -> ``[ceil(N / 16), 16, ...]``: rows in groups of `LANES`, the last group filled with ``fill``."""
+    pad = -t.shape[0] % LANES
+    if pad:
+        t = torch.cat((t, t.new_full((pad, *t.shape[1:]), fill)))
+    return t.view(-1, LANES, *t.shape[1:])
 
 
-def int8_offset(q: torch.Tensor) -> torch.Tensor:
-    """int8 ``[N, K]`` -> uint8 ``q + 128`` (the kernel's unsigned operand)."""
-    return (q.to(torch.int16) + 128).to(torch.uint8).contiguous()
+def int4_blocks(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The int4 format (`quant.quantize_int4`, groups of a multiple of 32) -> the kernel's form (`cpu_vnni.cpp`'s
+    header), uint8 ``[groups of 16 rows, blocks * 320]``: per block of 32 weights four 64-byte chunks, chunk c's
+    byte 4r + j holding row r's codes at k = 4c + j (low nibble) and 16 + 4c + j (high), then the 16 rows' fp16
+    scales and their fp16 mins (a larger group's repeated over its blocks)."""
+    n, groups = scales.shape
+    codes = unpack_int4(qweight, groups).reshape(n, -1, 2, 4, 4)  # [N, blocks, half, chunk, j]
+    lanes = _by_lanes(codes).permute(0, 2, 4, 1, 5, 3)  # [G, blocks, chunk, 16, j, half]
+    weights = (lanes[..., 0] | (lanes[..., 1] << 4)).reshape(*lanes.shape[:2], -1)  # [G, blocks, 256]
+    repeat = codes.shape[1] // groups
+    per_block = [
+        _by_lanes(t.to(torch.float16).repeat_interleave(repeat, dim=1)).transpose(1, 2).contiguous().view(torch.uint8)
+        for t in (scales, mins)
+    ]  # [G, blocks, 32] each
+    return torch.cat((weights, *per_block), dim=-1).reshape(weights.shape[0], -1).contiguous()
 
 
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """bf16 ``x`` ``[rows, K]`` times the `int4_blocks` weight, transposed -> bf16 ``[rows, N]``."""
-    return torch.ops.sluice_cpu.int4_vnni_mm(x, packed, scales, mins)
+def int8_lanes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 ``[N, K]`` and per-row scales -> the kernel's form (`cpu_vnni.cpp`'s header): ``q + 128`` (its unsigned
+    operand) per group of 16 rows in 64-byte chunks, chunk c's byte 4r + j holding row r's k = 4c + j; bf16 scales
+    ``[groups * 16]``."""
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    lanes = _by_lanes(u.view(u.shape[0], -1, 4), fill=128)  # [G, 16, K / 4, 4]
+    weight = lanes.transpose(1, 2).reshape(lanes.shape[0], -1).contiguous()
+    return weight, _by_lanes(scales.to(torch.bfloat16)).reshape(-1).contiguous()
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """bf16 ``x`` ``[rows, K]`` times the `int4_blocks` weight of ``n`` rows, transposed -> bf16 ``[rows, n]``."""
+    return torch.ops.sluice_cpu.int4_vnni_mm(x, packed, n)
 
 
 def attention_fits(head_size: int, kv_dtype: torch.dtype) -> bool:
@@ -140,7 +164,7 @@ def attention_fits(head_size: int, kv_dtype: torch.dtype) -> bool:
     return head_size % 16 == 0 and kv_dtype in (torch.bfloat16, torch.float32)
 
 
-def int8_mm(x: torch.Tensor, offset_weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """bf16 ``x`` ``[rows, K]`` (K a multiple of 64) times the `int8_offset` weight with bf16 per-row ``scales``,
-    transposed -> bf16 ``[rows, N]``."""
-    return torch.ops.sluice_cpu.int8_vnni_mm(x, offset_weight, scales)
+def int8_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """bf16 ``x`` ``[rows, K]`` (K a multiple of 64) times the `int8_lanes` weight of ``n`` rows, transposed -> bf16
+    ``[rows, n]``."""
+    return torch.ops.sluice_cpu.int8_vnni_mm(x, weight, scales, n)
