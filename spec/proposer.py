@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from sluice.core.models.layers import ForwardContext
+from sluice.core.models.layers import ForwardContext, argmax_rows
 from sluice.kv.attention import AttentionMetadata, allocate_kv_cache
 from sluice.kv.attention.base import AttentionBackend
 from sluice.spec.eagle import EagleDraftHead, target_lm_weight
@@ -244,7 +244,7 @@ class EagleProposer:
     def _greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax over the draft's vocabulary, as full-vocabulary ids (in the logits' own dtype: upcasting
         keeps the order and the first of equal values, so the argmax is the same)."""
-        return self._full_vocab_ids(logits.argmax(-1))
+        return self._full_vocab_ids(argmax_rows(logits))
 
     def _full_vocab_ids(self, tok: torch.Tensor) -> torch.Tensor:
         return tok if self.head.draft_vocab is None else self.head.draft_vocab[tok]

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from sluice.core import LLM, SamplingParams
+from sluice.core.models.layers import argmax_rows
 from sluice.core.worker.sampler import (
     SamplingBatch,
     apply_min_p,
@@ -55,6 +56,22 @@ def _logits_of(probs: list[float]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_rows_are_argmax_with_ties_and_nans(dtype):
+    """`argmax_rows` (greedy tokens by ``max``'s indices) is ``argmax``: the first of tied largest values, a NaN's
+    index where a row has one, an inf's where it has no NaN."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 3, (6, 4099), generator=g).to(dtype)  # a few values: many ties at the top
+    x[1, 2000] = float("nan")
+    x[1, 3000] = float("nan")
+    x[2, 17] = float("inf")
+    x[3, 4098] = 9
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(-1))
+    assert got[1] == 2000 and got[2] == 17 and got[3] == 4098
+    assert got[0] == int((x[0] == x[0].max()).nonzero()[0])
 
 
 def test_top_k_keeps_the_k_largest_and_ties_at_the_cut():

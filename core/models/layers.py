@@ -258,6 +258,13 @@ def enable_cpu_kernels(model: nn.Module) -> int:
     return n
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value (the first of equals; a NaN counts as largest), as ``argmax``: by
+    ``max``'s indices, whose CPU kernel is vectorized for bf16 where ``argmax``'s is not (several times slower over
+    a vocabulary, a tenth of a millisecond a row)."""
+    return logits.max(dim=-1).indices
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from sluice.core import envs
 from sluice.core.args import EngineArgs
-from sluice.core.models.layers import enable_fused_kernels
+from sluice.core.models.layers import argmax_rows, enable_fused_kernels
 from sluice.core.models.loader import ModelSource
 from sluice.core.step import ModelOutput, SchedulerOutput
 from sluice.core.worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -263,7 +263,7 @@ class Drafter:
         greedy = (ib.temperature[req_slots] == 0).tolist()
         if all(greedy):
             argmax = torch.zeros(b * (kmax + 1), dtype=torch.long, device=dev)
-            argmax[flat] = processed.argmax(-1)
+            argmax[flat] = argmax_rows(processed)
             return greedy_verify(draft_ids, argmax.view(b, kmax + 1), num_draft)
         p = processed.softmax(-1)
         vocab = p.shape[-1]
@@ -443,7 +443,7 @@ class Drafter:
         self._feed_from_device(input_ids, positions, meta, slots, self.row_info[1, :batch])
         token_meta = per_token_metadata(meta, positions)  # the target's and the draft catch-up's attention
         hidden, features = self.target(input_ids, positions, token_meta)
-        argmax = self.target.model.compute_logits(hidden).argmax(-1)
+        argmax = argmax_rows(self.target.model.compute_logits(hidden))
         num_draft = torch.full((batch,), self.k, dtype=torch.long, device=input_ids.device)
         res = greedy_verify(input_ids.view(batch, q)[:, 1:], argmax.view(batch, q), num_draft)
         # the pair after each verified position: its next token is the target's argmax there

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from sluice.core import envs
 from sluice.core.args import EngineArgs
-from sluice.core.models.layers import ForwardContext, enable_cpu_kernels, enable_fused_kernels
+from sluice.core.models.layers import ForwardContext, argmax_rows, enable_cpu_kernels, enable_fused_kernels
 from sluice.core.models.loader import ModelSource, load_model
 from sluice.core.models.quant import weight_bytes
 from sluice.core.sampling_params import SamplingParams
@@ -498,7 +498,7 @@ class ModelRunner:
         if not rank0:
             tokens = torch.empty(num_rows, dtype=torch.long, device=self.device)
         elif sampling is None:  # every row greedy, no penalties, bans or logprobs
-            tokens = logits.argmax(-1)
+            tokens = argmax_rows(logits)
         else:
             step.sampler_out = sample(logits, sampling)
             tokens = step.sampler_out.token_ids
@@ -622,7 +622,7 @@ class ModelRunner:
         plain_out = None
         if spec.plain:
             if batch is None:
-                parts.append(logits[:p].argmax(-1))
+                parts.append(argmax_rows(logits[:p]))
             else:
                 plain_out = sample(logits[:p], batch.select(0, p))
                 parts.append(plain_out.token_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sluice.core.models.layers import argmax_rows
 from sluice.core.outputs import TokenLogprob
 
 
@@ -158,7 +159,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = logits.float()
     raw_logprobs = logits.log_softmax(-1) if batch.num_logprobs >= 0 else None
     processed = process_logits(logits, batch)
-    greedy_tokens = processed.argmax(-1)
+    greedy_tokens = argmax_rows(processed)
     if batch.all_greedy:
         tokens = greedy_tokens
     else:
