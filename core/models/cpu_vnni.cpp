@@ -5,8 +5,9 @@
 //
 // int4 (w = q * scale + min per block of 32, q in 0..15):
 //   y[r, n] = sum_b scale[n, b] * d[r, b] * sum_k q[n, b, k] * xq[r, b, k] + sum_b min[n, b] * d[r, b] * xqsum[r, b]
-// int8 (w = q * scale[n], stored as u = q + 128):
-//   y[r, n] = scale[n] * sum_b d[r, b] * (sum_k u[n, b, k] * xq[r, b, k] - 128 * xqsum[r, b])
+// int8 (w = q * scale[n], stored as u = q + 128), x to 15 bits (the rounding's residual rounded again, `RoundedRows`):
+//   y[r, n] = scale[n] * sum_b d[r, b] * (sum_k q[n, b, k] * xq[r, b, k] + sum_k q[n, b, k] * fine[r, b, k] / 254)
+//   with each sum_k q * v taken as sum_k u * v - 128 * sum_k v
 // Both are the exact products of the stored weights with the rounded activations, summed in fp32.
 //
 // The weights lie in groups of 16 output rows, a 32-bit lane per row (`cpu_vnni.py` lays them out): a 64-byte load
@@ -42,16 +43,24 @@ namespace {
 
 constexpr int kBlock = 32;  // activations per rounding block, weights per int4 scale/min block
 constexpr int kLanes = 16;  // output rows per weight group: a 32-bit lane each
-constexpr int kRowTile = 4;  // activation rows per pass over a group's weights
+// activation rows per pass over a group's weights: int4, and int8 with its two parts of x (whose accumulators for
+// four rows outgrew the vector registers: a 4-row pass took three times as long as two 2-row passes)
+constexpr int kInt4RowTile = 4;
+constexpr int kInt8RowTile = 2;
 constexpr int kInt4BlockBytes = 4 * 64 + 2 * kLanes * 2;  // a group's block of int4 weights, scales, mins
 
-// x [rows, K] rounded per block: xq in K order, each block's d and d times the sum of its xq
+// x [rows, K] rounded per block: xq in K order, each block's d and d times the sum of its xq; with ``fine``, also
+// what rounding left, rounded again: x = d * (xq + fine / 254) to within d / 508 (a 15-bit x, for products whose
+// every value is read: the LM head's logits, where the 8-bit x alone turned near-ties and moved EAGLE's acceptance)
 struct RoundedRows {
     std::vector<int8_t> xq;
     std::vector<float> d;
     std::vector<float> xsum;
     std::vector<int32_t> qsum;
+    std::vector<int8_t> fine;
+    std::vector<int32_t> fine_sum;
 };
+constexpr float kFine = 254.f;  // a residual in [-0.5, 0.5] to int8
 
 inline __m512 bf16_to_fp32(const at::BFloat16* p) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -67,10 +76,26 @@ inline __m256i fp32_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k) {
+// a block's 16 scaled values t rounded (to nearest even), and t's residual rounded to int8 at kFine
+inline void round_half(__m512 t, int8_t* q, int8_t* fine) {
+    const __m512i qi = _mm512_cvtps_epi32(t);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qi));
+    if (fine != nullptr) {
+        const __m512 left = _mm512_sub_ps(t, _mm512_cvtepi32_ps(qi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(fine), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(left, _mm512_set1_ps(kFine)))));
+    }
+}
+
+inline int32_t sum_int8(const int8_t* p) {
+    return _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))) +
+           _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+}
+
+RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k, bool fine = false) {
     const int64_t blocks = k / kBlock;
-    RoundedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
-                    std::vector<int32_t>(rows * blocks)};
+    RoundedRows out{std::vector<int8_t>(rows * k),       std::vector<float>(rows * blocks),
+                    std::vector<float>(rows * blocks),   std::vector<int32_t>(rows * blocks),
+                    std::vector<int8_t>(fine ? rows * k : 0), std::vector<int32_t>(fine ? rows * blocks : 0)};
     const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
     for (int64_t b = 0; b < rows * blocks; ++b) {
         const __m512 lo = bf16_to_fp32(x + b * kBlock), hi = bf16_to_fp32(x + b * kBlock + 16);
@@ -78,17 +103,15 @@ RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k) {
         // an inf or a NaN (unordered: not less than inf) anywhere in the block
         const bool finite = !(_mm512_cmp_ps_mask(alo, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(ahi, inf, _CMP_NLT_UQ));
         const float amax = finite ? _mm512_reduce_max_ps(_mm512_max_ps(alo, ahi)) : 0.f;
-        __m512i qlo = _mm512_setzero_si512(), qhi = _mm512_setzero_si512();
-        if (finite && amax > 0.f) {
-            // x / amax * 127, not x * (127 / amax): the latter overflows for blocks of bf16's smallest normals;
-            // converted at the default rounding, to nearest even
-            const __m512 a = _mm512_set1_ps(amax), s = _mm512_set1_ps(127.f);
-            qlo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_div_ps(lo, a), s));
-            qhi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_div_ps(hi, a), s));
-        }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.xq.data() + b * kBlock), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out.xq.data() + b * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        // x / amax * 127, not x * (127 / amax): the latter overflows for blocks of bf16's smallest normals
+        const bool scaled = finite && amax > 0.f;
+        const __m512 a = _mm512_set1_ps(scaled ? amax : 1.f), s = _mm512_set1_ps(scaled ? 127.f : 0.f);
+        int8_t* q = out.xq.data() + b * kBlock;
+        int8_t* f = fine ? out.fine.data() + b * kBlock : nullptr;
+        round_half(_mm512_mul_ps(_mm512_div_ps(lo, a), s), q, f);
+        round_half(_mm512_mul_ps(_mm512_div_ps(hi, a), s), q + 16, f == nullptr ? nullptr : f + 16);
+        const int32_t sum = sum_int8(q);
+        if (fine) out.fine_sum[b] = sum_int8(f);
         out.d[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // a NaN or inf x: a NaN row
         out.qsum[b] = sum;
         out.xsum[b] = out.d[b] * static_cast<float>(sum);
@@ -96,10 +119,10 @@ RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k) {
     return out;
 }
 
-// four activations of row r at k, on every lane
-inline __m512i broadcast4(const RoundedRows& xr, int64_t at) {
+// four int8 activations on every lane
+inline __m512i broadcast4(const int8_t* p) {
     int32_t v;
-    std::memcpy(&v, xr.xq.data() + at, 4);
+    std::memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
 }
 
@@ -127,9 +150,9 @@ inline void int4_tile(const uint8_t* packed, const RoundedRows& xr, int64_t r0, 
             const __m512i lo = _mm512_and_si512(v, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             for (int r = 0; r < R; ++r) {
-                const int64_t at = (r0 + r) * k + b * kBlock + 4 * c;
-                lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], lo, broadcast4(xr, at));
-                hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], hi, broadcast4(xr, at + 16));
+                const int8_t* at = xr.xq.data() + (r0 + r) * k + b * kBlock + 4 * c;
+                lo_sum[r] = _mm512_dpbusd_epi32(lo_sum[r], lo, broadcast4(at));
+                hi_sum[r] = _mm512_dpbusd_epi32(hi_sum[r], hi, broadcast4(at + 16));
             }
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 256)));
@@ -144,7 +167,8 @@ inline void int4_tile(const uint8_t* packed, const RoundedRows& xr, int64_t r0, 
     for (int r = 0; r < R; ++r) store_lanes(y, r0 + r, g, n, acc[r]);
 }
 
-// int8 group g against activation rows [r0, r0 + R); a block's chunks summed in two chains
+// int8 group g against activation rows [r0, r0 + R) (`RoundedRows` with ``fine``); a block's chunks summed in two
+// chains for each part of x
 template <int R>
 inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const RoundedRows& xr, int64_t r0, int64_t g,
                       int64_t k, int64_t n, at::BFloat16* y) {
@@ -153,18 +177,23 @@ inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const Rounde
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const uint8_t* chunk = w + g * k * kLanes;
     for (int64_t b = 0; b < blocks; ++b) {
-        __m512i sum[2][R];
-        for (int r = 0; r < R; ++r) sum[0][r] = sum[1][r] = _mm512_setzero_si512();
+        __m512i sum[2][R], fine[2][R];
+        for (int r = 0; r < R; ++r) sum[0][r] = sum[1][r] = fine[0][r] = fine[1][r] = _mm512_setzero_si512();
         for (int c = 0; c < 8; ++c, chunk += 64) {
             const __m512i v = _mm512_loadu_si512(chunk);
-            for (int r = 0; r < R; ++r)
-                sum[c & 1][r] = _mm512_dpbusd_epi32(sum[c & 1][r], v, broadcast4(xr, (r0 + r) * k + b * kBlock + 4 * c));
+            for (int r = 0; r < R; ++r) {
+                const int64_t at = (r0 + r) * k + b * kBlock + 4 * c;
+                sum[c & 1][r] = _mm512_dpbusd_epi32(sum[c & 1][r], v, broadcast4(xr.xq.data() + at));
+                fine[c & 1][r] = _mm512_dpbusd_epi32(fine[c & 1][r], v, broadcast4(xr.fine.data() + at));
+            }
         }
         for (int r = 0; r < R; ++r) {
             const int64_t rb = (r0 + r) * blocks + b;
-            // sum u * xq - 128 * sum xq == sum q * xq, exactly, in int32
+            // sum u * xq - 128 * sum xq == sum q * xq, exactly, in int32 (and so for the fine part)
             const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(sum[0][r], sum[1][r]), _mm512_set1_epi32(128 * xr.qsum[rb]));
+            const __m512i dot_fine = _mm512_sub_epi32(_mm512_add_epi32(fine[0][r], fine[1][r]), _mm512_set1_epi32(128 * xr.fine_sum[rb]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xr.d[rb]), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fine), _mm512_set1_ps(xr.d[rb] / kFine), acc[r]);
         }
     }
     const __m512 s = bf16_to_fp32(scales + g * kLanes);
@@ -172,18 +201,18 @@ inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const Rounde
 }
 
 // y [rows, n] by groups of 16 outputs over torch's intra-op threads (at least ``grain_rows`` outputs a thread),
-// each group against every activation row, kRowTile rows at a time
-template <typename Tile>
+// each group against every activation row, RowTile rows at a time
+template <int RowTile, typename Tile>
 at::Tensor over_groups(const at::Tensor& x, int64_t n, int64_t grain_rows, Tile tile) {
     const int64_t rows = x.size(0), groups = (n + kLanes - 1) / kLanes;
     at::Tensor y = at::empty({rows, n}, x.options());
     at::BFloat16* out = y.data_ptr<at::BFloat16>();
     at::parallel_for(0, groups, std::max<int64_t>(1, grain_rows / kLanes), [&](int64_t begin, int64_t end) {
         for (int64_t g = begin; g < end; ++g)
-            for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-                switch (std::min<int64_t>(kRowTile, rows - r0)) {
-                    case 4: tile(std::integral_constant<int, 4>{}, r0, g, out); break;
-                    case 3: tile(std::integral_constant<int, 3>{}, r0, g, out); break;
+            for (int64_t r0 = 0; r0 < rows; r0 += RowTile) {
+                switch (std::min<int64_t>(RowTile, rows - r0)) {
+                    case 4: if constexpr (RowTile >= 4) tile(std::integral_constant<int, 4>{}, r0, g, out); break;
+                    case 3: if constexpr (RowTile >= 3) tile(std::integral_constant<int, 3>{}, r0, g, out); break;
                     case 2: tile(std::integral_constant<int, 2>{}, r0, g, out); break;
                     default: tile(std::integral_constant<int, 1>{}, r0, g, out); break;
                 }
@@ -206,7 +235,7 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n
                 "packed: contiguous uint8 [ceil(N / 16), K / 32 * 320], K % 32 == 0");
     const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k);
     const uint8_t* w = packed.data_ptr<uint8_t>();
-    return over_groups(x, n, 128, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
+    return over_groups<kInt4RowTile>(x, n, 128, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
         int4_tile<decltype(r)::value>(w, xr, r0, g, k, n, y);
     });
 }
@@ -220,10 +249,10 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& weight, const at:
                 "weight: uint8 [ceil(N / 16), K * 16], K % 64 == 0");
     TORCH_CHECK(scales.numel() == groups * kLanes && scales.scalar_type() == at::kBFloat16, "scales: bf16 [ceil(N / 16) * 16]");
     TORCH_CHECK(weight.is_contiguous() && scales.is_contiguous(), "contiguous weights");
-    const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k);
+    const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k, /*fine=*/true);
     const uint8_t* w = weight.data_ptr<uint8_t>();
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    return over_groups(x, n, 512, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
+    return over_groups<kInt8RowTile>(x, n, 512, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
         int8_tile<decltype(r)::value>(w, s, xr, r0, g, k, n, y);
     });
 }
