@@ -43,10 +43,9 @@ namespace {
 
 constexpr int kBlock = 32;  // activations per rounding block, weights per int4 scale/min block
 constexpr int kLanes = 16;  // output rows per weight group: a 32-bit lane each
-// activation rows per pass over a group's weights: int4, and int8 with its two parts of x (whose accumulators for
-// four rows outgrew the vector registers: a 4-row pass took three times as long as two 2-row passes)
+// activation rows per pass over a group's weights
 constexpr int kInt4RowTile = 4;
-constexpr int kInt8RowTile = 2;
+constexpr int kInt8RowTile = 4;
 constexpr int kInt4BlockBytes = 4 * 64 + 2 * kLanes * 2;  // a group's block of int4 weights, scales, mins
 
 // x [rows, K] rounded per block: xq in K order, each block's d and d times the sum of its xq; with ``fine``, also
@@ -168,7 +167,8 @@ inline void int4_tile(const uint8_t* packed, const RoundedRows& xr, int64_t r0, 
 }
 
 // int8 group g against activation rows [r0, r0 + R) (`RoundedRows` with ``fine``); a block's chunks summed in two
-// chains for each part of x
+// chains for each part of x and row where there are one or two rows (fewer would wait on vpdpbusd's latency), one
+// from three (more would outgrow the vector registers)
 template <int R>
 inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const RoundedRows& xr, int64_t r0, int64_t g,
                       int64_t k, int64_t n, at::BFloat16* y) {
@@ -177,14 +177,16 @@ inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const Rounde
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const uint8_t* chunk = w + g * k * kLanes;
     for (int64_t b = 0; b < blocks; ++b) {
+        constexpr int kChains = R <= 2 ? 2 : 1;
         __m512i sum[2][R], fine[2][R];
         for (int r = 0; r < R; ++r) sum[0][r] = sum[1][r] = fine[0][r] = fine[1][r] = _mm512_setzero_si512();
         for (int c = 0; c < 8; ++c, chunk += 64) {
             const __m512i v = _mm512_loadu_si512(chunk);
+            const int h = c % kChains;
             for (int r = 0; r < R; ++r) {
                 const int64_t at = (r0 + r) * k + b * kBlock + 4 * c;
-                sum[c & 1][r] = _mm512_dpbusd_epi32(sum[c & 1][r], v, broadcast4(xr.xq.data() + at));
-                fine[c & 1][r] = _mm512_dpbusd_epi32(fine[c & 1][r], v, broadcast4(xr.fine.data() + at));
+                sum[h][r] = _mm512_dpbusd_epi32(sum[h][r], v, broadcast4(xr.xq.data() + at));
+                fine[h][r] = _mm512_dpbusd_epi32(fine[h][r], v, broadcast4(xr.fine.data() + at));
             }
         }
         for (int r = 0; r < R; ++r) {
