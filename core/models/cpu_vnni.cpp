@@ -43,9 +43,7 @@ namespace {
 
 constexpr int kBlock = 32;  // activations per rounding block, weights per int4 scale/min block
 constexpr int kLanes = 16;  // output rows per weight group: a 32-bit lane each
-// activation rows per pass over a group's weights
-constexpr int kInt4RowTile = 4;
-constexpr int kInt8RowTile = 4;
+constexpr int kRowTile = 4;  // activation rows per pass over a group's weights
 constexpr int kInt4BlockBytes = 4 * 64 + 2 * kLanes * 2;  // a group's block of int4 weights, scales, mins
 
 // x [rows, K] rounded per block: xq in K order, each block's d and d times the sum of its xq; with ``fine``, also
@@ -203,18 +201,18 @@ inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const Rounde
 }
 
 // y [rows, n] by groups of 16 outputs over torch's intra-op threads (at least ``grain_rows`` outputs a thread),
-// each group against every activation row, RowTile rows at a time
-template <int RowTile, typename Tile>
+// each group against every activation row, kRowTile rows at a time
+template <typename Tile>
 at::Tensor over_groups(const at::Tensor& x, int64_t n, int64_t grain_rows, Tile tile) {
     const int64_t rows = x.size(0), groups = (n + kLanes - 1) / kLanes;
     at::Tensor y = at::empty({rows, n}, x.options());
     at::BFloat16* out = y.data_ptr<at::BFloat16>();
     at::parallel_for(0, groups, std::max<int64_t>(1, grain_rows / kLanes), [&](int64_t begin, int64_t end) {
         for (int64_t g = begin; g < end; ++g)
-            for (int64_t r0 = 0; r0 < rows; r0 += RowTile) {
-                switch (std::min<int64_t>(RowTile, rows - r0)) {
-                    case 4: if constexpr (RowTile >= 4) tile(std::integral_constant<int, 4>{}, r0, g, out); break;
-                    case 3: if constexpr (RowTile >= 3) tile(std::integral_constant<int, 3>{}, r0, g, out); break;
+            for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+                switch (std::min<int64_t>(kRowTile, rows - r0)) {
+                    case 4: tile(std::integral_constant<int, 4>{}, r0, g, out); break;
+                    case 3: tile(std::integral_constant<int, 3>{}, r0, g, out); break;
                     case 2: tile(std::integral_constant<int, 2>{}, r0, g, out); break;
                     default: tile(std::integral_constant<int, 1>{}, r0, g, out); break;
                 }
@@ -237,7 +235,7 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& packed, int64_t n
                 "packed: contiguous uint8 [ceil(N / 16), K / 32 * 320], K % 32 == 0");
     const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k);
     const uint8_t* w = packed.data_ptr<uint8_t>();
-    return over_groups<kInt4RowTile>(x, n, 128, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
+    return over_groups(x, n, 128, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
         int4_tile<decltype(r)::value>(w, xr, r0, g, k, n, y);
     });
 }
@@ -254,7 +252,7 @@ at::Tensor int8_vnni_mm(const at::Tensor& x, const at::Tensor& weight, const at:
     const RoundedRows xr = round_rows(x.data_ptr<at::BFloat16>(), rows, k, /*fine=*/true);
     const uint8_t* w = weight.data_ptr<uint8_t>();
     const at::BFloat16* s = scales.data_ptr<at::BFloat16>();
-    return over_groups<kInt8RowTile>(x, n, 512, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
+    return over_groups(x, n, 512, [&](auto r, int64_t r0, int64_t g, at::BFloat16* y) {
         int8_tile<decltype(r)::value>(w, s, xr, r0, g, k, n, y);
     });
 }
