@@ -252,7 +252,7 @@ class EagleProposer:
     def _draw(self, logits: torch.Tensor, sampling: DraftSampling, ng: list[int], ng_gens):
         """Draft tokens (full-vocabulary ids) for one step, and q of the non-greedy rows."""
         vocab_ids = self.head.draft_vocab
-        tok = logits.argmax(-1)  # mapped to full-vocabulary ids below, after sampled rows replace theirs
+        tok = argmax_rows(logits)  # mapped to full-vocabulary ids below, after sampled rows replace theirs
         q_full = None
         if ng:
             assert sampling.probs_fn is not None
