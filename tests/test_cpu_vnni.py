@@ -1,6 +1,6 @@
 """The AVX-512 VNNI int4/int8 kernels (`core/models/cpu_vnni.py`) against the arithmetic they claim: the stored
-weights times the activations rounded to int8 per block of 32, summed in fp32; and their selection per machine (a
-packed model's logits through them: `tests/test_cpu_decode.py`)."""
+weights times the activations rounded per block of 32 (to int8; to 15 bits for int8 weights), summed in fp32; and
+their selection per machine (a packed model's logits through them: `tests/test_cpu_decode.py`)."""
 
 from __future__ import annotations
 

@@ -230,8 +230,8 @@ class Int8PackRows(nn.Module):
 
 
 class Int8VnniRows(nn.Module):
-    """`Int8PackedLinear`'s few-row product by `cpu_vnni.int8_mm` (the weight stored as ``q + 128``, the scales
-    rounded to bf16, the activations to int8 per block of 32)."""
+    """`Int8PackedLinear`'s few-row product by `cpu_vnni.int8_mm` (the weight stored as ``q + 128`` in groups of 16
+    rows, the scales rounded to bf16, the activations to 15 bits per block of 32)."""
 
     kernel = "int8vnni"
 

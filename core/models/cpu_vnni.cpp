@@ -56,6 +56,7 @@ struct RoundedRows {
     std::vector<int32_t> qsum;
     std::vector<int8_t> fine;
     std::vector<int32_t> fine_sum;
+    std::vector<float> fine_d;  // d / kFine, the fine part's scale
 };
 constexpr float kFine = 254.f;  // a residual in [-0.5, 0.5] to int8
 
@@ -92,7 +93,8 @@ RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k, bool fine
     const int64_t blocks = k / kBlock;
     RoundedRows out{std::vector<int8_t>(rows * k),       std::vector<float>(rows * blocks),
                     std::vector<float>(rows * blocks),   std::vector<int32_t>(rows * blocks),
-                    std::vector<int8_t>(fine ? rows * k : 0), std::vector<int32_t>(fine ? rows * blocks : 0)};
+                    std::vector<int8_t>(fine ? rows * k : 0), std::vector<int32_t>(fine ? rows * blocks : 0),
+                    std::vector<float>(fine ? rows * blocks : 0)};
     const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
     for (int64_t b = 0; b < rows * blocks; ++b) {
         const __m512 lo = bf16_to_fp32(x + b * kBlock), hi = bf16_to_fp32(x + b * kBlock + 16);
@@ -108,10 +110,13 @@ RoundedRows round_rows(const at::BFloat16* x, int64_t rows, int64_t k, bool fine
         round_half(_mm512_mul_ps(_mm512_div_ps(lo, a), s), q, f);
         round_half(_mm512_mul_ps(_mm512_div_ps(hi, a), s), q + 16, f == nullptr ? nullptr : f + 16);
         const int32_t sum = sum_int8(q);
-        if (fine) out.fine_sum[b] = sum_int8(f);
         out.d[b] = finite ? amax / 127.f : std::numeric_limits<float>::quiet_NaN();  // a NaN or inf x: a NaN row
         out.qsum[b] = sum;
         out.xsum[b] = out.d[b] * static_cast<float>(sum);
+        if (fine) {
+            out.fine_sum[b] = sum_int8(f);
+            out.fine_d[b] = out.d[b] / kFine;
+        }
     }
     return out;
 }
@@ -193,7 +198,7 @@ inline void int8_tile(const uint8_t* w, const at::BFloat16* scales, const Rounde
             const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(sum[0][r], sum[1][r]), _mm512_set1_epi32(128 * xr.qsum[rb]));
             const __m512i dot_fine = _mm512_sub_epi32(_mm512_add_epi32(fine[0][r], fine[1][r]), _mm512_set1_epi32(128 * xr.fine_sum[rb]));
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xr.d[rb]), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fine), _mm512_set1_ps(xr.d[rb] / kFine), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_fine), _mm512_set1_ps(xr.fine_d[rb]), acc[r]);
         }
     }
     const __m512 s = bf16_to_fp32(scales + g * kLanes);

@@ -6,9 +6,10 @@ arithmetic, not in reading its ~50 MB of int4 weights. llama.cpp rounds the acti
 instead, and sums 64 products of 8-bit values an instruction (``vpdpbusd``). These kernels do the same: the weights'
 values as stored (int4 in blocks of 32 with an fp16 scale and min, a GGUF Q4_1 block; int8 per output channel),
 laid out at load in groups of 16 output rows, a vector lane per row (`int4_blocks`, `int8_lanes`; the source's
-header says why); x rounded to int8 per block of 32 at each call; the sums in fp32 (the source's comment has the
-algebra). The cost is the activation's rounding: outputs differ from the bf16 kernels' by about a hundredth of their
-scale.
+header says why); x rounded to int8 per block of 32 at each call (for the int8 kernel, an LM head's, to 15 bits: the
+rounding's residual rounded again, as the 8-bit x turned logit near-ties); the sums in fp32 (the source's comment has
+the algebra). The cost is the activation's rounding: the int4 outputs differ from the bf16 kernels' by about a
+hundredth of their scale.
 
 Built with torch's C++ extension loader (a C++ compiler and ninja on the machine; the build is cached under torch's
 extensions folder) where the CPU has the instructions (`vnni_supported`); `load` says whether the ops are there.
@@ -82,8 +83,8 @@ def load() -> bool:
     except Exception as e:  # noqa: BLE001 (any build failure leaves torch's kernels, which work everywhere)
         logger.warning("the AVX-512 VNNI kernels did not build (%s); the CPU keeps torch's packed kernels", e)
         return False
-    torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_int4_out)
-    torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_int8_out)
+    torch.library.register_fake("sluice_cpu::int4_vnni_mm")(_rows_by_n)
+    torch.library.register_fake("sluice_cpu::int8_vnni_mm")(_rows_by_n)
     torch.library.register_fake("sluice_cpu::decode_attention")(_like_query)
     return True
 
@@ -106,12 +107,9 @@ def require() -> None:
         raise RuntimeError("the AVX-512 VNNI kernels are not available on this machine (cpu_vnni.load)")
 
 
-def _int4_out(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], n))
-
-
-def _int8_out(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], n))
+def _rows_by_n(x: torch.Tensor, *weights_then_n) -> torch.Tensor:
+    """Both matmuls' output: ``[rows, n]``, ``n`` their last argument."""
+    return x.new_empty((x.shape[0], weights_then_n[-1]))
 
 
 def _like_query(query: torch.Tensor, *_) -> torch.Tensor:
