@@ -46,6 +46,7 @@
 #                   # PEER_PROMPTS (default 100) of the same requests (output tok/s rates compared), batch 1 and its
 #                   # weight-read floor (active experts only); ~17 min, so over calls of at most 10 min each:
 #                   # moe-1 (kernels, greedy; ~5 min), moe-2 (Qwen3-30B-A3B; ~6 min), moe-3 (Mixtral-8x7B; ~7 min)
+#   scripts/gpu_engine_bench.sh moe-b1  # issue 38: dummy:qwen3-30b-a3b batch 1 and its floor alone (~1.5 min)
 #   scripts/gpu_engine_bench.sh probe-fp8  # issue 39: fp8 kernels and their one-row sweep, batch 1 bf16/fp8, a batch-1
 #                                          # profile of fp8 (~7 min)
 #   scripts/gpu_engine_bench.sh probe-moe  # issue 38: a batch-1 profile of dummy:qwen3-30b-a3b, the MoE tile sweep
@@ -125,6 +126,10 @@ for q in r['requests']: q['prompt_token_ids'] = [t % 32000 for t in q['prompt_to
 json.dump(r, open(sys.argv[2], 'w'))" "$REQ" "$req"
     fi
     run moe_${name}_tp1000 330 $bench throughput --model $model --requests-file "$req" --num-prompts 1000 --max-num-seqs 512 --max-num-batched-tokens 8192 --peer hf --peer-num-prompts ${PEER_PROMPTS:-100} --peer-timeout 150 --out "$OUT/moe_${name}_tp1000.json"
+    moe_b1 $name $model
+}
+moe_b1() {  # one MoE dummy's batch 1 (128/128) and its weight-read floor (the active experts' parameters)
+    local name=$1 model=$2
     run moe_${name}_lat_b1 120 $bench latency --model $model --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1 --out "$OUT/moe_${name}_lat_b1.json"
     run moe_${name}_floor 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model $model --latency "$OUT/moe_${name}_lat_b1.json" --out "$OUT/moe_${name}_floor.json"
     [ -n "${DRY:-}" ] || cat "$OUT/moe_${name}_floor.log"
@@ -151,10 +156,16 @@ moe-1)
     moe_kernels
     ;;
 moe-2)
+    pyx  # msgspec (the engine's wire), which the bench commands import
     moe_model qwen3 dummy:qwen3-30b-a3b
     ;;
 moe-3)
+    pyx  # msgspec (the engine's wire), which the bench commands import
     moe_model mixtral dummy:mixtral-8x7b
+    ;;
+moe-b1)  # issue 38 (~1.5 min): dummy:qwen3-30b-a3b's batch 1 against its weight-read floor only
+    pyx  # msgspec (the engine's wire), which the bench commands import
+    moe_b1 qwen3 dummy:qwen3-30b-a3b
     ;;
 core)
     tp1000 tp1000
