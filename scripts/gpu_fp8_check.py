@@ -315,8 +315,8 @@ def agree(ns: argparse.Namespace) -> int:
         div = next((j for j, (a, b) in enumerate(zip(r.token_ids, t.token_ids)) if a != b), None)
         row = {"prompt": i, "prompt_len": len(prompts[i]), "same_tokens": ns.tokens if div is None else div}
         if div is not None:
-            top = r.logprobs[div].top
-            row["ref_top2_gap"] = top[0][1] - top[1][1]
+            top = sorted((lp.logprob for lp in r.logprobs[div].values()), reverse=True)  # the public `Logprob`s
+            row["ref_top2_gap"] = top[0] - top[1]
             row["verdict"] = "near-tie" if row["ref_top2_gap"] <= ns.near_tie else "diverged"
         else:
             row["verdict"] = "equal"
