@@ -55,6 +55,7 @@
 #                   # GEMV swept at its attention shapes (~7 min); QUICK=1: checks and batch 1 only; PROFILE=1: the
 #                   # b1 profile last
 #   scripts/gpu_engine_bench.sh moe-tiles   # issue 38: the few-token MoE path's tiles swept in CUDA graphs
+#   scripts/gpu_engine_bench.sh fp8-agree  # issue 39: greedy agreement with bf16, fp8 weights and fp8 KV (after stage1-3)
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -133,6 +134,17 @@ moe_b1() {  # one MoE dummy's batch 1 (128/128) and its weight-read floor (the a
     run moe_${name}_lat_b1 120 $bench latency --model $model --batch-size 1 --input-len 128 --output-len 128 --max-num-seqs 8 --num-iters 2 --num-iters-warmup 1 --out "$OUT/moe_${name}_lat_b1.json"
     run moe_${name}_floor 60 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py floor --model $model --latency "$OUT/moe_${name}_lat_b1.json" --out "$OUT/moe_${name}_floor.json"
     [ -n "${DRY:-}" ] || cat "$OUT/moe_${name}_floor.log"
+}
+fp8_agree() {  # greedy agreement of variant $1 (gpu_fp8_check.py's VARIANTS) with bf16 on the real default model:
+    # 32 held-out prompts x 64 tokens (the GGUF from stage1-3, heldout.json from .stage/g3)
+    local G=$HOME/stage/smollm2-135m-instruct.gguf D=$HOME/stage/heldout.json name=${1/fp8/fp8_agree}
+    [ -f .stage/g3/heldout.json ] && D=.stage/g3/heldout.json
+    if [ -f "$G" ] && [ -f "$D" ]; then
+        run ${name/-/_} 150 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py agree --variant $1 --model "$G" --data "$D" --num-prompts 32 --tokens 64 --out "$OUT/${name/-/_}.json"
+        [ -n "${DRY:-}" ] || grep -E "^agreement|Error" "$OUT/${name/-/_}.log"
+    else
+        echo "fp8 agreement skipped: $G or $D missing (run stage1, stage2, stage3 first)"
+    fi
 }
 moe_kernel_check() {  # the fused-MoE kernels at real shapes (against the torch loop, in a CUDA graph, timed)
     run moe_kernels 180 env PYTHONPATH=$(scripts/namespace_path.sh) python scripts/gpu_moe_check.py kernels ${MOE_SWEEP:+--sweep} --out "$OUT/moe_kernels.json"
@@ -514,14 +526,7 @@ PY
     tp200 tp200_fp8 "" "$Q"
     tp1000 tp1000_bf16
     tp1000 tp1000_fp8 "" "$Q"
-    G=$HOME/stage/smollm2-135m-instruct.gguf
-    D=$HOME/stage/heldout.json
-    [ -f .stage/g3/heldout.json ] && D=.stage/g3/heldout.json
-    if [ -f "$G" ] && [ -f "$D" ]; then
-        run fp8_agree 150 $F agree --model "$G" --data "$D" --num-prompts 32 --tokens 64 --out "$OUT/fp8_agree.json"
-    else
-        echo "fp8 agreement skipped: $G or $D missing (run stage1, stage2, stage3 first)"
-    fi
+    fp8_agree fp8
     [ -n "${DRY:-}" ] || python - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
@@ -548,6 +553,11 @@ if agree.is_file():
     print(f"greedy agreement fp8 vs bf16, default model: {a['equal']} of {a['prompts']} prompts equal over "
           f"{a['tokens']} tokens ({a['near-tie']} part at a near-tie, {a['diverged']} wider)")
 PY
+    ;;
+fp8-agree)  # issue 39 (~2 min, after stage1-3): greedy agreement with bf16 of fp8 weights, then of the fp8 KV cache
+    pyx
+    fp8_agree fp8
+    fp8_agree fp8-kv
     ;;
 fp8-b1|probe-fp8)  # issue 39: the fp8 kernels' check (batch 1's bandwidth per projection), then batch 1 bf16 and
     # fp8 (~3 min); probe-fp8 (~7 min) also sweeps the GEMV's configs at one row and profiles an fp8 batch-1 step
