@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     SLUICE_CPU_VNNI: bool = True
     SLUICE_GEMV_ROWS: int | None = None
     SLUICE_FP8_GEMV_ROWS: int | None = None
+    SLUICE_FP8_GEMV_SPLIT_MIN_K: int | None = None
     SLUICE_GEMV_FOLD: frozenset[str] = frozenset()
     SLUICE_SUBMIT_CHUNK: int = 64
     SLUICE_FP8_WEIGHT_SCALE: str | None = None
@@ -184,6 +185,11 @@ environment_variables: dict[str, Variable] = {
         "Rows up to which an fp8 linear layer takes its GEMV kernel, past them torch._scaled_mm (unset: "
         "`fp8_kernels.GEMV_ROWS`).",
     ),
+    "SLUICE_FP8_GEMV_SPLIT_MIN_K": Variable(
+        _int("SLUICE_FP8_GEMV_SPLIT_MIN_K", None),
+        "The fewest K elements of a split-K range in the fp8 GEMV (unset: `fp8_kernels.SPLIT_MIN_K`; 2048 was "
+        "the rule before 2026-12-07).",
+    ),
     "SLUICE_GEMV_FOLD": Variable(
         _names("SLUICE_GEMV_FOLD"),
         "Comma-separated kernels folded into a GEMV: norm (into the one after it), silu (into the gate/up one "
@@ -249,6 +255,7 @@ def configure_kernels() -> None:
     fp8_recipe.configure(__getattr__("SLUICE_FP8_WEIGHT_SCALE"), __getattr__("SLUICE_FP8_DENSE_LAST_LAYERS"))
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))
     fp8_kernels.set_gemv_rows(__getattr__("SLUICE_FP8_GEMV_ROWS"))
+    fp8_kernels.set_split_min_k(__getattr__("SLUICE_FP8_GEMV_SPLIT_MIN_K"))
 
 
 # -- other programs' variables the engine reads (OpenMP's, for `core/cpu_threads.py`) --------------------------

@@ -56,6 +56,7 @@
 #                   # b1 profile last
 #   scripts/gpu_engine_bench.sh moe-tiles   # issue 38: the few-token MoE path's tiles swept in CUDA graphs
 #   scripts/gpu_engine_bench.sh fp8-agree  # issue 39: greedy agreement with bf16, fp8 weights and fp8 KV (after stage1-3)
+#   scripts/gpu_engine_bench.sh fp8-split  # issue 39: fp8 batch 1, split-K ranges >= 1024 (default) vs >= 2048
 #   scripts/gpu_engine_bench.sh fp8-b1 # issue 39: the fp8 kernels' check, batch 1 bf16 then fp8 (~3 min)
 #   scripts/gpu_engine_bench.sh fp8    # issue 39: --quantization fp8 beside bf16 (kernel check first, then batch 1, batch 8,
 #                                      # ShareGPT 200 and 1000, each bf16 then fp8; greedy agreement on the real model
@@ -558,6 +559,15 @@ fp8-agree)  # issue 39 (~2 min, after stage1-3): greedy agreement with bf16 of f
     pyx
     fp8_agree fp8
     fp8_agree fp8-kv
+    ;;
+fp8-split)  # issue 39 (~4 min): the fp8 kernels' check, then fp8 batch 1 with split-K ranges of at least 1024 (the
+    # default) and of 2048 (SLUICE_FP8_GEMV_SPLIT_MIN_K=2048, the rule before), alternating twice
+    pyx
+    run fp8_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py kernels --out "$OUT/fp8_kernels.json"
+    for i in 1 2; do
+        lat_b1 lat_b1_fp8_split1024_$i "" "--quantization fp8"
+        lat_b1 lat_b1_fp8_split2048_$i "env SLUICE_FP8_GEMV_SPLIT_MIN_K=2048" "--quantization fp8"
+    done
     ;;
 fp8-b1|probe-fp8)  # issue 39: the fp8 kernels' check (batch 1's bandwidth per projection), then batch 1 bf16 and
     # fp8 (~3 min); probe-fp8 (~7 min) also sweeps the GEMV's configs at one row and profiles an fp8 batch-1 step

@@ -184,6 +184,25 @@ def test_cuda_dispatch_picks_by_rows_without_the_gpu():
     assert (c1.dot, c64.dot) == (2, 1) and c1.promote_k > 0  # fp8 operands only at small row tiles
 
 
+def test_split_k_ranges_follow_their_bound_from_the_environment(monkeypatch):
+    from sluice.core import envs
+
+    fk = _kernels()
+    # Llama-3-8B's o projection at one row: ranges of 1024 split it in 4, the former bound of 2048 in 2; the
+    # gate/up projection (448 tiles) fills the grid without a split under either
+    assert fk.gemv_config(4096, 4096, 132, 16).split_k == 4
+    assert fk.gemv_config(28672, 4096, 132, 16).split_k == 1
+    monkeypatch.setenv("SLUICE_FP8_GEMV_SPLIT_MIN_K", "2048")
+    try:
+        envs.configure_kernels()
+        assert fk.gemv_config(4096, 4096, 132, 16).split_k == 2
+        assert fk.gemv_config(4096, 14336, 132, 16).split_k == 4
+    finally:
+        monkeypatch.delenv("SLUICE_FP8_GEMV_SPLIT_MIN_K")
+        envs.configure_kernels()
+    assert fk.gemv_config(4096, 4096, 132, 16).split_k == 4
+
+
 def test_the_fp8_gemv_rows_come_from_the_environment(monkeypatch):
     from sluice.core import envs
 

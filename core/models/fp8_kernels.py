@@ -54,6 +54,11 @@ AMAX_ELEMENTS = 4096
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 _F32_MAX = tl.constexpr(F32_MAX)
 _gemv_rows = GEMV_ROWS
+# The fewest K elements of one split-K range (`set_split_min_k` moves it). At one row on an H100 the o projection
+# of Llama-3-8B (N = K = 4096) took 7.8 us split in 4 against 11.0 us in 2, its ranges then 1024 long, the other
+# projections' splits the same under either bound (`scripts/gpu_fp8_check.py kernels --sweep`, docs/benchmarks.md).
+SPLIT_MIN_K = 1024
+_split_min_k = SPLIT_MIN_K
 
 
 def set_gemv_rows(rows: int | None) -> None:
@@ -64,6 +69,12 @@ def set_gemv_rows(rows: int | None) -> None:
 
 def gemv_rows() -> int:
     return _gemv_rows
+
+
+def set_split_min_k(k: int | None) -> None:
+    """The fewest K elements of a split-K range (None: `SPLIT_MIN_K`; ``SLUICE_FP8_GEMV_SPLIT_MIN_K``)."""
+    global _split_min_k
+    _split_min_k = SPLIT_MIN_K if k is None else k
 
 
 @triton.jit
@@ -237,14 +248,18 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-@functools.cache
 def gemv_config(n: int, k: int, sms: int, bm: int) -> Fp8GemvConfig:
-    """Tiles of 64 output rows by 256 bytes of K; K split (in ranges of at least 2048) while the grid stays
-    within ~2 programs per SM. A 64-row tile of x takes 128-byte steps (shared memory). Row tiles up to
+    """Tiles of 64 output rows by 256 bytes of K; K split (in ranges of at least `SPLIT_MIN_K`) while the grid
+    stays within ~2 programs per SM. A 64-row tile of x takes 128-byte steps (shared memory). Row tiles up to
     `DOT_FP8_MAX_BLOCK_M` multiply fp8 operands."""
+    return _gemv_config(n, k, sms, bm, _split_min_k)
+
+
+@functools.cache
+def _gemv_config(n: int, k: int, sms: int, bm: int, split_min_k: int) -> Fp8GemvConfig:
     tiles = triton.cdiv(n, 64)
     split = 1
-    while split < 8 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= 2048:
+    while split < 8 and tiles * split * 2 <= 2 * sms and k // (split * 2) >= split_min_k:
         split *= 2
     return Fp8GemvConfig(64, 128 if bm >= 64 else 256, split, dot=2 if bm <= DOT_FP8_MAX_BLOCK_M else 1)
 
