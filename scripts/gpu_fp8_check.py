@@ -299,7 +299,9 @@ def _generate(ns: argparse.Namespace, prompts, logprobs: bool, **options):
     from sluice.app.bench.common import release_device_memory
     from sluice.core import LLM, SamplingParams
 
-    llm = LLM(model=ns.model, device=ns.device, max_model_len=ns.max_prompt_len + ns.tokens + 8, **options)
+    llm = LLM(
+        model=ns.model, device=ns.device, dtype=ns.dtype, max_model_len=ns.max_prompt_len + ns.tokens + 8, **options
+    )
     try:
         params = SamplingParams(max_tokens=ns.tokens, temperature=0, ignore_eos=True, logprobs=2 if logprobs else None)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -352,6 +354,7 @@ def main() -> int:
     k.add_argument("--out", required=True)
     a = sub.add_parser("agree")
     a.add_argument("--model", default="smollm2-135m-instruct")
+    a.add_argument("--dtype", default="auto", help="both engines' model dtype (auto: fp32 on the CPU, bf16 on a GPU)")
     a.add_argument("--device", default="auto")
     a.add_argument("--variant", choices=sorted(VARIANTS), default="fp8")
     a.add_argument("--data", default="sharegpt", help="'sharegpt' or a JSON list of conversations")
