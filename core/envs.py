@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     SLUICE_SUBMIT_CHUNK: int = 64
     SLUICE_FP8_WEIGHT_SCALE: str | None = None
     SLUICE_FP8_DENSE_LAST_LAYERS: int | None = None
+    SLUICE_FP8_LM_HEAD: bool | None = None
     SLUICE_GRAMMAR_THREADS: int | None = None
 
 
@@ -205,6 +206,11 @@ environment_variables: dict[str, Variable] = {
         "How many of the last decoder layers --quantization fp8 keeps in the model's dtype (unset: 1, "
         "core/models/fp8_recipe.py; 0 makes every layer fp8).",
     ),
+    "SLUICE_FP8_LM_HEAD": Variable(
+        _tristate("SLUICE_FP8_LM_HEAD"),
+        "1: --quantization fp8 makes the LM head fp8 too (unset or 0: it stays in the model's dtype; never with "
+        "a draft head; core/models/fp8_recipe.py).",
+    ),
     "SLUICE_GRAMMAR_THREADS": Variable(
         _int("SLUICE_GRAMMAR_THREADS", None),
         "llguidance's threads for a step's grammar masks and token advances (unset: the usable cores less two, "
@@ -252,7 +258,11 @@ def configure_kernels() -> None:
 
     cpu_linear.configure(vnni=__getattr__("SLUICE_CPU_VNNI"))
     pdl.configure(enabled=__getattr__("SLUICE_PDL"))
-    fp8_recipe.configure(__getattr__("SLUICE_FP8_WEIGHT_SCALE"), __getattr__("SLUICE_FP8_DENSE_LAST_LAYERS"))
+    fp8_recipe.configure(
+        __getattr__("SLUICE_FP8_WEIGHT_SCALE"),
+        __getattr__("SLUICE_FP8_DENSE_LAST_LAYERS"),
+        __getattr__("SLUICE_FP8_LM_HEAD"),
+    )
     gemv.configure(rows=__getattr__("SLUICE_GEMV_ROWS"), folds=__getattr__("SLUICE_GEMV_FOLD"))
     fp8_kernels.set_gemv_rows(__getattr__("SLUICE_FP8_GEMV_ROWS"))
     fp8_kernels.set_split_min_k(__getattr__("SLUICE_FP8_GEMV_SPLIT_MIN_K"))

@@ -54,6 +54,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_GEMV_FOLD": frozenset(),
         "SLUICE_FP8_WEIGHT_SCALE": None,
         "SLUICE_FP8_DENSE_LAST_LAYERS": None,
+        "SLUICE_FP8_LM_HEAD": None,
         "SLUICE_GRAMMAR_THREADS": None,
     }
     assert {n: getattr(envs, n) for n in defaults} == defaults
@@ -74,6 +75,7 @@ def test_each_variable_with_its_default_and_its_parsing(clean_env):
         "SLUICE_GEMV_FOLD": (" norm, silu,", frozenset({"norm", "silu"})),
         "SLUICE_FP8_WEIGHT_SCALE": ("max", "max"),
         "SLUICE_FP8_DENSE_LAST_LAYERS": ("0", 0),
+        "SLUICE_FP8_LM_HEAD": ("1", True),
         "SLUICE_GRAMMAR_THREADS": ("4", 4),
     }
     for n, (raw, value) in set_to.items():

@@ -63,3 +63,27 @@ def test_the_process_recipe_comes_from_the_environment(monkeypatch):
     with fp8_recipe.recipe_as(Fp8Recipe("max", 2)):
         assert fp8_recipe.recipe() == Fp8Recipe("max", 2)
     assert fp8_recipe.recipe() == Fp8Recipe()
+
+
+def test_the_lm_head_is_fp8_only_where_the_recipe_asks_and_no_draft_head_reads_it(monkeypatch):
+    from sluice.core import envs
+    from sluice.core.models.quant import quantize_model
+
+    with fp8_recipe.recipe_as(Fp8Recipe(dense_last_layers=0, lm_head=True)):
+        model = _model()
+        assert quantize_model(model, "fp8") == {"fp8": 4, "dense": 0}
+        assert type(model.lm_head) is Fp8Linear
+        speculating = _model()  # the engine passes include_lm_head=False with a draft head
+        assert quantize_model(speculating, "fp8", include_lm_head=False) == {"fp8": 3, "dense": 0}
+        assert type(speculating.lm_head) is nn.Linear
+    model = _model()
+    quantize_model(model, "fp8")  # the default recipe: the head stays dense
+    assert type(model.lm_head) is nn.Linear
+    monkeypatch.setenv("SLUICE_FP8_LM_HEAD", "1")
+    try:
+        envs.configure_kernels()
+        assert fp8_recipe.recipe().lm_head
+    finally:
+        monkeypatch.delenv("SLUICE_FP8_LM_HEAD")
+        fp8_recipe.configure(lm_head=False)
+    assert fp8_recipe.recipe() == Fp8Recipe()

@@ -17,7 +17,8 @@ rounding on a 135M model, not int4 from 16-bit weights, and has no bound. ``fp8`
 output channel, activations per token, the LM head dense; on the CPU the same numerics emulated) and
 ``fp8+fp8-kv`` (both; reported without a bound of its own); ``fp8`` is `core/models/fp8_recipe.py`'s recipe
 (amax / 448 weight scales, the last decoder layer dense), ``fp8-all`` the one before it (every layer fp8), for
-before and after in one run; ``fp8-mse-all`` and ``fp8-mse-lastdense`` the same two with the mse weight scales.
+before and after in one run; ``fp8-mse-all`` and ``fp8-mse-lastdense`` the same two with the mse weight scales;
+``fp8-head`` the recipe with the LM head fp8 too.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ VARIANTS = {
     "fp8+fp8-kv": Variant({"quantization": "fp8", "kv_cache_dtype": "fp8"}),
     # the recipe before the dense last layer (every layer fp8), for a side-by-side run
     "fp8-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "max", "dense_last_layers": 0}),
+    # the recipe with the LM head fp8 too (`SLUICE_FP8_LM_HEAD=1`)
+    "fp8-head": Variant({"quantization": "fp8"}, fp8_recipe={"lm_head": True}),
     # the mse weight scales, with every layer fp8 / the last one dense
     "fp8-mse-all": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 0}),
     "fp8-mse-lastdense": Variant({"quantization": "fp8"}, fp8_recipe={"weight_scale": "mse", "dense_last_layers": 1}),
@@ -194,7 +197,8 @@ def load_runner(args, source, max_model_len: int, variant: Variant):
 
 def fp8_layers(model) -> dict[str, Any] | None:
     """How the model's linear layers were quantized to fp8: the weight scale rule(s), and how many linear layers
-    are fp8 and how many dense (the LM head not counted); None without fp8 layers."""
+    are fp8 (the LM head too, where the recipe made it fp8) and how many dense (a dense LM head not counted); None
+    without fp8 layers."""
     from sluice.core.models.fp8_linear import Fp8Linear
     from torch import nn
 

@@ -22,8 +22,8 @@ dequantized weight in fp32; so CPU tests and the CPU perplexity bench measure th
 What is made fp8 is `core/models/fp8_recipe.py`'s: every linear layer but the last decoder layer's (why there).
 The LM head and the embedding stay in the model's dtype: the embedding is a lookup, not a matmul, and the head's
 logits are what sampling sees directly (a relative error of a few 1e-3 per logit moves greedy picks at near-ties
-with nothing after it to average the error out); its weight is ~6% of an 8B model's bytes (`quantize_model`'s
-``include_lm_head`` quantizes it for measurement).
+with nothing after it to average the error out); its weight is ~6% of an 8B model's bytes (the recipe's
+``lm_head``, ``SLUICE_FP8_LM_HEAD=1``, makes it fp8 too).
 """
 
 from __future__ import annotations

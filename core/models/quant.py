@@ -214,14 +214,16 @@ def quantize_model(
     requantize: bool = True,
 ) -> dict[str, int]:
     """Replace the model's linear layers by `QuantizedLinear` (module doc), or by `Fp8Linear` for ``fp8`` (its
-    LM head stays dense: `core/models/fp8_linear.py`); returns counts by origin. ``requantize=False`` (int4 from a
-    GGUF only): a layer the file holds no Q4_1 blocks for stays dense rather than being rounded to int4 here."""
+    LM head only where the fp8 recipe asks for it, `core/models/fp8_recipe.py`); returns counts by origin.
+    ``requantize=False`` (int4 from a GGUF only): a layer the file holds no Q4_1 blocks for stays dense rather than
+    being rounded to int4 here."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: must be one of {QUANTIZATION_METHODS}, got {method!r}")
     if method == "fp8":
+        from sluice.core.models import fp8_recipe
         from sluice.core.models.fp8_linear import quantize_model_fp8
 
-        return quantize_model_fp8(model)
+        return quantize_model_fp8(model, include_lm_head=include_lm_head and fp8_recipe.recipe().lm_head)
     from sluice.core.models.quant_kernels import GemvTuner
 
     gguf = Q4_1Tensors(gguf_file, model.config) if method == "int4" and gguf_file else None
