@@ -87,3 +87,18 @@ def test_the_lm_head_is_fp8_only_where_the_recipe_asks_and_no_draft_head_reads_i
         monkeypatch.delenv("SLUICE_FP8_LM_HEAD")
         fp8_recipe.configure(lm_head=False)
     assert fp8_recipe.recipe() == Fp8Recipe()
+
+
+def test_a_tied_head_gets_an_fp8_copy_of_the_embedding_table():
+    model = _model()
+    model.lm_head = None  # tied, as the default model's: the logits are the hidden states times the table
+    model.model.embed_tokens = nn.Embedding(8, 16)
+    table = model.model.embed_tokens.weight.detach().clone()
+    with fp8_recipe.recipe_as(Fp8Recipe(lm_head=True)):
+        assert quantize_model_fp8(model, include_lm_head=True) == {"fp8": 3, "dense": 1}
+    head = model.lm_head
+    assert type(head) is Fp8Linear and (head.out_features, head.in_features) == (8, 16)
+    assert torch.equal(model.model.embed_tokens.weight, table)  # lookups read the table as it was
+    x = torch.randn(3, 16)
+    ref = x @ table.t()
+    assert (head(x) - ref).norm() < 0.05 * ref.norm()  # e4m3's rounding of x and of the table, no more

@@ -131,9 +131,10 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def quantize_model_fp8(model: nn.Module, include_lm_head: bool = False, recipe: Fp8Recipe | None = None) -> dict:
-    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``: module doc) but the
-    ones ``recipe`` keeps dense (`fp8_recipe`; None: the process's) by `Fp8Linear` with the recipe's weight
-    scales, one at a time (each dense weight is freed as its replacement goes in). Under tensor parallelism
+    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``, from the embedding table
+    where the head is tied to it: module doc) but the ones ``recipe`` keeps dense (`fp8_recipe`; None: the
+    process's) by `Fp8Linear` with the recipe's weight scales, one at a time (each dense weight is freed as its
+    replacement goes in). Under tensor parallelism
     (``model.tp``) a column-parallel shard holds whole rows, so its scales are the single process's; a row-parallel
     one (o, down) holds part of each row, and its rows' statistics are combined over every rank's part
     (all-reduces at load), so its scales are too. Returns counts."""
@@ -152,7 +153,11 @@ def quantize_model_fp8(model: nn.Module, include_lm_head: bool = False, recipe: 
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, attr, Fp8Linear.from_linear(lin, recipe.weight_scale, reduce))
         del lin
-    return {"fp8": len(targets), "dense": len(linears) - len(targets)}
+    tied = include_lm_head and getattr(model, "lm_head", False) is None  # the head is the embedding table
+    if tied:  # an fp8 copy of the table for the head (lookups keep the table), as `cpu_linear.quantize_tied_head`
+        q, s = quantize_weight(model.model.embed_tokens.weight.detach(), recipe.weight_scale)
+        model.lm_head = Fp8Linear(q, s, None, recipe.weight_scale)
+    return {"fp8": len(targets) + tied, "dense": len(linears) - len(targets)}
 
 
 def across_ranks(tp) -> Reduce:
