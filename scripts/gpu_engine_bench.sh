@@ -555,15 +555,18 @@ if agree.is_file():
           f"{a['tokens']} tokens ({a['near-tie']} part at a near-tie, {a['diverged']} wider)")
 PY
     ;;
-fp8-agree)  # issue 39 (~2 min, after stage1-3): greedy agreement with bf16 of fp8 weights, then of the fp8 KV cache
+fp8-agree)  # issue 39 (~3 min, after stage1-3): every fp8 GPU path checked at the default model's shapes too (K = 576),
+    # then greedy agreement with bf16 of fp8 weights, and of the fp8 KV cache
     pyx
+    run fp8_kernels_small 150 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py kernels --small --no-bench --out "$OUT/fp8_kernels_small.json"
+    [ -n "${DRY:-}" ] || grep -E "correctness|kernels:" "$OUT/fp8_kernels_small.log"
     fp8_agree fp8
     fp8_agree fp8-kv
     ;;
 fp8-split)  # issue 39 (~4 min): the fp8 kernels' check, then fp8 batch 1 with split-K ranges of at least 1024 (the
     # default) and of 2048 (SLUICE_FP8_GEMV_SPLIT_MIN_K=2048, the rule before), alternating twice
     pyx
-    run fp8_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py kernels --out "$OUT/fp8_kernels.json"
+    run fp8_kernels 240 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py kernels --small --out "$OUT/fp8_kernels.json"
     for i in 1 2; do
         lat_b1 lat_b1_fp8_split1024_$i "" "--quantization fp8"
         lat_b1 lat_b1_fp8_split2048_$i "env SLUICE_FP8_GEMV_SPLIT_MIN_K=2048" "--quantization fp8"
@@ -576,7 +579,7 @@ fp8-b1|probe-fp8)  # issue 39: the fp8 kernels' check (batch 1's bandwidth per p
     P="env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python"
     sweep=""
     [ "$1" = probe-fp8 ] && sweep=--sweep
-    run fp8_kernels 300 $P scripts/gpu_fp8_check.py kernels $sweep --out "$OUT/fp8_kernels.json"
+    run fp8_kernels 300 $P scripts/gpu_fp8_check.py kernels --small $sweep --out "$OUT/fp8_kernels.json"
     lat_b1 lat_b1_bf16
     lat_b1 lat_b1_fp8 "" "--quantization fp8"
     [ "$1" = probe-fp8 ] && run profile_fp8 180 $P scripts/gpu_engine_check.py profile --quantization fp8 --batch-sizes 1 8 --prefills 1x128 --out "$OUT/profile_fp8.json"
