@@ -18,7 +18,7 @@ layer's linear weights at 16 bits instead of 8, 1/L of the decoder's linear byte
 ``lm_head``: the LM head in fp8 too (off by default: `fp8_linear`'s module doc says why it stays dense). It is
 ~6% of Llama-3-8B's bf16 bytes and half of that in fp8, so a batch-1 step reads ~3% fewer bytes with it; a model
 whose head is tied to its embedding keeps the table for lookups beside the head's fp8 copy. Never with a draft head
-(speculation reads the target's head weight).
+(speculation reads the target's head weight). Its cost in perplexity on the default model: docs/benchmarks.md.
 
 The process keeps one recipe (`configure`, from `core/envs.py`'s ``SLUICE_FP8_*`` at start-up); a benchmark puts
 another in force while it loads one model (`recipe_as`).
