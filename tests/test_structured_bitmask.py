@@ -97,22 +97,3 @@ def test_the_kernel_reads_a_mask_in_pinned_host_memory(dtype):
     got = logits.to(DEVICE)
     apply_token_bitmask_(got, bitmask.pin_memory(), rows.pin_memory())  # the engine's buffers: no copy
     assert torch.equal(got.cpu(), want)
-
-
-def test_empty_rows_are_the_rows_without_a_bit_wherever_their_bits_lie():
-    import numpy as np
-    from sluice.core.structured.matchers import empty_rows
-
-    rng = np.random.default_rng(0)
-    words = rng.integers(-(2**31), 2**31, size=(40, 1537), dtype=np.int64).astype(np.int32)
-    words[[3, 17, 39]] = 0  # empty
-    words[5] = 0
-    words[5, 1536] = np.int32(-(2**31))  # only the last id (its sign bit) allowed
-    words[8] = 0
-    words[8, 32] = 1  # only the first id past the screened words
-    words[11, :32] = 0  # the screened words empty, the rest random
-    words[20] = 0
-    words[20, 0] = 1  # only id 0
-    assert empty_rows(words).tolist() == [3, 17, 39]
-    assert empty_rows(words[:0]).tolist() == []
-    assert empty_rows(words[[1, 2]]).tolist() == []

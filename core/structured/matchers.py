@@ -206,7 +206,8 @@ class GrammarRows:
         if plain:
             plain.sort(key=itemgetter(0))  # each family's rows together (`starts.py`)
             self.backend.fill_bitmasks([(m, i) for _, m, i in plain], host)
-        for i in empty_rows(host[:c]).tolist():
+        # rows that allow no token (an unsigned max: a reduction numpy vectorizes, unlike ``any`` along rows)
+        for i in np.flatnonzero(host[:c].view(np.uint32).max(axis=1) == 0).tolist():
             m = self._matcher(req_ids[i])
             self._fail(req_ids[i], f"no token can continue the output ({_first_line(m.error) if m else 'failed'})")
             host[i] = -1
@@ -236,20 +237,6 @@ class GrammarRows:
             torch.zeros(n, dtype=torch.int64, pin_memory=pin),
         )
         return self._buffers
-
-
-# The words of a row `empty_rows` reads first: the vocabulary's lowest 1,024 ids
-_SCREEN_WORDS = 32
-
-
-def empty_rows(words: np.ndarray) -> np.ndarray:
-    """Indices of the rows of bitmask ``words`` (int32 ``[C, W]``) with no bit set: rows whose first words (the
-    lowest ids: bytes, punctuation, short pieces, which nearly every allowed set has one of) are all zero, then of
-    those the ones zero throughout: a step's rows are not each read whole. An unsigned max: a reduction numpy
-    vectorizes, unlike ``any`` along rows."""
-    u = words.view(np.uint32)
-    suspects = np.flatnonzero(u[:, :_SCREEN_WORDS].max(axis=1) == 0)
-    return suspects[u[suspects].max(axis=1) == 0] if suspects.size else suspects
 
 
 def _first_line(error: str | None) -> str:
