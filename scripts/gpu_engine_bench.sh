@@ -138,11 +138,12 @@ moe_b1() {  # one MoE dummy's batch 1 (128/128) and its weight-read floor (the a
 }
 fp8_agree() {  # greedy agreement of variant $1 (gpu_fp8_check.py's VARIANTS) with bf16 on the real default model:
     # 32 held-out prompts x 64 tokens (the GGUF from stage1-3, heldout.json from .stage/g3)
-    local G=$HOME/stage/smollm2-135m-instruct.gguf D=$HOME/stage/heldout.json name=${1/fp8/fp8_agree}
+    local G=$HOME/stage/smollm2-135m-instruct.gguf D=$HOME/stage/heldout.json name=fp8_agree${1#fp8}
+    name=${name//-/_}  # fp8 -> fp8_agree, fp8-kv -> fp8_agree_kv
     [ -f .stage/g3/heldout.json ] && D=.stage/g3/heldout.json
     if [ -f "$G" ] && [ -f "$D" ]; then
-        run ${name/-/_} 150 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py agree --variant $1 --model "$G" --data "$D" --num-prompts 32 --tokens 64 --out "$OUT/${name/-/_}.json"
-        [ -n "${DRY:-}" ] || grep -E "^agreement|Error" "$OUT/${name/-/_}.log"
+        run $name 150 env PYTHONPATH=$(scripts/namespace_path.sh):$HOME/pyx python scripts/gpu_fp8_check.py agree --variant $1 --model "$G" --data "$D" --num-prompts 32 --tokens 64 --out "$OUT/$name.json"
+        [ -n "${DRY:-}" ] || grep -E "^agreement|Error" "$OUT/$name.log"
     else
         echo "fp8 agreement skipped: $G or $D missing (run stage1, stage2, stage3 first)"
     fi

@@ -131,15 +131,17 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def quantize_model_fp8(model: nn.Module, include_lm_head: bool = False, recipe: Fp8Recipe | None = None) -> dict:
-    """Replace the model's ``nn.Linear`` layers (the LM head only with ``include_lm_head``, from the embedding table
-    where the head is tied to it: module doc) but the ones ``recipe`` keeps dense (`fp8_recipe`; None: the
-    process's) by `Fp8Linear` with the recipe's weight scales, one at a time (each dense weight is freed as its
-    replacement goes in). Under tensor parallelism (``model.tp``) a column-parallel shard holds whole rows, so its
-    scales are the single process's; a row-parallel one (o, down) holds part of each row, and its rows' statistics
-    are combined over every rank's part (all-reduces at load), so its scales are too; a tied head's table is
-    sharded by vocabulary rows, so its copy is too. Returns counts."""
+    """Replace the model's ``nn.Linear`` layers (the LM head where ``recipe`` asks for it and ``include_lm_head``
+    allows it, i.e. no draft head reads it; from the embedding table where the head is tied to it: module doc) but
+    the ones ``recipe`` keeps dense (`fp8_recipe`; None: the process's) by `Fp8Linear` with the recipe's weight
+    scales, one at a time (each dense weight is freed as its replacement goes in). Under tensor parallelism
+    (``model.tp``) a column-parallel shard holds whole rows, so its scales are the single process's; a row-parallel
+    one (o, down) holds part of each row, and its rows' statistics are combined over every rank's part (all-reduces
+    at load), so its scales are too; a tied head's table is sharded by vocabulary rows, so its copy is too. Returns
+    counts."""
     tp = getattr(model, "tp", None)
     recipe = recipe or fp8_recipe.recipe()
+    include_lm_head = include_lm_head and recipe.lm_head
     linears = [
         name
         for name, mod in model.named_modules()

@@ -220,10 +220,9 @@ def quantize_model(
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: must be one of {QUANTIZATION_METHODS}, got {method!r}")
     if method == "fp8":
-        from sluice.core.models import fp8_recipe
         from sluice.core.models.fp8_linear import quantize_model_fp8
 
-        return quantize_model_fp8(model, include_lm_head=include_lm_head and fp8_recipe.recipe().lm_head)
+        return quantize_model_fp8(model, include_lm_head=include_lm_head)
     from sluice.core.models.quant_kernels import GemvTuner
 
     gguf = Q4_1Tensors(gguf_file, model.config) if method == "int4" and gguf_file else None
